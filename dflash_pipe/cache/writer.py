@@ -1,0 +1,225 @@
+"""Shard writer: rows -> one Parquet file, committed atomically, hashed while it is written.
+
+A shard becomes visible in three steps, each crash-safe:
+  1. rows are written to ``.shard-...parquet.tmp-<pid>-<rand>`` (invisible to readers);
+  2. the temp file is fsynced and renamed onto ``shard-...parquet``;
+  3. its sidecar ``shard-...json`` (rows, tokens, bytes, sha256, stats) is written atomically.
+A shard counts as committed only once its sidecar exists and matches the file's size, so a
+SIGKILL anywhere leaves either nothing or a file that the next run redoes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ..errors import RuntimeFailure, ValidationError
+from ..io_utils import _os_error, fsync_dir, temp_path_for
+from .schema import MAX_VALUE_BYTES, arrow_schema, column_names, parquet_write_options
+
+
+@dataclass
+class EncodedRow:
+    """One document, ready to be written (feature values already compressed by the codec)."""
+
+    sample_id: str
+    doc_index: int
+    input_ids: np.ndarray  # int32 [T]
+    loss_mask: np.ndarray  # uint8 [T]
+    hidden: dict  # column -> bytes | uint8 ndarray
+    topk_ids: bytes | None = None
+    topk_logprobs: bytes | None = None
+    raw_feature_bytes: int = 0  # uncompressed bf16 feature bytes (row-group sizing, stats)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+@dataclass
+class ShardInfo:
+    path: str  # relative to the cache dir
+    index: int
+    rows: int
+    tokens: int
+    supervised_tokens: int
+    bytes: int
+    sha256: str
+    row_groups: int
+    raw_feature_bytes: int
+    doc_indices_sha256: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+class _HashingFile:
+    """Write-only file object that sha256-hashes what passes through (no re-read at commit)."""
+
+    def __init__(self, path: Path):
+        self._f = open(path, "wb")
+        self._h = hashlib.sha256()
+        self._n = 0
+        self.closed = False
+
+    def write(self, data) -> int:
+        mv = memoryview(data)
+        self._f.write(mv)
+        self._h.update(mv)
+        self._n += mv.nbytes
+        return mv.nbytes
+
+    def tell(self) -> int:
+        return self._n
+
+    def flush(self) -> None:
+        self._f.flush()
+
+    def fsync_close(self) -> None:
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+        self.closed = True
+
+    def close(self) -> None:
+        if not self.closed:
+            self._f.close()
+            self.closed = True
+
+    @property
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return False
+
+
+def _binary_column(values: list) -> pa.Array:
+    """Concatenate row values into one large_binary array (one copy, no per-row Python objects)."""
+    arrays = [np.frombuffer(v, dtype=np.uint8) if not isinstance(v, np.ndarray) else v.reshape(-1).view(np.uint8)
+              for v in values]
+    offsets = np.zeros(len(arrays) + 1, dtype=np.int64)
+    np.cumsum([a.size for a in arrays], out=offsets[1:])
+    data = np.concatenate(arrays) if arrays else np.zeros(0, np.uint8)
+    return pa.LargeBinaryArray.from_buffers(pa.large_binary(), len(arrays),
+                                            [None, pa.py_buffer(offsets), pa.py_buffer(data)])
+
+
+class ShardWriter:
+    def __init__(self, cache_dir: str | Path, name: str, index: int, codec: str, topk: int, meta: dict,
+                 row_group_bytes: int = 64 << 20):
+        self.cache_dir = Path(cache_dir)
+        self.final_path = self.cache_dir / name
+        self.index = index
+        self.codec, self.topk = codec, topk
+        self.columns = column_names(codec, topk)
+        self.schema = arrow_schema(codec, topk, meta)
+        self.row_group_bytes = row_group_bytes
+        self.tmp_path = temp_path_for(self.final_path)
+        self._pending: list[EncodedRow] = []
+        self._pending_bytes = 0
+        self.rows = self.tokens = self.supervised = self.row_groups = self.raw_bytes = 0
+        self._doc_hash = hashlib.sha256()
+        try:
+            self._file = _HashingFile(self.tmp_path)
+            self._writer = pq.ParquetWriter(self._file, self.schema, **parquet_write_options(self.columns))
+        except OSError as exc:
+            raise _os_error(exc, self.tmp_path, "creating") from exc
+
+    def add(self, row: EncodedRow) -> None:
+        for col, v in row.hidden.items():
+            if len(memoryview(v).cast("B")) > MAX_VALUE_BYTES:
+                raise ValidationError(
+                    f"document {row.sample_id}: column {col} would be {len(memoryview(v))} bytes, over Parquet's "
+                    f"2 GiB value limit", "lower --max-length or capture fewer layers")
+        self._pending.append(row)
+        self._pending_bytes += row.raw_feature_bytes
+        if self._pending_bytes >= self.row_group_bytes:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        rows = self._pending
+        cols = {
+            "sample_id": pa.array([r.sample_id for r in rows], pa.string()),
+            "doc_index": pa.array([r.doc_index for r in rows], pa.int64()),
+            "num_tokens": pa.array([r.num_tokens for r in rows], pa.int32()),
+            "input_ids": _binary_column([r.input_ids.astype("<i4", copy=False) for r in rows]),
+            "loss_mask": _binary_column([r.loss_mask.astype(np.uint8, copy=False) for r in rows]),
+        }
+        for col in self.columns:
+            if col.startswith("hidden_"):
+                cols[col] = _binary_column([r.hidden[col] for r in rows])
+        if self.topk > 0:
+            cols["topk_ids"] = _binary_column([r.topk_ids for r in rows])
+            cols["topk_logprobs"] = _binary_column([r.topk_logprobs for r in rows])
+        table = pa.Table.from_arrays([cols[c] for c in self.columns], schema=self.schema)
+        try:
+            self._writer.write_table(table, row_group_size=len(rows))
+        except OSError as exc:
+            raise _os_error(exc, self.tmp_path, "writing") from exc
+        for r in rows:
+            self.rows += 1
+            self.tokens += r.num_tokens
+            self.supervised += int(r.loss_mask.sum())
+            self.raw_bytes += r.raw_feature_bytes
+            self._doc_hash.update(f"{r.doc_index}:{r.sample_id}\n".encode())
+        self.row_groups += 1
+        self._pending, self._pending_bytes = [], 0
+
+    def commit(self) -> ShardInfo:
+        """Flush, fsync, rename onto the final name. The caller then writes the sidecar."""
+        try:
+            self._flush()
+            self._writer.close()
+            self._file.fsync_close()
+            size = self.tmp_path.stat().st_size
+            os.replace(self.tmp_path, self.final_path)
+            fsync_dir(self.cache_dir)
+        except OSError as exc:
+            self.abort()
+            raise _os_error(exc, self.final_path, "committing") from exc
+        except BaseException:
+            self.abort()
+            raise
+        return ShardInfo(path=self.final_path.name, index=self.index, rows=self.rows, tokens=self.tokens,
+                         supervised_tokens=self.supervised, bytes=size, sha256=self._file.hexdigest,
+                         row_groups=self.row_groups, raw_feature_bytes=self.raw_bytes,
+                         doc_indices_sha256=self._doc_hash.hexdigest())
+
+    def abort(self) -> None:
+        try:
+            self._writer.close()
+        except Exception:  # noqa: BLE001 - already failing; the temp file is removed below
+            pass
+        self._file.close()
+        self.tmp_path.unlink(missing_ok=True)
+
+
+def check_row_budget(num_tokens: int, width: int) -> None:
+    if num_tokens * width * 2 > MAX_VALUE_BYTES:
+        raise RuntimeFailure(f"a {num_tokens}-token document at width {width} exceeds the 2 GiB value limit")
+
+
+def make_row(sample_id: str, doc_index: int, input_ids: np.ndarray, loss_mask: np.ndarray, enc_hidden,
+             topk_ids=None, topk_logprobs=None) -> EncodedRow:
+    """Compress one document's planes (CPU tensors) into a writable row. Runs in the worker pool."""
+    from .codec import compress_hidden, encode_split
+
+    return EncodedRow(
+        sample_id=sample_id, doc_index=doc_index,
+        input_ids=np.ascontiguousarray(input_ids, dtype=np.int32),
+        loss_mask=np.ascontiguousarray(loss_mask, dtype=np.uint8),
+        hidden=compress_hidden(enc_hidden),
+        topk_ids=None if topk_ids is None else encode_split(topk_ids),
+        topk_logprobs=None if topk_logprobs is None else encode_split(topk_logprobs),
+        raw_feature_bytes=enc_hidden.num_tokens * enc_hidden.width * 2,
+    )

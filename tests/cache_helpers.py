@@ -1,0 +1,63 @@
+"""Build small synthetic caches for tests (no target model needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dflash_pipe.cache import (encode_hidden, init_or_check_spec, make_spec, shard_name, try_finalize,
+                               write_sidecar)
+from dflash_pipe.cache.schema import shard_meta
+from dflash_pipe.cache.writer import ShardWriter, make_row
+
+
+def heavy_tailed(T: int, D: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, D, generator=g) / torch.rand(T, D, generator=g).clamp_min(0.05) ** 0.5
+    x[:, 3] *= 300.0  # a massive-activation channel, as real residual streams have
+    return x.to(torch.bfloat16)
+
+
+def make_docs(num_docs: int, width: int, seed: int = 0, topk: int = 4, min_len: int = 5, max_len: int = 40,
+              vocab: int = 1000):
+    rng = np.random.default_rng(seed)
+    docs = []
+    for i in range(num_docs):
+        T = int(rng.integers(min_len, max_len))
+        ids = rng.integers(0, vocab, size=T).astype(np.int32)
+        mask = (rng.random(T) < 0.7).astype(np.uint8)
+        hidden = heavy_tailed(T, width, seed * 1000 + i)
+        tk_ids = torch.from_numpy(rng.integers(0, vocab, size=(T, topk)).astype(np.int32)) if topk else None
+        tk_lp = (-torch.rand(T, topk) * 10).to(torch.float16) if topk else None
+        docs.append(dict(sample_id=f"s{i}", doc_index=i, input_ids=ids, loss_mask=mask, hidden=hidden,
+                         topk_ids=tk_ids, topk_logprobs=tk_lp))
+    return docs
+
+
+def fields_for(width: int, num_layers: int, codec: str, topk: int, tag: str = "t") -> dict:
+    return {"target": tag, "width": width, "num_layers": num_layers, "codec": codec, "topk": topk}
+
+
+def write_cache(cache_dir: Path, docs, width: int, num_layers: int, codec: str = "lossless", topk: int = 4,
+                num_shards: int = 2, row_group_bytes: int = 2000, fingerprint_fields: dict | None = None,
+                finalize: bool = True) -> dict:
+    fields = fingerprint_fields or fields_for(width, num_layers, codec, topk)
+    spec = make_spec(fields, target={"hidden_size": width // num_layers},
+                     features={"width": width, "num_layers": num_layers, "codec": codec, "topk": topk,
+                               "layer_ids": list(range(num_layers))},
+                     num_shards=num_shards, extra={})
+    init_or_check_spec(cache_dir, spec)
+    for s in range(num_shards):
+        w = ShardWriter(cache_dir, shard_name(s, num_shards), s, codec, topk,
+                        shard_meta(codec, topk, width, num_layers, spec["fingerprint"]), row_group_bytes)
+        for d in docs[s::num_shards]:
+            enc = encode_hidden(d["hidden"], codec, num_layers)
+            w.add(make_row(d["sample_id"], d["doc_index"], d["input_ids"], d["loss_mask"], enc,
+                           d["topk_ids"], d["topk_logprobs"]))
+        info = w.commit()
+        write_sidecar(cache_dir, spec, info, {"docs": info.rows})
+    if finalize:
+        try_finalize(cache_dir, spec)
+    return spec
