@@ -306,3 +306,34 @@ def parse_shard_subset(spec: str, num_shards: int) -> list[int]:
         raise UsageError(f"flag --shards: shard {bad[0]} is outside 0..{num_shards - 1}",
                          "raise --num-shards or fix the subset")
     return sorted(out)
+
+
+def normalize(cfg: RunConfig) -> RunConfig:
+    """Resolve shorthands and check rules that involve several fields (errors name the flag)."""
+    ex, tr, dr = cfg.extract, cfg.train, cfg.drafter
+    if ex.shards.strip().isdigit():  # `--shards 8` is shorthand for --num-shards 8
+        ex.num_shards, ex.shards = int(ex.shards), ""
+    checks = [
+        (ex.num_shards >= 1, "--num-shards must be >= 1"),
+        (ex.max_length >= 2, "--max-length must be >= 2"),
+        (ex.token_budget >= ex.max_length, f"--token-budget ({ex.token_budget}) must be >= --max-length "
+                                           f"({ex.max_length}): a document must fit in one packed forward"),
+        (ex.topk >= 0, "--topk must be >= 0"),
+        (ex.row_group_mb >= 1, "--row-group-mb must be >= 1"),
+        (ex.num_target_layers >= 1, "--num-target-layers must be >= 1"),
+        (dr.block_size >= 2, "--drafter-block-size must be >= 2"),
+        (dr.num_layers >= 1, "--drafter-num-layers must be >= 1"),
+        (tr.num_anchors >= 1, "--num-anchors must be >= 1"),
+        (tr.context_tokens >= 2, "--context-tokens must be >= 2"),
+        (tr.lr > 0, "--lr must be > 0"),
+        (0 <= tr.warmup_frac < 1, "--warmup-frac must be in [0, 1)"),
+        (0 <= tr.kd_weight <= 1, "--kd-weight must be in [0, 1]"),
+        (tr.loss_chunk_tokens >= 1, "--loss-chunk-tokens must be >= 1"),
+        (tr.epochs >= 1 or tr.max_steps > 0, "--epochs must be >= 1 (or set --max-steps)"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise UsageError(f"{cfg.source}: {message}")
+    if ex.shards:
+        parse_shard_subset(ex.shards, ex.num_shards)
+    return cfg

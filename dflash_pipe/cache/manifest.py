@@ -142,6 +142,13 @@ def try_finalize(cache_dir: str | Path, spec: dict) -> dict | None:
                               for k in ("rows", "tokens", "supervised_tokens", "bytes", "raw_feature_bytes")}
     totals["compression_ratio"] = totals["bytes"] / max(1, totals["raw_feature_bytes"])
     stats = merge_stats([e.get("stats", {}) for e in entries])
+    # every shard's pass reads the whole input, so reader-level counts are the same in each sidecar
+    if "data_reader" in entries[0].get("stats", {}):
+        stats["data_reader"] = entries[0]["stats"]["data_reader"]
+    rms = stats.get("feature_rms", {})
+    if rms:
+        stats["feature_rms_mean"] = {k.replace("_rms_x_tokens", ""): v / max(1, totals["tokens"])
+                                     for k, v in rms.items()}
     manifest = {**spec, "complete": True, "layer_convention": LAYER_CONVENTION,
                 "shards": [{k: e[k] for k in ("path", "index", "rows", "tokens", "supervised_tokens", "bytes",
                                               "sha256", "row_groups", "raw_feature_bytes", "doc_indices_sha256")}

@@ -1,0 +1,148 @@
+"""`dflash-pipe` command line. Each command is a thin shell over one stage module.
+
+Exit codes: 0 ok, 2 usage (bad flag/manifest key), 3 validation (cache/config mismatch, corrupt
+data), 4 runtime failure, 130 interrupted. See errors.py.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from .cli_options import config_command
+from .config import RunConfig
+from .errors import DFlashError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  rich_markup_mode=None, help="Train DFlash drafters from an offline target-feature cache.")
+cache_app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None, help="Inspect and verify a feature cache.")
+app.add_typer(cache_app, name="cache")
+
+
+def _echo_json(obj) -> None:
+    typer.echo(json.dumps(obj, indent=2, sort_keys=True, default=str))
+
+
+@config_command(app, "extract", own=("extract",), others=("target", "data"))
+def extract_cmd(cfg: RunConfig):
+    """Stage 1: run the target once and write hidden states + top-k log-probs to a sharded Parquet cache."""
+    from .extract.pipeline import run_extract
+
+    s = run_extract(cfg)
+    typer.echo(f"extract: cache {s.cache_dir} ({s.status}); shards written {s.shards_done}, "
+               f"already committed {s.shards_skipped}; {s.tokens} tokens in {s.seconds:.1f}s"
+               + (f" = {s.tokens / s.seconds:,.0f} tok/s" if s.seconds else ""))
+    if s.shards_done:
+        typer.echo(f"extract: bottleneck: {s.bottleneck}")
+    typer.echo("extract: manifest.json " + ("written, cache complete" if s.complete else
+                                            "not yet written (other shards are still missing)"))
+
+
+@config_command(app, "train", own=("train",), others=("drafter",))
+def train_cmd(cfg: RunConfig):
+    """Stage 2: train a DFlash drafter on a feature cache (torchrun for data parallel)."""
+    from .train.trainer import run_train
+
+    run_train(cfg)
+
+
+@config_command(app, "plan", own=(), others=("target", "data", "extract", "drafter", "train"))
+def plan_cmd(cfg: RunConfig):
+    """Print what a pipeline run would do, on which devices, and whether stage 1 is needed."""
+    from .plan import make_plan
+
+    typer.echo(make_plan(cfg).describe())
+
+
+@config_command(app, "eval", own=("eval",), others=("target", "train"))
+def eval_cmd(cfg: RunConfig):
+    """Real greedy speculative decoding with target + drafter (and a prompt-lookup baseline)."""
+    from .eval.runner import run_eval
+
+    run_eval(cfg)
+
+
+@config_command(app, "regenerate", own=("data",), others=("target",))
+def regenerate_cmd(cfg: RunConfig, output: Path = typer.Option(..., "--output", "-o",
+                                                                help="JSONL file of regenerated conversations."),
+                   max_new_tokens: int = typer.Option(512, help="Tokens generated per response."),
+                   batch_size: int = typer.Option(16, help="Prompts generated together."),
+                   device: str = typer.Option("auto", help="'auto', 'cpu' or 'cuda'.")):
+    """Regenerate the assistant turns with the target itself (drafters must learn the target's outputs)."""
+    from .eval.regenerate import run_regenerate
+
+    run_regenerate(cfg, output, max_new_tokens=max_new_tokens, batch_size=batch_size, device=device)
+
+
+@app.command("export")
+def export_cmd(checkpoint: Path = typer.Argument(..., help="Training output dir or one checkpoint dir."),
+               output: Path = typer.Option(..., "--output", "-o", help="Export directory (config.json + model.safetensors).")):
+    """Write a trained drafter in the z-lab format that vLLM and SGLang load."""
+    from .train.exporting import export_checkpoint
+
+    typer.echo(f"exported to {export_checkpoint(checkpoint, output)}")
+
+
+@cache_app.command("info")
+def cache_info(cache_dir: Path = typer.Argument(..., help="Cache directory.")):
+    """Print the manifest summary (fingerprint fields, features, totals)."""
+    from .cache import load_manifest
+
+    man = load_manifest(cache_dir)
+    _echo_json({k: man[k] for k in ("fingerprint", "fingerprint_fields", "features", "num_shards", "totals",
+                                    "tool_version") if k in man}
+               | {"data_stats": man.get("stats", {}).get("data_reader"),
+                  "feature_rms_mean": man.get("stats", {}).get("feature_rms_mean"),
+                  "fp8_error": man.get("stats", {}).get("fp8_error")})
+
+
+@cache_app.command("verify")
+def cache_verify(cache_dir: Path = typer.Argument(..., help="Cache directory."),
+                 checksums: bool = typer.Option(True, "--checksums/--no-checksums", help="sha256 every shard."),
+                 decode: bool = typer.Option(False, help="Decode every row (page CRCs, zstd frames)."),
+                 recompute: int = typer.Option(0, help="Rerun K random samples through a plain HF forward and compare."),
+                 device: str = typer.Option("auto", help="Device for --recompute.")):
+    """Check a cache against its manifest; exit 3 naming every damaged, missing or foreign shard."""
+    from .cache import verify_cache
+
+    report = verify_cache(cache_dir, checksums=checksums, decode=decode)
+    if recompute:
+        from .extract.recompute import recompute_check
+
+        report["recompute"] = recompute_check(cache_dir, recompute, device)
+    _echo_json(report)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    logging.basicConfig(level=os.environ.get("DFLASH_LOG", "INFO"), format="%(asctime)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    try:
+        app(args=argv, prog_name="dflash-pipe", standalone_mode=False)
+    except DFlashError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        typer.echo("interrupted: committed shards/checkpoints are kept; rerun the same command to resume", err=True)
+        sys.exit(130)
+    except Exception as exc:  # click's own exceptions (typer may vendor click, so match by shape)
+        name = type(exc).__name__
+        if name == "Abort":
+            typer.echo("interrupted", err=True)
+            sys.exit(130)
+        if name == "Exit":
+            sys.exit(getattr(exc, "exit_code", 0))
+        if hasattr(exc, "show") and hasattr(exc, "exit_code"):
+            exc.show()
+            sys.exit(2 if "Usage" in name or "Option" in name or "Parameter" in name or "NoArgs" in name
+                     else exc.exit_code)
+        raise
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""Process-group and device plumbing shared by both stages (torchrun or a single process).
+
+Under torchrun every rank reads RANK / WORLD_SIZE / LOCAL_RANK. Each rank gets its own Triton
+and TorchInductor cache directory on local disk: FLA's Triton autotuner is not safe to share
+between processes, and a half-written shared cache is a known source of corrupted kernels.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import tempfile
+from dataclasses import dataclass
+
+import torch
+
+from .errors import UsageError
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @classmethod
+    def from_env(cls) -> "DistInfo":
+        return cls(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
+                   int(os.environ.get("LOCAL_RANK", 0)))
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def set_rank_cache_dirs(info: DistInfo, stage: str) -> None:
+    """Per-rank TRITON_CACHE_DIR / TORCHINDUCTOR_CACHE_DIR unless the user set them."""
+    base = os.environ.get("DFLASH_LOCAL_CACHE", os.path.join(tempfile.gettempdir(), "dflash-pipe-kernels"))
+    for var, sub in (("TRITON_CACHE_DIR", "triton"), ("TORCHINDUCTOR_CACHE_DIR", "inductor")):
+        if var not in os.environ:
+            path = os.path.join(base, f"{stage}-rank{info.rank}", sub)
+            os.makedirs(path, exist_ok=True)
+            os.environ[var] = path
+
+
+def pick_device(spec: str, info: DistInfo) -> torch.device:
+    """'auto' -> the local rank's GPU if there is one, else CPU. Refuses 'cuda' without a GPU."""
+    if spec == "auto":
+        spec = "cuda" if torch.cuda.is_available() else "cpu"
+    if spec.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise UsageError(f"device '{spec}' was requested but no CUDA GPU is visible",
+                             "use --device cpu, or check CUDA_VISIBLE_DEVICES")
+        if spec == "cuda":
+            spec = f"cuda:{info.local_rank % torch.cuda.device_count()}"
+        dev = torch.device(spec)
+        torch.cuda.set_device(dev)
+        return dev
+    if spec != "cpu":
+        raise UsageError(f"unknown device '{spec}'", "use auto, cpu, cuda or cuda:N")
+    return torch.device("cpu")
+
+
+def init_process_group(info: DistInfo, device: torch.device, timeout_s: float = 1800) -> bool:
+    """Initialise torch.distributed when world > 1 (NCCL on GPU, gloo on CPU). Returns whether it did."""
+    import torch.distributed as dist
+
+    if info.world <= 1 or dist.is_initialized():
+        return dist.is_initialized()
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    kwargs = {"device_id": device} if backend == "nccl" else {}
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    return True
+
+
+def barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def destroy() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()

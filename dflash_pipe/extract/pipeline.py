@@ -1,0 +1,245 @@
+"""Stage 1: run the target once over the data and write the feature cache.
+
+Order of work (every rank):
+  1. pick the device, load the target, resolve layer ids, compute the fingerprint;
+  2. rank 0 creates or checks ``cache_spec.json`` (a different fingerprint is refused) and writes
+     the frozen ``target_head.safetensors`` (embeddings + lm_head, all stage 2 needs of the target);
+  3. each rank takes every world-th shard of the requested subset and skips committed ones;
+  4. per shard: stream its conversations, tokenize, pack up to the token budget, forward, hand
+     the features to the host pipeline (copy / compress / write overlapped), commit, sidecar;
+  5. every rank tries to finalize ``manifest.json`` (idempotent; done once all shards exist).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..cache import init_or_check_spec, make_spec, shard_name, try_finalize, write_sidecar
+from ..cache.codec import FP8, encode_hidden, fp8_error
+from ..cache.manifest import LAYER_CONVENTION, committed_shards
+from ..cache.schema import shard_meta
+from ..cache.writer import ShardWriter
+from ..config import RunConfig, parse_shard_subset, write_resolved
+from ..data.sources import dataset_fingerprint, load_conversations
+from ..data.stats import DataStats
+from ..data.tokenize import ConversationTokenizer, iter_shard
+from ..dist import DistInfo, barrier, init_process_group, pick_device, set_rank_cache_dirs
+from ..io_utils import remove_stale_temps
+from ..progress import progress_bar
+from .fingerprint import fingerprint_fields, resolve_target_dtype
+from .host_pipeline import DocJob, HostPipeline
+from .sanity import feature_stats, layer_rms_summary
+
+log = logging.getLogger("dflash_pipe.extract")
+HEAD_FILE = "target_head.safetensors"
+
+
+@dataclass
+class ShardSummary:
+    index: int
+    docs: int
+    tokens: int
+    seconds: float
+    gpu_blocked_s: float
+    writer_idle_s: float
+    compress_s: float
+
+
+@dataclass
+class ExtractSummary:
+    cache_dir: str
+    status: str
+    shards_done: list[int] = field(default_factory=list)
+    shards_skipped: list[int] = field(default_factory=list)
+    tokens: int = 0
+    seconds: float = 0.0
+    gpu_blocked_s: float = 0.0
+    complete: bool = False
+    kernel_paths: dict = field(default_factory=dict)
+
+    @property
+    def bottleneck(self) -> str:
+        if self.seconds <= 0:
+            return "n/a"
+        share = self.gpu_blocked_s / self.seconds
+        return (f"host side (compression/disk): the target waited {share:.0%} of the time" if share > 0.05 else
+                f"target forward (the host side kept up; the target waited {share:.1%} of the time)")
+
+
+def target_summary(bundle, layer_ids: list[int]) -> dict:
+    cfg = bundle.config
+    keys = ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size", "rms_norm_eps",
+            "vocab_size", "head_dim", "rope_theta", "max_position_embeddings", "tie_word_embeddings")
+    text_cfg = {k: getattr(cfg, k) for k in keys if getattr(cfg, k, None) is not None}
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    if "rope_theta" not in text_cfg and isinstance(rope, dict) and "rope_theta" in rope:
+        text_cfg["rope_theta"] = rope["rope_theta"]
+    tok = bundle.tokenizer
+    return {"model": bundle.identity.get("model_id"), "model_dir": str(bundle.model_dir) if bundle.model_dir else None,
+            "family": bundle.family, "architecture": bundle.identity.get("architecture"),
+            "num_layers": bundle.num_layers, "hidden_size": bundle.hidden_size, "vocab_size": bundle.vocab_size,
+            "config": text_cfg, "identity": bundle.identity, "tokenizer_len": len(tok),
+            "eos_token_id": tok.eos_token_id, "layer_ids": layer_ids}
+
+
+def _owned_shards(cfg: RunConfig, info: DistInfo) -> list[int]:
+    subset = parse_shard_subset(cfg.extract.shards, cfg.extract.num_shards)
+    return [s for j, s in enumerate(subset) if j % info.world == info.rank]
+
+
+def run_extract(cfg: RunConfig) -> ExtractSummary:
+    from ..target.layers import default_target_layer_ids, validate_layer_ids
+    from ..target.loading import load_target, save_embeddings_and_head
+    from ..target.runner import TargetRunner
+
+    info = DistInfo.from_env()
+    set_rank_cache_dirs(info, "extract")
+    device = pick_device(cfg.extract.device, info)
+    init_process_group(info, device)
+    dtype = resolve_target_dtype(cfg.target.dtype, device)
+    t = cfg.target
+    bundle = load_target(t.model, device=device, dtype=dtype, revision=t.revision,
+                         trust_remote_code=t.trust_remote_code, seed=t.seed, model_cache_dir=t.model_cache_dir,
+                         attn_implementation=t.attn_implementation)
+    ex = cfg.extract
+    layer_ids = validate_layer_ids(ex.layer_ids or default_target_layer_ids(ex.num_target_layers, bundle.num_layers),
+                                   bundle.num_layers)
+    data_fp = dataset_fingerprint(cfg.data.source, cfg.data.format, cfg.data.skip_samples, cfg.data.max_samples)
+    fields = fingerprint_fields(cfg, bundle.identity, layer_ids, data_fp, dtype)
+    width = len(layer_ids) * bundle.hidden_size
+    features = {"layer_ids": layer_ids, "layer_convention": LAYER_CONVENTION, "hidden_size": bundle.hidden_size,
+                "num_layers": len(layer_ids), "width": width, "dtype": "bfloat16", "codec": ex.codec,
+                "layout": "channel-major", "topk": ex.topk, "topk_dtype": "float16", "head_file": HEAD_FILE}
+    spec = make_spec(fields, target_summary(bundle, layer_ids), features, ex.num_shards,
+                     {"data": {"source": cfg.data.source, "format": cfg.data.format,
+                               "skip_samples": cfg.data.skip_samples, "max_samples": cfg.data.max_samples},
+                      "extract": {"max_length": ex.max_length, "token_budget": ex.token_budget}})
+    cache_dir = Path(ex.cache_dir)
+    status = "match"
+    if info.is_main:
+        status = init_or_check_spec(cache_dir, spec, overwrite=ex.overwrite)
+        remove_stale_temps(cache_dir)
+        if not (cache_dir / HEAD_FILE).exists():
+            save_embeddings_and_head(bundle, cache_dir / HEAD_FILE)
+        write_resolved(cfg, cache_dir)
+    barrier()
+    if not info.is_main:
+        init_or_check_spec(cache_dir, spec, overwrite=False)
+    summary = ExtractSummary(str(cache_dir), status)
+    committed = committed_shards(cache_dir, spec)
+    mine = _owned_shards(cfg, info)
+    todo = [s for s in mine if s not in committed]
+    summary.shards_skipped = [s for s in mine if s in committed]
+    if todo:
+        runner = TargetRunner(bundle, layer_ids, topk=ex.topk, linear_attn_kernels=t.linear_attn_kernels)
+        summary.kernel_paths = getattr(runner, "kernel_paths", {})
+        total_docs = _count_docs(cfg, todo)
+        bar = progress_bar(total_docs, f"extract rank {info.rank}", unit="doc", enabled=info.is_main)
+        t0 = time.perf_counter()
+        for s in todo:
+            shard = _extract_shard(cfg, spec, runner, bundle.tokenizer, s, device, layer_ids, bar)
+            summary.shards_done.append(s)
+            summary.tokens += shard.tokens
+            summary.gpu_blocked_s += shard.gpu_blocked_s
+            log.info("rank %d: shard %d committed: %d docs, %d tokens in %.1fs", info.rank, s, shard.docs,
+                     shard.tokens, shard.seconds)
+        summary.seconds = time.perf_counter() - t0
+        bar.close()
+    barrier()
+    summary.complete = try_finalize(cache_dir, spec) is not None
+    return summary
+
+
+def _count_docs(cfg: RunConfig, shards: list[int]) -> int:
+    """Selected conversations in these shards (for the progress bar's ETA; no tokenization)."""
+    d = cfg.data
+    n = sum(1 for _ in load_conversations(d.source, d.format, False, DataStats(), d.skip_samples, d.max_samples))
+    return sum(len(range(s, n, cfg.extract.num_shards)) for s in shards)
+
+
+def _compress_workers(cfg: RunConfig) -> int:
+    if cfg.extract.compress_workers > 0:
+        return cfg.extract.compress_workers
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
+    per_rank = cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    return max(1, per_rank // 2)
+
+
+def _extract_shard(cfg: RunConfig, spec: dict, runner, tokenizer, shard: int, device: torch.device,
+                   layer_ids: list[int], bar) -> ShardSummary:
+    ex, d = cfg.extract, cfg.data
+    num_layers = len(layer_ids)
+    reader_stats, tok_stats = DataStats(), DataStats()
+    convs = load_conversations(d.source, d.format, d.strict, reader_stats, d.skip_samples, d.max_samples)
+    ctok = ConversationTokenizer(tokenizer, ex.max_length)
+    width = spec["features"]["width"]
+    writer = ShardWriter(ex.cache_dir, shard_name(shard, ex.num_shards), shard, ex.codec, ex.topk,
+                         shard_meta(ex.codec, ex.topk, width, num_layers, spec["fingerprint"]), ex.row_group_mb << 20)
+    host = HostPipeline(writer, _compress_workers(cfg), ex.queue_batches, device, layer_ids, ex.sanity_check)
+    fp8_err = {"rel_l2_sum": 0.0, "rel_l2_max": 0.0, "cos_min": 1.0, "tokens": 0}
+    t0 = time.perf_counter()
+    tokens = 0
+
+    def run_pack(pack):
+        nonlocal tokens
+        lens = [s.num_tokens for _, s in pack]
+        ids = torch.from_numpy(np.concatenate([s.input_ids for _, s in pack])).to(device, torch.long)
+        out = runner.run(ids, lens)
+        stats = feature_stats(out.hidden_TD, lens, num_layers)
+        jobs, off = [], 0
+        for (idx, s), T in zip(pack, lens):
+            h = out.hidden_TD[off:off + T]
+            enc = encode_hidden(h, ex.codec, num_layers)
+            if ex.codec == FP8:
+                e = fp8_error(h, enc, num_layers)
+                fp8_err["rel_l2_sum"] += e["rel_l2_sum"]
+                fp8_err["tokens"] += e["tokens"]
+                fp8_err["rel_l2_max"] = max(fp8_err["rel_l2_max"], e["rel_l2_max"])
+                fp8_err["cos_min"] = min(fp8_err["cos_min"], e["cos_min"])
+            tk_ids = out.topk_ids_TK[off:off + T] if out.topk_ids_TK is not None else None
+            tk_lp = out.topk_logprobs_TK[off:off + T] if out.topk_logprobs_TK is not None else None
+            jobs.append(DocJob(s.sample_id, idx, s.input_ids, s.loss_mask, enc, tk_ids, tk_lp))
+            off += T
+        host.submit(jobs, stats)
+        tokens += sum(lens)
+        bar.update(len(pack), tokens=sum(lens))
+
+    try:
+        pack, pack_tokens = [], 0
+        for idx, conv in iter_shard(convs, shard, ex.num_shards):
+            sample = ctok(conv, tok_stats, d.strict)
+            if sample is None:
+                continue
+            if pack and pack_tokens + sample.num_tokens > ex.token_budget:
+                run_pack(pack)
+                pack, pack_tokens = [], 0
+            pack.append((idx, sample))
+            pack_tokens += sample.num_tokens
+        if pack:
+            run_pack(pack)
+        timers = host.close()
+        info = writer.commit()
+    except BaseException:
+        host.abort()
+        writer.abort()
+        raise
+    rms = {}
+    if timers.stats_rows:
+        lens = [n for n, _ in timers.stats_rows]
+        rms = layer_rms_summary(torch.stack([s for _, s in timers.stats_rows]), lens, layer_ids)
+    seconds = time.perf_counter() - t0
+    stats = {"data_reader": reader_stats.to_dict(), "data_tokenizer": tok_stats.to_dict(), "feature_rms": rms,
+             "timing": {"seconds": seconds, "gpu_blocked_s": timers.gpu_blocked_s,
+                        "writer_idle_s": timers.writer_idle_s, "compress_s": timers.compress_s}}
+    if ex.codec == FP8:
+        stats["fp8_error"] = fp8_err
+    write_sidecar(ex.cache_dir, spec, info, stats)
+    return ShardSummary(shard, info.rows, info.tokens, seconds, timers.gpu_blocked_s, timers.writer_idle_s,
+                        timers.compress_s)
