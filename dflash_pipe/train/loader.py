@@ -1,0 +1,269 @@
+"""Streaming loader: cache metadata -> deterministic schedule -> fixed-shape batches, prefetched.
+
+Every batch has the same shapes (context_tokens, num_anchors, block_size), so compiled code never
+sees a new shape. Features stay as compressed planes until a decode thread writes them straight
+into the batch's (pinned) plane buffer; the trainer turns planes into bf16 on the GPU.
+The loader's position is (epoch, step): resuming rebuilds the schedule and continues at that step.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict, deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+
+from ..cache import load_manifest, load_spec
+from ..cache.codec import FP8, decode_split, planes_shape
+from ..cache.manifest import MANIFEST_FILE, committed_shards
+from ..cache.reader import ShardReader
+from ..errors import CacheError
+from .anchors import IGNORE, block_labels, sample_anchors
+from .schedule import DocRef, EpochSchedule, batch_rng, build_epoch_schedule
+
+log = logging.getLogger("dflash_pipe.loader")
+
+
+@dataclass
+class TrainBatch:
+    epoch: int
+    step: int
+    planes: torch.Tensor  # uint8 [2, D, S] (lossless) or [D, S] (fp8)
+    scale: torch.Tensor | None  # fp8: float32 [S, n_layers]
+    input_ids_S: torch.Tensor  # int64
+    ctx_doc_S: torch.Tensor  # int32, -1 = padding
+    ctx_pos_S: torch.Tensor  # int64, position inside its document
+    anchor_index_N: torch.Tensor  # int64, packed context index of each anchor (0 for padding blocks)
+    block_doc_N: torch.Tensor  # int32, -1 for padding blocks
+    block_valid_N: torch.Tensor  # bool
+    labels_NB: torch.Tensor  # int64, -100 = ignore
+    anchor_tokens_N: torch.Tensor  # int64
+    topk_ids_SK: torch.Tensor | None
+    topk_logprobs_SK: torch.Tensor | None
+    num_docs: int
+    tokens: int  # real (non-padding) context tokens
+    anchors_available: int  # anchors eligible before capping at num_anchors
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in self.__dict__.items() if isinstance(v, torch.Tensor)}
+
+
+class CacheIndex:
+    """What the trainer knows about a cache: spec, which shards exist, document lengths."""
+
+    def __init__(self, cache_dir: str | Path, follow: bool = False):
+        self.cache_dir = Path(cache_dir)
+        self.follow = follow
+        self.spec = load_spec(self.cache_dir)
+        if self.spec is None:
+            raise CacheError(f"{self.cache_dir}: no cache_spec.json (not a dflash-pipe cache)",
+                             "run `dflash-pipe extract` first or fix --cache-dir")
+        self.features = self.spec["features"]
+        self.lengths: dict[int, list[list[int]]] = {}
+        self.paths: dict[int, Path] = {}
+        self.final = False
+        self._readers: dict[int, ShardReader] = {}
+        self._lock = threading.Lock()
+
+    def refresh(self) -> bool:
+        """Pick up newly committed shards. Returns whether the data is final (manifest written)."""
+        if (self.cache_dir / MANIFEST_FILE).exists():
+            man = load_manifest(self.cache_dir)
+            if man["fingerprint"] != self.spec["fingerprint"]:
+                raise CacheError(f"{self.cache_dir}: manifest and cache_spec.json disagree on the fingerprint")
+            shards = {e["index"]: Path(e["abs_path"]) for e in man["shards"]}
+            self.final = True
+        elif self.follow:
+            done = committed_shards(self.cache_dir, self.spec)
+            prefix = 0
+            while prefix in done:  # only a prefix keeps the schedule stable as shards arrive
+                prefix += 1
+            shards = {i: self.cache_dir / done[i]["path"] for i in range(prefix)}
+        else:
+            raise CacheError(f"{self.cache_dir}: no {MANIFEST_FILE}: extraction has not finished",
+                             "wait for `dflash-pipe extract` to finish (or rerun it to resume), or pass --follow")
+        for i, path in sorted(shards.items()):
+            if i not in self.lengths:
+                self.lengths[i] = self._read_lengths(path)
+                self.paths[i] = path
+        return self.final
+
+    def _read_lengths(self, path: Path) -> list[list[int]]:
+        reader = ShardReader(path, expect_fingerprint=self.spec["fingerprint"])
+        col = pq.read_table(path, columns=["num_tokens"]).column("num_tokens").to_numpy()
+        out, start = [], 0
+        for rg in range(reader.num_row_groups):
+            n = reader.row_group_rows(rg)
+            out.append([int(x) for x in col[start:start + n]])
+            start += n
+        return out
+
+    def reader(self, shard: int) -> ShardReader:
+        with self._lock:
+            if shard not in self._readers:
+                self._readers[shard] = ShardReader(self.paths[shard], expect_fingerprint=self.spec["fingerprint"])
+            return self._readers[shard]
+
+
+class RowGroupCache:
+    """A few recently read row groups (consecutive batches draw from the same ones)."""
+
+    def __init__(self, index: CacheIndex, capacity: int = 8):
+        self.index, self.capacity = index, capacity
+        self._items: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()
+
+    def rows(self, shard: int, rg: int):
+        key = (shard, rg)
+        with self._lock:
+            if key in self._items:
+                self._items.move_to_end(key)
+                return self._items[key]
+        rows = self.index.reader(shard).read_row_group(rg)
+        with self._lock:
+            self._items[key] = rows
+            while len(self._items) > self.capacity:
+                self._items.popitem(last=False)
+        return rows
+
+
+class BatchLoader:
+    def __init__(self, index: CacheIndex, *, rank: int, world: int, seed: int, context_tokens: int,
+                 num_anchors: int, max_anchors_per_doc: int, block_size: int, shuffle_rows: int,
+                 workers: int, want_topk: bool, pin_memory: bool, follow_poll_s: float = 2.0, prefetch: int = 2):
+        self.index = index
+        self.rank, self.world, self.seed = rank, world, seed
+        self.S, self.N, self.B = context_tokens, num_anchors, block_size
+        self.max_per_doc = max_anchors_per_doc
+        self.shuffle_rows = shuffle_rows
+        self.want_topk = want_topk and index.features.get("topk", 0) > 0
+        self.pin = pin_memory
+        self.poll_s = follow_poll_s
+        self.prefetch = max(1, prefetch)
+        self.pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="dflash-decode")
+        self.producer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-batch")
+        self.rg_cache = RowGroupCache(index)
+        self.codec = index.features["codec"]
+        self.width = index.features["width"]
+        self.num_layers = index.features["num_layers"]
+        self.decode_s = 0.0
+
+    # ------------------------------------------------------------------ schedule
+    def schedule(self, epoch: int, follow_first_epoch: bool) -> EpochSchedule:
+        final = self.index.refresh()
+        return build_epoch_schedule(self.index.lengths, self.world, self.seed, epoch, self.S, self.shuffle_rows,
+                                    follow_first_epoch=follow_first_epoch, final=final)
+
+    def wait_for_step(self, epoch: int, step: int, follow_first_epoch: bool) -> EpochSchedule | None:
+        """Schedule that contains `step`, waiting for extraction in follow mode; None = epoch over."""
+        while True:
+            sched = self.schedule(epoch, follow_first_epoch)
+            if step < sched.steps:
+                return sched
+            if sched.final:
+                return None
+            time.sleep(self.poll_s)
+
+    # ------------------------------------------------------------------ batches
+    def iterate(self, epoch: int, start_step: int, follow_first_epoch: bool = False):
+        """Yield TrainBatch for steps start_step.. of this epoch, `prefetch` batches ahead."""
+        step = start_step
+        pending: deque = deque()
+        sched = self.schedule(epoch, follow_first_epoch)
+        while True:
+            while len(pending) < self.prefetch and step < sched.steps:
+                pending.append(self.producer.submit(self.assemble, sched.batch(self.rank, step), epoch, step))
+                step += 1
+            if not pending:
+                if sched.final:
+                    return
+                sched = self.wait_for_step(epoch, step, follow_first_epoch)
+                if sched is None:
+                    return
+                continue
+            yield pending.popleft().result()
+            if step >= sched.steps and not sched.final:
+                sched = self.schedule(epoch, follow_first_epoch)
+
+    def _empty(self, shape, dtype):
+        return torch.zeros(shape, dtype=dtype, pin_memory=self.pin)
+
+    def assemble(self, docs: list[DocRef], epoch: int, step: int) -> TrainBatch:
+        t0 = time.perf_counter()
+        S, N, B = self.S, self.N, self.B
+        planes = self._empty(planes_shape(self.codec, self.width, S), torch.uint8)
+        scale = self._empty((S, self.num_layers), torch.float32) if self.codec == FP8 else None
+        input_ids = np.zeros(S, np.int64)
+        ctx_doc = np.full(S, -1, np.int32)
+        ctx_pos = np.zeros(S, np.int64)
+        topk = self.index.features.get("topk", 0)
+        tk_ids = np.zeros((S, topk), np.int32) if self.want_topk else None
+        tk_lp = np.full((S, topk), -np.inf, np.float16) if self.want_topk else None
+        rng = batch_rng(self.seed, epoch, self.rank, step)
+        rows, offsets, off = [], [], 0
+        for d in docs:
+            row = self.rg_cache.rows(d.shard, d.row_group)[d.row]
+            rows.append(row)
+            offsets.append(off)
+            off += d.num_tokens
+        futures = [self.pool.submit(self._decode_doc, row, d.num_tokens, o, planes, scale, tk_ids, tk_lp)
+                   for row, d, o in zip(rows, docs, offsets)]
+        anchors, labels, block_doc, available = [], [], [], 0
+        for j, (row, d, o) in enumerate(zip(rows, docs, offsets)):
+            T = d.num_tokens
+            ids = row.input_ids[:T].numpy()
+            mask = row.loss_mask[:T].numpy()
+            input_ids[o:o + T] = ids
+            ctx_doc[o:o + T] = j
+            ctx_pos[o:o + T] = np.arange(T)
+            a = sample_anchors(mask, self.max_per_doc, rng)
+            available += a.size
+            anchors.append(a + o)
+            labels.append(block_labels(ids, mask, a, B))
+            block_doc.append(np.full(a.size, j, np.int32))
+        anchor_index = np.concatenate(anchors) if anchors else np.zeros(0, np.int64)
+        lab = np.concatenate(labels) if labels else np.zeros((0, B), np.int64)
+        bdoc = np.concatenate(block_doc) if block_doc else np.zeros(0, np.int32)
+        if anchor_index.size > N:  # keep N anchors uniformly at random, in context order
+            keep = np.sort(rng.choice(anchor_index.size, size=N, replace=False))
+            anchor_index, lab, bdoc = anchor_index[keep], lab[keep], bdoc[keep]
+        n_real = anchor_index.size
+        pad = N - n_real
+        anchor_index = np.concatenate([anchor_index, np.zeros(pad, np.int64)])
+        lab = np.concatenate([lab, np.full((pad, B), IGNORE, np.int64)])
+        bdoc = np.concatenate([bdoc, np.full(pad, -1, np.int32)])
+        valid = np.arange(N) < n_real
+        for f in futures:
+            f.result()
+        self.decode_s += time.perf_counter() - t0
+        t = torch.from_numpy
+        return TrainBatch(epoch, step, planes, scale, t(input_ids), t(ctx_doc), t(ctx_pos), t(anchor_index),
+                          t(bdoc), t(valid), t(lab), t(input_ids[anchor_index]),
+                          None if tk_ids is None else t(tk_ids), None if tk_lp is None else t(tk_lp),
+                          len(docs), off, available)
+
+    def _decode_doc(self, row, T: int, offset: int, planes, scale, tk_ids, tk_lp) -> None:
+        if T == row.num_tokens:
+            row.decode_into(planes, scale, offset)
+        else:  # document cut to the context budget: decode whole, copy the head
+            tmp = torch.empty(planes_shape(self.codec, self.width, row.num_tokens), dtype=torch.uint8)
+            tmp_scale = torch.empty(row.num_tokens, self.num_layers) if scale is not None else None
+            row.decode_into(tmp, tmp_scale, 0)
+            planes[..., offset:offset + T] = tmp[..., :T]
+            if scale is not None:
+                scale[offset:offset + T] = tmp_scale[:T]
+        if tk_ids is not None:
+            ids, lps = row.teacher_topk()
+            tk_ids[offset:offset + T] = ids[:T].numpy()
+            tk_lp[offset:offset + T] = lps[:T].numpy()
+
+    def close(self) -> None:
+        self.producer.shutdown(wait=True, cancel_futures=True)
+        self.pool.shutdown(wait=True, cancel_futures=True)

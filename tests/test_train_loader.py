@@ -1,0 +1,110 @@
+"""Anchors, labels, the epoch schedule and the streaming loader, against independent references."""
+
+import numpy as np
+import pytest
+import torch
+
+from dflash_pipe.cache.codec import planes_to_hidden
+from dflash_pipe.train.anchors import IGNORE, block_labels, eligible_anchors, sample_anchors
+from dflash_pipe.train.loader import BatchLoader, CacheIndex
+from dflash_pipe.train.schedule import build_epoch_schedule
+from tests.cache_helpers import make_docs, write_cache
+
+
+def test_eligible_anchors_and_labels_match_loop_reference():
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        T, B = int(rng.integers(2, 40)), int(rng.integers(2, 9))
+        mask = (rng.random(T) < 0.6).astype(np.uint8)
+        ids = rng.integers(0, 100, T)
+        ref = [t for t in range(T - 1) if mask[t] and mask[t + 1]]
+        assert eligible_anchors(mask).tolist() == ref
+        got = block_labels(ids, mask, np.array(ref, dtype=np.int64), B)
+        for i, a in enumerate(ref):
+            for k in range(B):
+                want = ids[a + k] if (k > 0 and a + k < T and mask[a + k]) else IGNORE
+                assert got[i, k] == want
+
+
+def test_sample_anchors_caps_without_replacement_and_sorted():
+    mask = np.ones(200, np.uint8)
+    a = sample_anchors(mask, 17, np.random.default_rng(1))
+    assert a.size == 17 and len(set(a.tolist())) == 17 and np.all(np.diff(a) > 0) and a.max() < 199
+
+
+def _lengths(seed, shards=3, rgs=4):
+    rng = np.random.default_rng(seed)
+    return {s: [list(rng.integers(1, 60, rng.integers(1, 6))) for _ in range(rgs)] for s in range(shards)}
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_schedule_covers_every_document_once(world):
+    lengths = _lengths(0)
+    sched = build_epoch_schedule(lengths, world, seed=5, epoch=0, context_tokens=100, shuffle_rows=4)
+    seen = [(d.shard, d.row_group, d.row) for r in range(world) for b in sched.per_rank[r] for d in b]
+    expected = [(s, rg, row) for s in lengths for rg in range(len(lengths[s])) for row in range(len(lengths[s][rg]))]
+    assert sorted(seen) == sorted(expected) and len(seen) == len(set(seen))
+    for r in range(world):
+        for b in sched.per_rank[r]:
+            assert sum(d.num_tokens for d in b) <= 100
+    assert sched.dropped_batches == sum(len(b) for b in sched.per_rank) - world * sched.steps
+
+
+def test_schedule_is_deterministic_and_epoch_dependent():
+    lengths = _lengths(1)
+    a = build_epoch_schedule(lengths, 2, 5, 0, 100, 4)
+    b = build_epoch_schedule(lengths, 2, 5, 0, 100, 4)
+    c = build_epoch_schedule(lengths, 2, 5, 1, 100, 4)
+    assert a.per_rank == b.per_rank and a.per_rank != c.per_rank
+
+
+def test_follow_schedule_is_prefix_stable_as_shards_arrive():
+    lengths = _lengths(2, shards=4)
+    full = build_epoch_schedule(lengths, 2, 3, 0, 90, 3, follow_first_epoch=True, final=True)
+    for k in range(1, 4):
+        part = build_epoch_schedule({s: lengths[s] for s in range(k)}, 2, 3, 0, 90, 3, follow_first_epoch=True,
+                                    final=False)
+        for r in range(2):
+            assert full.per_rank[r][:len(part.per_rank[r])] == part.per_rank[r]
+
+
+@pytest.mark.parametrize("codec", ["lossless", "fp8"])
+def test_loader_batches_equal_per_document_decode(tmp_path, codec):
+    W, NL = 24, 2
+    docs = make_docs(14, W, seed=3, min_len=3, max_len=30)
+    write_cache(tmp_path, docs, W, NL, codec=codec, num_shards=2, row_group_bytes=3000)
+    by_id = {d["doc_index"]: d for d in docs}
+    index = CacheIndex(tmp_path)
+    loader = BatchLoader(index, rank=0, world=1, seed=0, context_tokens=64, num_anchors=12, max_anchors_per_doc=4,
+                         block_size=4, shuffle_rows=3, workers=2, want_topk=True, pin_memory=False)
+    seen = set()
+    for batch in loader.iterate(epoch=0, start_step=0):
+        hidden = planes_to_hidden(codec, batch.planes, batch.scale, NL)
+        assert hidden.shape == (64, W) and batch.labels_NB.shape == (12, 4)
+        for j in range(batch.num_docs):
+            pos = (batch.ctx_doc_S == j).nonzero().flatten()
+            assert torch.equal(pos, torch.arange(pos[0], pos[0] + len(pos)))  # contiguous
+            ids = batch.input_ids_S[pos]
+            match = [d for d in by_id.values() if len(d["input_ids"]) >= len(pos)
+                     and np.array_equal(d["input_ids"][:len(pos)], ids.numpy())]
+            assert len(match) == 1
+            d = match[0]
+            seen.add(d["doc_index"])
+            ref = d["hidden"][:len(pos)].float()
+            if codec == "lossless":
+                assert torch.equal(hidden[pos].float(), ref)
+            else:
+                assert ((hidden[pos].float() - ref).norm() / ref.norm()) < 0.07
+            assert torch.equal(batch.ctx_pos_S[pos], torch.arange(len(pos)))
+            assert torch.equal(batch.topk_ids_SK[pos], d["topk_ids"][:len(pos)])
+            # every valid block of this doc: labels follow the rule from this doc's own tokens
+            for n in (batch.block_doc_N == j).nonzero().flatten().tolist():
+                a = int(batch.anchor_index_N[n] - pos[0])
+                want = block_labels(d["input_ids"][:len(pos)], d["loss_mask"][:len(pos)], np.array([a]), 4)[0]
+                assert batch.labels_NB[n].tolist() == want.tolist()
+                assert batch.anchor_tokens_N[n] == d["input_ids"][a]
+        assert (batch.ctx_doc_S[batch.tokens:] == -1).all()
+        pad = ~batch.block_valid_N
+        assert (batch.labels_NB[pad] == IGNORE).all() and (batch.block_doc_N[pad] == -1).all()
+    assert seen == set(by_id)  # world 1, final data: nothing dropped
+    loader.close()
