@@ -61,3 +61,35 @@ def write_cache(cache_dir: Path, docs, width: int, num_layers: int, codec: str =
     if finalize:
         try_finalize(cache_dir, spec)
     return spec
+
+
+def write_train_cache(cache_dir: Path, num_docs: int = 24, hidden: int = 32, num_layers: int = 2, vocab: int = 97,
+                      codec: str = "lossless", topk: int = 4, num_shards: int = 2, seed: int = 0,
+                      max_len: int = 48) -> dict:
+    """A synthetic cache with everything stage 2 reads: spec with target config + head file."""
+    from safetensors.torch import save_file
+
+    from dflash_pipe.cache import load_spec
+    from dflash_pipe.io_utils import atomic_write_json
+
+    width = hidden * num_layers
+    docs = make_docs(num_docs, width, seed=seed, topk=topk, min_len=8, max_len=max_len, vocab=vocab)
+    for d in docs:
+        d["hidden"] = (d["hidden"].float() / 30).to(torch.bfloat16)
+    fields = fields_for(width, num_layers, codec, topk, f"synthetic-{seed}")
+    write_cache(cache_dir, docs, width, num_layers, codec=codec, topk=topk, num_shards=num_shards,
+                row_group_bytes=4000, fingerprint_fields=fields, finalize=False)
+    spec = load_spec(cache_dir)
+    spec["target"] = {"family": "llama", "hidden_size": hidden, "vocab_size": vocab, "num_layers": 6,
+                      "config": {"num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 64,
+                                 "rope_theta": 10000.0}, "unused_embedding_row": [vocab - 1, "test"]}
+    spec["features"] = {"layer_ids": [1, 4][:num_layers], "hidden_size": hidden, "num_layers": num_layers,
+                        "width": width, "codec": codec, "topk": topk, "head_file": "target_head.safetensors",
+                        "layer_convention": "test"}
+    atomic_write_json(cache_dir / "cache_spec.json", spec)
+    g = torch.Generator().manual_seed(seed)
+    save_file({"embed_tokens.weight": torch.randn(vocab, hidden, generator=g),
+               "lm_head.weight": torch.randn(vocab, hidden, generator=g) * 0.2}, str(cache_dir / "target_head.safetensors"))
+    from dflash_pipe.cache import try_finalize
+    try_finalize(cache_dir, spec)
+    return spec

@@ -73,6 +73,25 @@ class ExtractSummary:
                 f"target forward (the host side kept up; the target waited {share:.1%} of the time)")
 
 
+def unused_embedding_row(tokenizer, vocab_size: int) -> tuple[int | None, str]:
+    """An embedding row no real token of the data uses, for the drafter's MASK token.
+
+    The first row past the tokenizer if the embedding is padded; otherwise the highest added
+    special token that is not bos/eos/pad/unk and does not occur in the chat template (for
+    SmolLM2: a code-data marker such as <empty_output> that chat data never contains).
+    """
+    if vocab_size > len(tokenizer):
+        return len(tokenizer), "first embedding row past the tokenizer's vocabulary"
+    reserved = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id}
+    template = tokenizer.chat_template or ""
+    decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    cands = [i for i, tok in decoder.items() if i not in reserved and str(tok) not in template and i < vocab_size]
+    if cands:
+        i = max(cands)
+        return i, f"added token {decoder[i]} (not bos/eos/pad, not in the chat template)"
+    return None, "none found"
+
+
 def target_summary(bundle, layer_ids: list[int]) -> dict:
     cfg = bundle.config
     keys = ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size", "rms_norm_eps",
@@ -86,6 +105,7 @@ def target_summary(bundle, layer_ids: list[int]) -> dict:
             "family": bundle.family, "architecture": bundle.identity.get("architecture"),
             "num_layers": bundle.num_layers, "hidden_size": bundle.hidden_size, "vocab_size": bundle.vocab_size,
             "config": text_cfg, "identity": bundle.identity, "tokenizer_len": len(tok),
+            "unused_embedding_row": unused_embedding_row(tok, bundle.vocab_size),
             "eos_token_id": tok.eos_token_id, "layer_ids": layer_ids}
 
 

@@ -1,0 +1,183 @@
+"""The DFlash training attention mask (SPEC §5), in the two forms the attention paths need.
+
+Layout of one packed training row:
+
+    KV = [context 0..S-1 | block_0 (B entries) | block_1 | ... | block_{N-1}]      (S + N*B)
+    Q  = [block_0 | block_1 | ... | block_{N-1}]                                  (N*B)
+
+A query of block j sees
+  * context entry c iff  doc[c] == doc_of_block[j]  and  c < anchor_index[j]  (strictly: the
+    anchor token itself enters only through slot 0 of the block input, exactly as at inference,
+    where the context holds the verified tokens *before* the new block), and block j is valid;
+  * all B entries of its own block (no causal order inside a block);
+  * nothing of any other block.
+Padding blocks (valid = False) see only their own block, so every query row has at least one
+visible key (no all-masked row, hence no NaN in the softmax); they carry no loss. Padding
+context entries have doc = -1 and are seen by nobody.
+
+Documents are packed, so `anchor_index` is the anchor's index in the packed context, not its
+position inside its document; `doc` keeps blocks from attending to another document's tokens.
+
+The rule depends on the query only through its block index, so `_visible(block, kv, ...)` is
+written once and evaluated (a) per (q, kv) scalar pair inside flex_attention's `mask_mod`, and
+(b) on an [N, KV] grid, then repeated B times along the rows, for the dense SDPA mask.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+
+from ..errors import ValidationError
+
+FLEX_BLOCK_SIZE = 128
+
+
+def _visible(block_idx, kv_idx, ctx_doc, anchor_index, block_doc, block_valid, ctx_len: int, block_size: int):
+    """True where block `block_idx` may attend to KV entry `kv_idx`. Pure tensor ops, no data branching.
+
+    Indices are clamped before every gather: flex evaluates mask_mod on the padded tail of its last
+    128-wide tile too, and those indices must not read outside the captured tensors.
+    """
+    num_blocks = anchor_index.shape[0]
+    blk = torch.clamp(block_idx, 0, num_blocks - 1)
+    c = torch.clamp(kv_idx, 0, ctx_len - 1)
+    doc_c = ctx_doc[c]
+    sees_context = ((kv_idx < ctx_len) & (doc_c >= 0) & (doc_c == block_doc[blk])
+                    & (kv_idx < anchor_index[blk]) & block_valid[blk])
+    own_block = (kv_idx >= ctx_len) & (torch.div(kv_idx - ctx_len, block_size, rounding_mode="floor") == blk)
+    return sees_context | own_block
+
+
+def _build_block_mask(ctx_doc, anchor_index, block_doc, block_valid, block_size: int, flex_block: int) -> BlockMask:
+    ctx_len = ctx_doc.shape[0]
+    q_len = anchor_index.shape[0] * block_size
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return _visible(q_idx // block_size, kv_idx, ctx_doc, anchor_index, block_doc, block_valid, ctx_len, block_size)
+
+    return create_block_mask(mask_mod, None, None, q_len, ctx_len + q_len, device=ctx_doc.device,
+                             BLOCK_SIZE=flex_block)
+
+
+# Building a BlockMask eagerly at the seed's size costs seconds and GBs (SPEC §6); compiled it is
+# milliseconds. The mask_mod closure is created *inside* the compiled function, so dynamo guards only
+# on the shapes/devices of the four index tensors and on the two ints: one compilation per device and
+# (S, N, B), reused for every step with fresh data.
+COMPILED_BUILD_BLOCK_MASK = torch.compile(_build_block_mask, dynamic=False)
+
+
+class AttentionMask:
+    """The mask of one packed training row; built once per step and shared by all draft layers.
+
+    ctx_doc_S: int32 [S], document index of each context entry (-1 = padding).
+    anchor_index_N: int64 [N], packed context index of each block's anchor.
+    block_doc_N: int32 [N], document of each block (ignored for padding blocks).
+    block_valid_N: bool [N], False for padding blocks.
+    """
+
+    def __init__(self, ctx_doc_S: torch.Tensor, anchor_index_N: torch.Tensor, block_doc_N: torch.Tensor,
+                 block_valid_N: torch.Tensor, block_size: int):
+        for name, t in (("ctx_doc_S", ctx_doc_S), ("anchor_index_N", anchor_index_N),
+                        ("block_doc_N", block_doc_N), ("block_valid_N", block_valid_N)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 1:
+                raise ValidationError(f"AttentionMask: {name} must be a 1-D tensor, got "
+                                      f"{getattr(t, 'shape', type(t).__name__)}")
+        n = anchor_index_N.shape[0]
+        if block_doc_N.shape[0] != n or block_valid_N.shape[0] != n:
+            raise ValidationError(f"AttentionMask: anchor_index_N, block_doc_N and block_valid_N must have the same "
+                                  f"length, got {n}, {block_doc_N.shape[0]}, {block_valid_N.shape[0]}")
+        if ctx_doc_S.shape[0] == 0 or n == 0 or block_size < 1:
+            raise ValidationError(f"AttentionMask: empty context ({ctx_doc_S.shape[0]}), no blocks ({n}) or "
+                                  f"block_size {block_size}")
+        self.ctx_doc = ctx_doc_S.to(torch.int32)
+        self.anchor_index = anchor_index_N.to(torch.int64)
+        self.block_doc = block_doc_N.to(torch.int32)
+        self.block_valid = block_valid_N.to(torch.bool)
+        self.block_size = int(block_size)
+        self._block_mask: BlockMask | None = None
+        self._dense: torch.Tensor | None = None
+        if self.ctx_doc.device.type == "cpu":  # cheap here; on CUDA it would force a sync
+            self.check_contents()
+
+    # --- sizes -------------------------------------------------------------------------------
+    @property
+    def ctx_len(self) -> int:
+        return self.ctx_doc.shape[0]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.anchor_index.shape[0]
+
+    @property
+    def q_len(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def kv_len(self) -> int:
+        return self.ctx_len + self.q_len
+
+    @property
+    def device(self) -> torch.device:
+        return self.ctx_doc.device
+
+    def check_contents(self) -> None:
+        """Refuse anchors outside the context and valid blocks whose document is padding."""
+        valid = self.block_valid
+        if valid.any():
+            a = self.anchor_index[valid]
+            if int(a.min()) < 0 or int(a.max()) >= self.ctx_len:
+                raise ValidationError(f"AttentionMask: an anchor index is outside the packed context [0, {self.ctx_len})")
+            if int(self.block_doc[valid].min()) < 0:
+                raise ValidationError("AttentionMask: a valid block has document -1 (padding)")
+            docs_at_anchor = self.ctx_doc[a]
+            if not torch.equal(docs_at_anchor, self.block_doc[valid]):
+                raise ValidationError("AttentionMask: a block's document differs from the document of its anchor token")
+
+    def to(self, device: torch.device | str) -> "AttentionMask":
+        return AttentionMask(self.ctx_doc.to(device), self.anchor_index.to(device), self.block_doc.to(device),
+                             self.block_valid.to(device), self.block_size)
+
+    # --- the two forms -----------------------------------------------------------------------
+    @property
+    def mask_mod(self):
+        """flex_attention mask_mod(b, h, q_idx, kv_idx) over this row's index tensors."""
+        ctx_doc, anchor, block_doc, valid = self.ctx_doc, self.anchor_index, self.block_doc, self.block_valid
+        ctx_len, bs = self.ctx_len, self.block_size
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return _visible(q_idx // bs, kv_idx, ctx_doc, anchor, block_doc, valid, ctx_len, bs)
+
+        return mask_mod
+
+    def block_mask(self, compiled: bool | None = None, flex_block: int = FLEX_BLOCK_SIZE) -> BlockMask:
+        """The flex BlockMask (cached). compiled=None: compiled builder on CUDA, eager elsewhere."""
+        if self._block_mask is None:
+            use_compiled = self.device.type == "cuda" if compiled is None else compiled
+            if use_compiled:
+                from .attention import reraise_recompile
+
+                with reraise_recompile("building the flex BlockMask"):
+                    self._block_mask = COMPILED_BUILD_BLOCK_MASK(self.ctx_doc, self.anchor_index, self.block_doc,
+                                                                 self.block_valid, self.block_size, flex_block)
+            else:
+                self._block_mask = _build_block_mask(self.ctx_doc, self.anchor_index, self.block_doc,
+                                                     self.block_valid, self.block_size, flex_block)
+        return self._block_mask
+
+    def dense_bool(self) -> torch.Tensor:
+        """[Q, KV] bool, True = may attend (SDPA convention). Built per block, then repeated B times."""
+        if self._dense is None:
+            blocks = torch.arange(self.num_blocks, device=self.device)[:, None]
+            kv = torch.arange(self.kv_len, device=self.device)[None, :]
+            per_block = _visible(blocks, kv, self.ctx_doc, self.anchor_index, self.block_doc, self.block_valid,
+                                 self.ctx_len, self.block_size)
+            self._dense = per_block.repeat_interleave(self.block_size, dim=0)
+        return self._dense
+
+
+def block_positions(ctx_positions_S: torch.Tensor, anchor_index_N: torch.Tensor, block_size: int) -> torch.Tensor:
+    """RoPE positions of the block tokens: doc-relative anchor position + 0..B-1, flattened to [N*B]."""
+    anchor_pos = ctx_positions_S.to(torch.int64)[anchor_index_N.clamp(0, ctx_positions_S.shape[0] - 1)]
+    offsets = torch.arange(block_size, device=anchor_pos.device, dtype=torch.int64)
+    return (anchor_pos[:, None] + offsets[None, :]).reshape(-1)

@@ -1,0 +1,62 @@
+"""Which target layers feed the drafter, and the index convention they are named in.
+
+Convention (SPEC §2, recorded in every cache manifest): a layer id is the 0-based index of a
+decoder layer, and its feature is that layer's *output*, i.e. Hugging Face
+``output_hidden_states[id + 1]`` (entry 0 is the embedding output). HF's last entry is taken
+after the final norm, so for ``id == L - 1`` the runner captures the final norm's output to keep
+the equality exact; the DFlash defaults never pick that layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..errors import UsageError
+
+LAYER_ID_CONVENTION = "0-based decoder layer index; feature = layer output = HF output_hidden_states[id + 1]"
+
+
+def default_target_layer_ids(num_layers_to_capture: int, num_target_layers: int) -> list[int]:
+    """The DFlash default: n == 1 -> [L // 2]; else round(1 + i * (L - 4) / (n - 1)), i = 0..n-1.
+
+    Spreads the captured layers from the second layer to three before the last (L=36 ->
+    [1, 9, 17, 25, 33]; L=64 -> [1, 16, 31, 46, 61]). Python's round() is banker's rounding;
+    the z-lab trainers use it too, so ties resolve the same way.
+    """
+    n, L = num_layers_to_capture, num_target_layers
+    if n < 1:
+        raise UsageError(f"number of target layers to capture must be >= 1, got {n}")
+    if L < 1:
+        raise UsageError(f"the target must have at least one decoder layer, got {L}")
+    if n == 1:
+        ids = [L // 2]
+    else:
+        ids = [round(1 + i * (L - 4) / (n - 1)) for i in range(n)]
+        if len(set(ids)) != n or min(ids) < 0 or max(ids) >= L:
+            # The rule needs L >= n + 3 to give n distinct layers.
+            raise UsageError(f"the DFlash rule cannot spread {n} capture layers over a {L}-layer target "
+                             f"(it gives {ids})", "pass the layer ids explicitly, or capture fewer layers")
+    validate_layer_ids(ids, L)
+    return ids
+
+
+def validate_layer_ids(layer_ids: Sequence[int], num_target_layers: int) -> list[int]:
+    """Refuse empty, non-integer, out-of-range, duplicated or unsorted ids (returns them as a list).
+
+    Sorted order is required because the cache concatenates layers in `layer_ids` order and
+    every consumer (drafter fc weight, manifest comparison) assumes the canonical order.
+    """
+    ids = list(layer_ids)
+    if not ids:
+        raise UsageError("layer_ids is empty", "pass at least one layer, or leave it empty for the DFlash default")
+    for i in ids:
+        if isinstance(i, bool) or not isinstance(i, int):
+            raise UsageError(f"layer_ids must be integers, got {i!r} in {ids}")
+        if not 0 <= i < num_target_layers:
+            raise UsageError(f"layer id {i} is out of range for a {num_target_layers}-layer target",
+                             f"ids are 0-based decoder-layer indices in [0, {num_target_layers - 1}]")
+    if len(set(ids)) != len(ids):
+        raise UsageError(f"layer_ids has duplicates: {ids}")
+    if ids != sorted(ids):
+        raise UsageError(f"layer_ids must be increasing: {ids}", f"use {sorted(ids)}")
+    return ids

@@ -1,0 +1,206 @@
+"""Run the frozen target on one packed row and return per-document-exact features.
+
+`TargetRunner.run(input_ids_T, doc_lens)` does one forward of batch 1 over T = sum(doc_lens)
+tokens and returns, for every token, the outputs of the chosen decoder layers (concatenated
+in `layer_ids` order) and the top-k of the next-token log-softmax. Each document's features
+equal those of a standalone forward of that document alone, because:
+
+  * positions restart per document and full-attention layers get an explicit block-diagonal
+    causal mask (packing.py);
+  * Gated DeltaNet layers restart their conv window and recurrent state per document
+    (gdn_packing.py; FLA varlen kernels on CUDA, per-document forwards otherwise);
+  * everything else (norms, MLPs, the LM head) is per token.
+
+Layer outputs are captured by forward hooks writing straight into one preallocated
+[T, n_layers * H] buffer (no `output_hidden_states=True`, which keeps every layer alive), and
+the LM head runs on `logits_chunk` tokens at a time so full-vocab logits never exist for the
+whole row. `standalone_features` is the independent reference: the plain HF forward with
+`output_hidden_states=True`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import UsageError, ValidationError
+from .gdn_packing import PackedGDN, find_gdn_modules
+from .kernels import import_fla, resolve_linear_attn_kernels
+from .layers import validate_layer_ids
+from .loading import TargetBundle
+from .packing import block_causal_mask, flash_varlen_kwargs, make_packed_row, packed_position_ids
+from .runner_utils import chunked_topk_logprobs, decoder_layers, final_norm, layer_kinds, text_backbone
+
+log = logging.getLogger("dflash_pipe.target")
+
+
+@dataclass
+class TargetOutput:
+    hidden_TD: torch.Tensor                  # [T, n_layers * H], layer blocks in layer_ids order
+    topk_ids_TK: torch.Tensor | None         # int32 [T, k]; row t predicts token t + 1
+    topk_logprobs_TK: torch.Tensor | None    # fp16 [T, k], log-softmax values, descending
+
+
+def _as_ids(input_ids_T, vocab_size: int, device: torch.device) -> torch.Tensor:
+    ids = torch.as_tensor(input_ids_T)
+    if ids.ndim != 1:
+        raise UsageError(f"input_ids must be one packed row (1-D), got shape {tuple(ids.shape)}")
+    if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
+        raise UsageError(f"input_ids must be integer token ids, got dtype {ids.dtype}")
+    if ids.numel() == 0:
+        raise UsageError("input_ids is empty")
+    bad = (ids < 0) | (ids >= vocab_size)
+    if bool(bad.any()):
+        pos = int(bad.nonzero()[0, 0])
+        raise ValidationError(f"token id {int(ids[pos])} at position {pos} is outside the target's vocab "
+                              f"[0, {vocab_size})", "the data was tokenized with another tokenizer")
+    return ids.to(device=device, dtype=torch.long)
+
+
+class TargetRunner:
+    """Packed, hook-based feature extraction for one target (one runner per model at a time)."""
+
+    def __init__(self, bundle: TargetBundle, layer_ids: Sequence[int], topk: int = 32,
+                 linear_attn_kernels: str = "auto", logits_chunk: int = 2048,
+                 hidden_dtype: torch.dtype | None = torch.bfloat16):
+        self.bundle = bundle
+        self.model = bundle.model
+        self.layer_ids = validate_layer_ids(layer_ids, bundle.num_layers)
+        if topk < 0 or topk > bundle.vocab_size:
+            raise UsageError(f"topk must be in [0, {bundle.vocab_size}], got {topk}")
+        if logits_chunk < 1:
+            raise UsageError(f"logits_chunk must be >= 1, got {logits_chunk}")
+        self.topk = topk
+        self.logits_chunk = logits_chunk
+        self.hidden_dtype = hidden_dtype or bundle.dtype
+        self.device = bundle.device
+        self.attn_impl = getattr(self.model.config, "_attn_implementation", None) or "sdpa"
+        if self.attn_impl not in ("sdpa", "eager", "flash_attention_2"):
+            raise UsageError(f"the target runs attn_implementation '{self.attn_impl}', which the packed runner "
+                             "does not support", "load it with sdpa, eager or flash_attention_2")
+        gdn = [m for _, m in find_gdn_modules(self.model)]
+        self.linear_path = resolve_linear_attn_kernels(linear_attn_kernels, self.device, gdn)
+        self._gdn = None
+        if self.linear_path != "none":
+            self._gdn = PackedGDN(self.model, self.linear_path,
+                                  import_fla() if self.linear_path == "fla" else None)
+        self.kernel_paths = self._describe_kernels()
+        for kind, path in self.kernel_paths.items():
+            log.info("target %s layers: %s", kind, path)
+        self._buffer: torch.Tensor | None = None
+        self._hooks = self._install_hooks()
+
+    def _describe_kernels(self) -> dict[str, str]:
+        kinds = layer_kinds(self.model)
+        out = {}
+        if "full_attention" in kinds:
+            how = {"sdpa": "block-diagonal causal boolean mask", "eager": "block-diagonal causal additive mask",
+                   "flash_attention_2": "cu_seqlens varlen"}[self.attn_impl]
+            out["full_attention"] = f"{self.attn_impl} ({how}), per-document positions"
+        if self.linear_path == "fla":
+            out["linear_attention"] = (f"fla {self._gdn.fla_ops.version}: causal_conv1d(cu_seqlens) + "
+                                       "chunk_gated_delta_rule(cu_seqlens), one varlen call per layer")
+        elif self.linear_path == "torch":
+            from .kernels import hf_linear_attn_impl
+
+            impl = hf_linear_attn_impl(self._gdn.modules[0][1])
+            out["linear_attention"] = f"torch: transformers GDN forward once per document (its rule: {impl})"
+        return out
+
+    def _install_hooks(self) -> list:
+        H = self.bundle.hidden_size
+        layers = decoder_layers(self.model)
+        handles = []
+        for j, layer_id in enumerate(self.layer_ids):
+            # HF's hidden_states[L] is after the final norm; keep `= hidden_states[id + 1]` exact.
+            module = final_norm(self.model) if layer_id == self.bundle.num_layers - 1 else layers[layer_id]
+            if module is None:
+                module = layers[layer_id]
+
+            def hook(_mod, _inp, out, j=j):
+                if self._buffer is None:      # a forward outside run(): not ours to capture
+                    return
+                h = out[0] if isinstance(out, (tuple, list)) else out
+                self._buffer[:, j * H:(j + 1) * H].copy_(h[0])
+
+            handles.append(module.register_forward_hook(hook))
+        return handles
+
+    def close(self) -> None:
+        """Remove the hooks and the GDN patch (the model is a plain HF model again)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        if self._gdn is not None:
+            self._gdn.restore()
+            self._gdn = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    @torch.inference_mode()
+    def run(self, input_ids_T, doc_lens: Sequence[int]) -> TargetOutput:
+        """Features of one packed row: documents of `doc_lens` tokens, concatenated in `input_ids_T`."""
+        if not self._hooks:
+            raise UsageError("this TargetRunner was closed")
+        ids = _as_ids(input_ids_T, self.bundle.vocab_size, self.device)
+        row = make_packed_row(doc_lens, ids.numel())
+        T = row.total
+        self._buffer = torch.empty((T, len(self.layer_ids) * self.bundle.hidden_size),
+                                   dtype=self.hidden_dtype, device=self.device)
+        kwargs = {}
+        mask = None
+        if self.attn_impl == "flash_attention_2":
+            if row.num_docs > 1:
+                kwargs = flash_varlen_kwargs(row, self.device)
+        else:
+            mask = block_causal_mask(row, self.device, self.attn_impl, self.bundle.dtype)
+        positions = packed_position_ids(row, self.device)
+        try:
+            packing = self._gdn.packing(row, self.device) if self._gdn is not None else _null_context()
+            with packing:
+                out = text_backbone(self.model)(input_ids=ids[None], attention_mask=mask, position_ids=positions,
+                                                use_cache=False, **kwargs)
+            hidden = self._buffer
+        finally:
+            self._buffer = None
+        topk_ids = topk_lp = None
+        if self.topk:
+            softcap = getattr(self.bundle.config, "final_logit_softcapping", None)
+            topk_ids, topk_lp = chunked_topk_logprobs(out.last_hidden_state[0], self.model.get_output_embeddings(),
+                                                      self.topk, self.logits_chunk, softcap)
+        return TargetOutput(hidden, topk_ids, topk_lp)
+
+
+class _null_context:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+@torch.inference_mode()
+def standalone_features(bundle: TargetBundle, input_ids_T, layer_ids: Sequence[int], topk: int = 0) -> TargetOutput:
+    """The reference: plain HF forward of ONE document, `output_hidden_states[id + 1]` per layer id.
+
+    Features stay in the model dtype; top-k (if asked) comes from the full logits in float32.
+    Run it on a model without an active TargetRunner patch context (a runner's patch is inert
+    outside `run`, so sharing the model is fine).
+    """
+    ids = _as_ids(input_ids_T, bundle.vocab_size, bundle.device)
+    layer_ids = validate_layer_ids(layer_ids, bundle.num_layers)
+    out = bundle.model(input_ids=ids[None], output_hidden_states=True, use_cache=False)
+    hidden = torch.cat([out.hidden_states[i + 1][0] for i in layer_ids], dim=-1)
+    topk_ids = topk_lp = None
+    if topk:
+        logp = torch.log_softmax(out.logits[0].float(), dim=-1)
+        vals, idx = torch.topk(logp, topk, dim=-1)
+        topk_ids, topk_lp = idx.to(torch.int32), vals.to(torch.float16)
+    return TargetOutput(hidden, topk_ids, topk_lp)

@@ -1,0 +1,149 @@
+"""Training checkpoints: safetensors + JSON (no pickle), complete or invisible.
+
+A checkpoint is a directory ``ckpt-<step>`` holding
+    model.safetensors       fp32 master weights (drafter parameter names)
+    optimizer.safetensors   AdamW state tensors, keyed ``<param name>.<state key>``
+    state.json              step, epoch, data position, scheduler, configs, cache fingerprint
+    COMPLETE                written last
+It is built as a hidden temp directory and renamed into place after every file (and the marker)
+is fsynced, so a SIGKILL at any moment leaves either the previous checkpoints or the new one.
+Loading considers only directories with the marker; the newest wins.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from ..errors import CacheError
+from ..io_utils import _os_error, atomic_write_json, fsync_dir, temp_path_for
+
+MARKER = "COMPLETE"
+PREFIX = "ckpt-"
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def optimizer_tensors(opt: torch.optim.Optimizer, names: dict[int, str]) -> tuple[dict, dict]:
+    """Split an optimizer state dict into tensors (safetensors) and JSON scalars."""
+    sd = opt.state_dict()
+    tensors, scalars = {}, {}
+    for idx, st in sd["state"].items():
+        name = names[idx]
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor):
+                tensors[f"{name}.{k}"] = v.detach().cpu().contiguous()
+            else:
+                scalars[f"{name}.{k}"] = v
+    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
+
+
+def load_optimizer(opt: torch.optim.Optimizer, names: dict[int, str], path: Path, meta: dict,
+                   device: torch.device) -> None:
+    sd = opt.state_dict()
+    state = {}
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        keys = set(f.keys())
+        for idx in range(len(names)):
+            name = names[idx]
+            entry = {}
+            for key in [k for k in keys if k.rsplit(".", 1)[0] == name]:
+                t = f.get_tensor(key)
+                sub = key.rsplit(".", 1)[1]
+                entry[sub] = t if sub == "step" else t.to(device)
+            for key, v in meta["scalars"].items():
+                if key.rsplit(".", 1)[0] == name:
+                    entry[key.rsplit(".", 1)[1]] = v
+            if entry:
+                state[idx] = entry
+    sd["state"] = state
+    sd["param_groups"] = meta["param_groups"]
+    opt.load_state_dict(sd)
+
+
+def save_checkpoint(out_dir: str | Path, step: int, model: torch.nn.Module, opt: torch.optim.Optimizer,
+                    state: dict, keep: int = 2) -> Path:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    final = out_dir / f"{PREFIX}{step:08d}"
+    tmp = temp_path_for(final)
+    names = {i: n for i, (n, _) in enumerate(model.named_parameters())}
+    try:
+        tmp.mkdir()
+        weights = {n: p.detach().cpu().contiguous() for n, p in model.state_dict().items()}
+        save_file(weights, str(tmp / "model.safetensors"))
+        tensors, opt_meta = optimizer_tensors(opt, names)
+        save_file(tensors, str(tmp / "optimizer.safetensors"))
+        (tmp / "state.json").write_text(json.dumps({**state, "optimizer": opt_meta}, indent=2, sort_keys=True))
+        for f in tmp.iterdir():
+            _fsync(f)
+        (tmp / MARKER).write_text(f"{step}\n")
+        _fsync(tmp / MARKER)
+        fsync_dir(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        fsync_dir(out_dir)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise _os_error(exc, final, "writing checkpoint") from exc
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    prune(out_dir, keep)
+    atomic_write_json(out_dir / "latest.json", {"checkpoint": final.name, "step": step})
+    return final
+
+
+def complete_checkpoints(out_dir: str | Path) -> list[Path]:
+    out_dir = Path(out_dir)
+    if not out_dir.is_dir():
+        return []
+    found = [p for p in out_dir.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and (p / MARKER).exists()]
+    return sorted(found, key=lambda p: int(p.name[len(PREFIX):]))
+
+
+def prune(out_dir: Path, keep: int) -> None:
+    for p in out_dir.iterdir():  # leftovers of killed writers
+        if p.is_dir() and p.name.startswith(f".{PREFIX}"):
+            shutil.rmtree(p, ignore_errors=True)
+    ckpts = complete_checkpoints(out_dir)
+    for p in ckpts[:-keep] if keep > 0 else []:
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def find_resume(out_dir: str | Path, resume: str) -> Path | None:
+    if resume == "never":
+        return None
+    if resume == "auto":
+        ckpts = complete_checkpoints(out_dir)
+        return ckpts[-1] if ckpts else None
+    path = Path(resume)
+    if not (path / MARKER).exists():
+        raise CacheError(f"checkpoint {path} is not complete (no {MARKER} marker)",
+                         "pass --resume auto to take the newest complete checkpoint")
+    return path
+
+
+def load_checkpoint(path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, device: torch.device) -> dict:
+    state = json.loads((path / "state.json").read_text())
+    weights = {}
+    with safe_open(str(path / "model.safetensors"), framework="pt", device="cpu") as f:
+        for k in f.keys():
+            weights[k] = f.get_tensor(k)
+    model.load_state_dict(weights, strict=True)
+    names = {i: n for i, (n, _) in enumerate(model.named_parameters())}
+    load_optimizer(opt, names, path / "optimizer.safetensors", state["optimizer"], device)
+    return state

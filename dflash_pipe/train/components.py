@@ -1,0 +1,120 @@
+"""Building blocks of stage 2, each built from the cache spec and the run config.
+
+The trainer builds them in a fixed order: drafter config (validated against the cache), frozen
+target head, drafter, optimizer + schedule. Nothing here loads the target model: stage 2 reads
+only ``target_head.safetensors`` (embeddings + lm_head) from the cache directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from ..config import RunConfig
+from ..drafter import DFlashDrafter, DrafterModelConfig, derive_drafter_config
+from ..errors import CacheError, ValidationError
+
+
+def target_cfg_dict(spec: dict) -> dict:
+    t = spec["target"]
+    c = t.get("config", {})
+    return {"family": t.get("family"), "hidden_size": t["hidden_size"], "vocab_size": t["vocab_size"],
+            "num_layers": t["num_layers"], "num_attention_heads": c.get("num_attention_heads"),
+            "num_key_value_heads": c.get("num_key_value_heads"), "intermediate_size": c.get("intermediate_size"),
+            "rope_theta": c.get("rope_theta"), "max_position_embeddings": c.get("max_position_embeddings")}
+
+
+def build_drafter_config(cfg: RunConfig, spec: dict, device: torch.device) -> DrafterModelConfig:
+    d = dataclasses.asdict(cfg.drafter)
+    unused = (spec["target"].get("unused_embedding_row") or [None])[0]
+    return derive_drafter_config(target_cfg_dict(spec), target_layer_ids=spec["features"]["layer_ids"],
+                                 unused_embedding_row=unused, device_type=device.type, **d)
+
+
+def check_against_cache(dcfg: DrafterModelConfig, spec: dict, where: str) -> None:
+    """Refuse a drafter (e.g. from a checkpoint) that does not fit this cache, naming the fields."""
+    f, t = spec["features"], spec["target"]
+    expect = {"hidden_size": f["hidden_size"], "target_layer_ids": list(f["layer_ids"]),
+              "num_target_layers": t["num_layers"], "vocab_size": t["vocab_size"]}
+    diff = {k: (getattr(dcfg, k), v) for k, v in expect.items() if getattr(dcfg, k) != v}
+    if not 0 <= dcfg.mask_token_id < t["vocab_size"]:
+        diff["mask_token_id"] = (dcfg.mask_token_id, f"< {t['vocab_size']}")
+    if diff:
+        lines = "; ".join(f"{k}: drafter {a!r} vs cache {b!r}" for k, (a, b) in diff.items())
+        raise ValidationError(f"{where} does not match the cache: {lines}",
+                              "train a new drafter for this cache (new --output-dir), or use the matching cache")
+
+
+def check_resume_identity(state: dict, spec: dict, path: Path) -> None:
+    old = state.get("cache_identity", {})
+    new = cache_identity(spec)
+    diff = {k: (old.get(k), new[k]) for k in new if old.get(k) != new[k]}
+    if diff:
+        lines = "; ".join(f"{k}: checkpoint {a!r} vs cache {b!r}" for k, (a, b) in diff.items())
+        raise ValidationError(f"checkpoint {path} was trained on a different cache: {lines}",
+                              "resume with the original --cache-dir, or pass --resume never / a new --output-dir")
+
+
+def cache_identity(spec: dict) -> dict:
+    """What a checkpoint remembers of its cache (a mismatch on resume is refused)."""
+    ff = spec["fingerprint_fields"]
+    return {"tokenizer_hash": ff.get("tokenizer_hash"), "layer_ids": ff.get("layer_ids"),
+            "layer_convention": ff.get("layer_convention"), "weights_fingerprint": ff.get("weights_fingerprint"),
+            "hidden_size": spec["features"]["hidden_size"]}
+
+
+class FrozenHead:
+    """The target's embedding rows (on the CPU: blocks only need anchor + MASK rows) and lm_head."""
+
+    def __init__(self, cache_dir: Path, head_file: str, device: torch.device, dtype: torch.dtype):
+        path = Path(cache_dir) / head_file
+        if not path.exists():
+            raise CacheError(f"{path} is missing: stage 2 needs the target's embeddings and lm_head",
+                             "rerun `dflash-pipe extract` on this cache (it rewrites the head file)")
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            keys = set(f.keys())
+            for k in ("embed_tokens.weight", "lm_head.weight"):
+                if k not in keys:
+                    raise CacheError(f"{path}: tensor '{k}' is missing")
+            self.embed_VH = f.get_tensor("embed_tokens.weight").to(torch.float32)
+            self.lm_head_VH = f.get_tensor("lm_head.weight").to(device=device, dtype=dtype)
+        self.lm_head_VH.requires_grad_(False)
+        self.device = device
+
+    def block_embeds(self, anchor_tokens_N: torch.Tensor, mask_token_id: int, block_size: int,
+                     dtype: torch.dtype) -> torch.Tensor:
+        """[N*B, H]: each block is [embed(anchor token), embed(MASK) x (B-1)]; gathered on the CPU."""
+        anchor = self.embed_VH[anchor_tokens_N.cpu()]
+        mask = self.embed_VH[mask_token_id]
+        n, h = anchor.shape
+        blocks = torch.cat([anchor[:, None, :], mask.expand(n, block_size - 1, h)], dim=1)
+        return blocks.reshape(n * block_size, h).to(self.device, dtype=dtype, non_blocking=True)
+
+
+def build_model(dcfg: DrafterModelConfig, device: torch.device, seed: int, compile_layers: bool) -> DFlashDrafter:
+    torch.manual_seed(seed)
+    model = DFlashDrafter(dcfg).to(device=device, dtype=torch.float32)
+    if compile_layers:
+        for i, layer in enumerate(model.layers):
+            model.layers[i] = torch.compile(layer, dynamic=False)
+    return model
+
+
+def build_optimizer(model: torch.nn.Module, cfg: RunConfig, device: torch.device, total_steps: int):
+    tr = cfg.train
+    kwargs = {"fused": True} if device.type == "cuda" else {}
+    opt = torch.optim.AdamW(model.parameters(), lr=tr.lr, betas=(0.9, 0.95), weight_decay=tr.weight_decay, **kwargs)
+    warm = max(1, int(round(tr.warmup_frac * total_steps))) if tr.warmup_frac > 0 else 0
+
+    def lr_factor(step: int) -> float:
+        if warm and step < warm:
+            return (step + 1) / warm
+        progress = min(1.0, (step - warm) / max(1, total_steps - warm))
+        return tr.min_lr_frac + (1 - tr.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
+    return opt, sched

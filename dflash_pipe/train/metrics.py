@@ -1,0 +1,151 @@
+"""Step metrics: one log line per step, TensorBoard scalars, a JSONL history and end-of-run PNGs.
+
+FLOPs are counted as 6 x trainable parameters x query tokens + 4 x lm_head parameters x query
+tokens (forward + input-gradient through the frozen head), which is how the seed's baseline was
+counted. MFU divides by the GPU's measured dense bf16 rate (790 TFLOP/s on an H200 here; set
+DFLASH_PEAK_TFLOPS for other cards). The ETA skips the first steps (compilation, warm-up).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+
+WARMUP_STEPS_FOR_ETA = 3
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if os.environ.get("DFLASH_PEAK_TFLOPS"):
+        return float(os.environ["DFLASH_PEAK_TFLOPS"]) * 1e12
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        if "H200" in name or "H100" in name:
+            return 790e12
+    return None
+
+
+def step_flops(trainable_params: int, lm_head_params: int, query_tokens: int) -> float:
+    return 6.0 * trainable_params * query_tokens + 4.0 * lm_head_params * query_tokens
+
+
+class StepLogger:
+    def __init__(self, out_dir: Path, total_steps: int, enabled: bool, device: torch.device, flops_per_step: float,
+                 tensorboard: bool = True):
+        self.out_dir = out_dir
+        self.total = total_steps
+        self.enabled = enabled
+        self.device = device
+        self.flops = flops_per_step
+        self.peak = peak_flops(device)
+        self.history_path = out_dir / "metrics.jsonl"
+        self._times: list[float] = []
+        self.tb = None
+        if enabled and tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(out_dir / "tensorboard"))
+            except Exception:  # noqa: BLE001 - tensorboard is optional
+                self.tb = None
+
+    def truncate_history(self, after_step: int) -> None:
+        """On resume: drop history lines of steps that will be redone."""
+        if not self.enabled or not self.history_path.exists():
+            return
+        keep = [ln for ln in self.history_path.read_text().splitlines() if ln and json.loads(ln)["step"] <= after_step]
+        self.history_path.write_text("".join(k + "\n" for k in keep))
+
+    def log(self, step: int, epoch: int, metrics: dict, step_s: float, data_wait_s: float, tokens: int,
+            lr: float, grad_norm: float) -> dict:
+        self._times.append(step_s)
+        steady = self._times[WARMUP_STEPS_FOR_ETA:] or self._times
+        mean = sum(steady) / len(steady)
+        eta = (self.total - step - 1) * mean
+        rec = {"step": step, "epoch": epoch, **metrics, "lr": lr, "grad_norm": grad_norm, "step_s": step_s,
+               "data_wait": data_wait_s / max(step_s, 1e-9), "tok_s": tokens / max(step_s, 1e-9),
+               "tflops": self.flops / max(step_s, 1e-9) / 1e12}
+        if self.peak:
+            rec["mfu"] = self.flops / max(step_s, 1e-9) / self.peak
+        if self.device.type == "cuda":
+            rec["peak_mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2 ** 30
+        if not self.enabled:
+            return rec
+        line = (f"step {step + 1}/{self.total} ep {epoch} loss {rec['loss']:.4f} acc {rec['acc']:.3f} "
+                f"tau {rec['tau']:.2f} lr {lr:.2e} gnorm {grad_norm:.2f} | {rec['tok_s']:,.0f} tok/s "
+                f"{rec['step_s'] * 1000:.0f} ms/step data-wait {rec['data_wait']:.0%}")
+        if "mfu" in rec:
+            line += f" MFU {rec['mfu']:.1%}"
+        if "peak_mem_gib" in rec:
+            line += f" mem {rec['peak_mem_gib']:.1f}GiB"
+        line += f" | ETA {_fmt(eta)}"
+        print(line, flush=True)
+        with open(self.history_path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        if self.tb is not None:
+            for k, v in rec.items():
+                if isinstance(v, (int, float)) and k not in ("step", "epoch") and math.isfinite(v):
+                    self.tb.add_scalar(f"train/{k}", v, step)
+        return rec
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+
+
+def _fmt(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+def plot_history(history_path: Path, out_png: Path) -> Path | None:
+    """Loss curve and per-position acceptance (accuracy of slot k, last quarter of training)."""
+    if not history_path.exists():
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    recs = [json.loads(ln) for ln in history_path.read_text().splitlines() if ln.strip()]
+    if not recs:
+        return None
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    steps = [r["step"] + 1 for r in recs]
+    a1.plot(steps, [r["loss"] for r in recs], label="loss")
+    a1.set_xlabel("step")
+    a1.set_ylabel("weighted CE")
+    a1b = a1.twinx()
+    a1b.plot(steps, [r["tau"] for r in recs], color="tab:orange", label="simulated tau")
+    a1b.set_ylabel("simulated acceptance length tau")
+    a1.set_title("training loss and simulated tau")
+    tail = recs[-max(1, len(recs) // 4):]
+    ks = sorted(int(k.split("_")[1]) for k in recs[-1] if k.startswith("acc_"))
+    acc = [sum(r.get(f"acc_{k}", 0.0) for r in tail) / len(tail) for k in ks]
+    a2.bar(ks, acc)
+    a2.set_xlabel("block position k")
+    a2.set_ylabel("accuracy (last quarter of steps)")
+    a2.set_title("per-position acceptance")
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)
+    return out_png
+
+
+class Stopwatch:
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.t = time.perf_counter()
+
+    def lap(self, sync: bool = True) -> float:
+        if sync and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        dt, self.t = now - self.t, now
+        return dt

@@ -1,0 +1,190 @@
+"""Stage 2: train a DFlash drafter from the feature cache (one process, or DDP under torchrun).
+
+Fixed build order: process group + device -> cache index -> drafter config (checked against the
+cache) -> frozen head -> drafter -> optimizer/schedule -> resume -> loader -> loop -> export.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..config import RunConfig, write_resolved
+from ..dist import DistInfo, barrier, destroy, init_process_group, pick_device, set_rank_cache_dirs
+from ..drafter import (AttentionMask, block_positions, default_gamma, draft_loss, export_drafter,
+                       gather_kd_targets, lock_compilation, summarize_metrics, unlock_compilation)
+from ..cache.codec import planes_to_hidden
+from ..errors import RuntimeFailure, ValidationError
+from .checkpoint import find_resume, load_checkpoint, save_checkpoint
+from .components import (FrozenHead, build_drafter_config, build_model, build_optimizer, cache_identity,
+                         check_against_cache, check_resume_identity)
+from .loader import BatchLoader, CacheIndex
+from .metrics import StepLogger, Stopwatch, plot_history, step_flops
+
+log = logging.getLogger("dflash_pipe.train")
+
+
+def _precision(cfg: RunConfig, device: torch.device) -> str:
+    p = cfg.train.precision
+    return ("bf16" if device.type == "cuda" else "fp32") if p == "auto" else p
+
+
+def _steps_per_epoch(loader: BatchLoader, epochs: int, follow: bool) -> list[int]:
+    out = []
+    for e in range(epochs):
+        sched = loader.schedule(e, follow_first_epoch=follow and e == 0)
+        if not sched.final:  # follow mode: estimate from the shards seen so far
+            seen = max(1, len(loader.index.lengths))
+            out.append(max(1, int(sched.steps * loader.index.spec["num_shards"] / seen)))
+        else:
+            out.append(sched.steps)
+    return out
+
+
+def run_train(cfg: RunConfig) -> dict:
+    tr = cfg.train
+    info = DistInfo.from_env()
+    set_rank_cache_dirs(info, "train")
+    device = pick_device(tr.device, info)
+    distributed = init_process_group(info, device)
+    out_dir = Path(tr.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    index = CacheIndex(cfg.train_cache_dir, follow=tr.follow)
+    spec = index.spec
+    dcfg = build_drafter_config(cfg, spec, device)
+    check_against_cache(dcfg, spec, "drafter config")
+    precision = _precision(cfg, device)
+    head = FrozenHead(Path(cfg.train_cache_dir), spec["features"]["head_file"], device,
+                      torch.bfloat16 if precision == "bf16" else torch.float32)
+    compile_layers = tr.compile == "on" or (tr.compile == "auto" and device.type == "cuda")
+    model = build_model(dcfg, device, tr.seed, compile_layers)
+    loader = BatchLoader(index, rank=info.rank, world=info.world, seed=tr.seed, context_tokens=tr.context_tokens,
+                         num_anchors=tr.num_anchors, max_anchors_per_doc=tr.max_anchors_per_doc,
+                         block_size=dcfg.block_size, shuffle_rows=tr.shuffle_rows, workers=tr.loader_workers,
+                         want_topk=tr.kd_weight > 0, pin_memory=device.type == "cuda",
+                         follow_poll_s=tr.follow_poll_s)
+    if tr.follow:
+        loader.wait_for_step(0, 0, follow_first_epoch=True)
+    epoch_steps = _steps_per_epoch(loader, tr.epochs, tr.follow)
+    total = sum(epoch_steps) if not tr.max_steps else min(tr.max_steps, sum(epoch_steps))
+    if total <= 0:
+        raise ValidationError(f"cache {cfg.train_cache_dir} yields no training batch at --context-tokens "
+                              f"{tr.context_tokens} (world size {info.world})", "add data or lower the world size")
+    opt, sched = build_optimizer(model, cfg, device, total)
+    step, epoch, step_in_epoch = 0, 0, 0
+    resume = find_resume(out_dir, tr.resume)
+    if resume is not None:
+        state = load_checkpoint(resume, model, opt, device)
+        check_resume_identity(state, spec, resume)
+        step, epoch, step_in_epoch = state["step"], state["epoch"], state["step_in_epoch"]
+        epoch_steps, total = state["epoch_steps"], state["total_steps"]
+        sched.last_epoch = step - 1
+        sched.step()
+        if info.is_main:
+            print(f"resumed from {resume} at step {step} (epoch {epoch}, batch {step_in_epoch})", flush=True)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True) if distributed else model
+    if info.is_main:
+        write_resolved(cfg, out_dir)
+    gamma = tr.gamma or default_gamma(dcfg.block_size)
+    trainable = sum(p.numel() for p in model.parameters())
+    flops = step_flops(trainable, head.lm_head_VH.numel(), tr.num_anchors * dcfg.block_size)
+    logger = StepLogger(out_dir, total, info.is_main, device, flops)
+    logger.truncate_history(step - 1)
+    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16" else nullcontext())
+    codec, n_layers = spec["features"]["codec"], spec["features"]["num_layers"]
+    if info.is_main:
+        print(f"train: drafter {dcfg.num_layers} layers, {trainable / 1e6:.1f}M trainable params, attention "
+              f"{dcfg.attention}, {precision}, compile={compile_layers}, world {info.world}, {total} steps "
+              f"({epoch_steps} per epoch), mask token {dcfg.mask_token_id}", flush=True)
+    last = {}
+    try:
+        while step < total and epoch < tr.epochs:
+            follow_first = tr.follow and epoch == 0
+            batches = loader.iterate(epoch, step_in_epoch, follow_first_epoch=follow_first)
+            watch = Stopwatch(device)
+            while step < total:
+                t_wait = time.perf_counter()
+                batch = next(batches, None)
+                data_wait = time.perf_counter() - t_wait
+                if batch is None:
+                    break
+                last = _train_step(ddp, model, head, opt, sched, batch, dcfg, device, autocast, codec, n_layers,
+                                   gamma, cfg)
+                if step == 0 and device.type == "cuda":
+                    lock_compilation()  # everything is compiled now: a recompile is an error, not a fallback
+                step_s = watch.lap()
+                step += 1
+                step_in_epoch += 1
+                if step % tr.log_every == 0 or step == total:
+                    logger.log(step - 1, epoch, last["metrics"], step_s, data_wait, batch.tokens,
+                               sched.get_last_lr()[0], last["grad_norm"])
+                if tr.checkpoint_every and step % tr.checkpoint_every == 0 and step < total:
+                    _checkpoint(out_dir, step, epoch, step_in_epoch, model, opt, epoch_steps, total, spec, dcfg,
+                                cfg, info)
+            epoch += 1
+            step_in_epoch = 0
+        _checkpoint(out_dir, step, epoch, step_in_epoch, model, opt, epoch_steps, total, spec, dcfg, cfg, info)
+        if info.is_main:
+            export_drafter(model, dcfg, out_dir / "export")
+            plot_history(out_dir / "metrics.jsonl", out_dir / "training.png")
+            print(f"train: done, {step} steps; drafter exported to {out_dir / 'export'}", flush=True)
+    finally:
+        unlock_compilation()
+        loader.close()
+        logger.close()
+        destroy()
+    return {"steps": step, "metrics": last.get("metrics", {}), "output_dir": str(out_dir)}
+
+
+def _checkpoint(out_dir, step, epoch, step_in_epoch, model, opt, epoch_steps, total, spec, dcfg, cfg, info):
+    if info.is_main:
+        state = {"step": step, "epoch": epoch, "step_in_epoch": step_in_epoch, "epoch_steps": epoch_steps,
+                 "total_steps": total, "drafter_config": dcfg.to_dict(), "cache_identity": cache_identity(spec),
+                 "cache_fingerprint": spec["fingerprint"], "seed": cfg.train.seed}
+        save_checkpoint(out_dir, step, model, opt, state, keep=cfg.train.keep_checkpoints)
+    barrier()
+
+
+def _train_step(ddp, model, head, opt, sched, batch, dcfg, device, autocast, codec, n_layers, gamma, cfg) -> dict:
+    tr = cfg.train
+    t = {k: v.to(device, non_blocking=True) for k, v in batch.tensors().items()}
+    hidden = planes_to_hidden(codec, t["planes"], t.get("scale"), n_layers)
+    mask = AttentionMask(t["ctx_doc_S"], t["anchor_index_N"], t["block_doc_N"], t["block_valid_N"], dcfg.block_size)
+    bpos = block_positions(t["ctx_pos_S"], t["anchor_index_N"], dcfg.block_size)
+    embeds = head.block_embeds(batch.anchor_tokens_N, dcfg.mask_token_id, dcfg.block_size, torch.float32)
+    kd = None
+    if tr.kd_weight > 0 and "topk_ids_SK" in t:
+        kd = gather_kd_targets(t["topk_ids_SK"], t["topk_logprobs_SK"], t["anchor_index_N"], dcfg.block_size,
+                               tr.kd_weight)
+    with autocast:
+        out = ddp(hidden, embeds, t["ctx_pos_S"], bpos, mask)
+        loss, metrics = draft_loss(out, head.lm_head_VH, t["labels_NB"], dcfg.block_size, gamma,
+                                   tr.loss_chunk_tokens, kd)
+    loss.backward()
+    grad_norm = (torch.nn.utils.clip_grad_norm_(model.parameters(), tr.grad_clip) if tr.grad_clip > 0 else
+                 torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()
+                                                       if p.grad is not None])))
+    opt.step()
+    sched.step()
+    opt.zero_grad(set_to_none=True)
+    if dist.is_initialized():
+        packed = torch.cat([torch.atleast_1d(v.detach().to(torch.float64)) for v in metrics.values()])
+        dist.all_reduce(packed)
+        out_m, i = {}, 0
+        for k, v in metrics.items():
+            n = torch.atleast_1d(v).numel()
+            out_m[k] = packed[i:i + n] if v.dim() else packed[i]
+            i += n
+        metrics = out_m
+    summary = summarize_metrics({k: v.cpu() for k, v in metrics.items()})
+    gn = float(grad_norm)
+    if not torch.isfinite(torch.tensor(gn)):
+        raise RuntimeFailure(f"non-finite gradient norm at epoch {batch.epoch} batch {batch.step}",
+                             "lower --lr, check the cache with `dflash-pipe cache verify --decode`")
+    return {"metrics": summary, "grad_norm": gn}

