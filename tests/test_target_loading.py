@@ -178,18 +178,30 @@ def test_read_embeddings_and_head_saved_dir(which, qwen, llama, tmp_path):
     assert torch.equal(norm, expect)
 
 
+@pytest.mark.parametrize("form", ["target_head.safetensors", "head_dir"])
 @pytest.mark.parametrize("which", ["qwen", "llama"])
-def test_save_embeddings_and_head_round_trip(which, qwen, llama, tmp_path):
+def test_save_embeddings_and_head_round_trip(which, form, qwen, llama, tmp_path):
     bundle = qwen if which == "qwen" else llama
-    out = save_embeddings_and_head(bundle, tmp_path / "head")
+    out = save_embeddings_and_head(bundle, tmp_path / form)
+    assert out.is_file() == form.endswith(".safetensors")
     embed, head, norm = read_embeddings_and_head(out)
     assert torch.equal(embed, bundle.model.get_input_embeddings().weight)
     assert torch.equal(head, bundle.model.get_output_embeddings().weight)
+    assert (head is embed) == (which == "llama")
     ref = read_embeddings_and_head(_save_dir(bundle, tmp_path / "full")).final_norm_scale_H
     assert torch.equal(norm, ref)
-    cfg = json.loads((out / "config.json").read_text())
-    assert cfg["tie_word_embeddings"] == (which == "llama")
-    assert cfg["weights_fingerprint"] == bundle.identity["weights_fingerprint"]
+    if out.is_dir():
+        cfg = json.loads((out / "config.json").read_text())
+        assert cfg["tie_word_embeddings"] == (which == "llama")
+        assert cfg["weights_fingerprint"] == bundle.identity["weights_fingerprint"]
+    assert not [p for p in tmp_path.rglob("*") if ".tmp-" in p.name]     # atomic writes left no temp
+
+
+def test_head_file_without_metadata_is_refused(tmp_path):
+    path = tmp_path / "foreign.safetensors"
+    save_file({"model.embed_tokens.weight": torch.randn(3, 2)}, str(path))
+    with pytest.raises(CacheError, match="dflash_config"):
+        read_embeddings_and_head(path)
 
 
 def test_read_embeddings_sharded_vlm_layout(tmp_path):

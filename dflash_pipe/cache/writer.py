@@ -20,6 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..errors import RuntimeFailure, ValidationError
+from ..faults import fault_point
 from ..io_utils import _os_error, fsync_dir, temp_path_for
 from .schema import MAX_VALUE_BYTES, arrow_schema, column_names, parquet_write_options
 
@@ -182,6 +183,7 @@ class ShardWriter:
             self._writer.close()
             self._file.fsync_close()
             size = self.tmp_path.stat().st_size
+            fault_point("extract.before_rename")
             os.replace(self.tmp_path, self.final_path)
             fsync_dir(self.cache_dir)
         except OSError as exc:

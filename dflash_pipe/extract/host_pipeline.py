@@ -22,6 +22,7 @@ import torch
 
 from ..cache.codec import EncodedHidden
 from ..cache.writer import ShardWriter, make_row
+from ..faults import fault_point
 from .sanity import check_doc
 
 
@@ -115,6 +116,7 @@ class HostPipeline:
         if stats_NL3 is not None:
             if self.sanity:
                 check_doc(stats_NL3[i], job.sample_id, job.hidden.num_tokens, self.layer_ids)
+        fault_point("extract.compress")
         row = make_row(job.sample_id, job.doc_index, job.input_ids, job.loss_mask, job.hidden,
                        job.topk_ids, job.topk_logprobs)
         with self._lock:

@@ -30,6 +30,7 @@ from ..config import RunConfig, parse_shard_subset, write_resolved
 from ..data.sources import dataset_fingerprint, load_conversations
 from ..data.stats import DataStats
 from ..data.tokenize import ConversationTokenizer, iter_shard
+from ..faults import fault_point
 from ..dist import DistInfo, barrier, init_process_group, pick_device, set_rank_cache_dirs
 from ..io_utils import remove_stale_temps
 from ..progress import progress_bar
@@ -173,6 +174,7 @@ def run_extract(cfg: RunConfig) -> ExtractSummary:
         summary.seconds = time.perf_counter() - t0
         bar.close()
     barrier()
+    fault_point("extract.before_manifest")
     summary.complete = try_finalize(cache_dir, spec) is not None
     return summary
 
@@ -211,6 +213,7 @@ def _extract_shard(cfg: RunConfig, spec: dict, runner, tokenizer, shard: int, de
         nonlocal tokens
         lens = [s.num_tokens for _, s in pack]
         ids = torch.from_numpy(np.concatenate([s.input_ids for _, s in pack])).to(device, torch.long)
+        fault_point("extract.forward")
         out = runner.run(ids, lens)
         stats = feature_stats(out.hidden_TD, lens, num_layers)
         jobs, off = [], 0
@@ -260,6 +263,7 @@ def _extract_shard(cfg: RunConfig, spec: dict, runner, tokenizer, shard: int, de
                         "writer_idle_s": timers.writer_idle_s, "compress_s": timers.compress_s}}
     if ex.codec == FP8:
         stats["fp8_error"] = fp8_err
+    fault_point("extract.before_sidecar")
     write_sidecar(ex.cache_dir, spec, info, stats)
     return ShardSummary(shard, info.rows, info.tokens, seconds, timers.gpu_blocked_s, timers.writer_idle_s,
                         timers.compress_s)

@@ -6,8 +6,8 @@ opens the safetensors files with `safe_open` and reads only those tensors, follo
 `model.safetensors.index.json` for sharded checkpoints.
 
 Random targets have no checkpoint, so stage 1 writes one with `save_embeddings_and_head`: a
-minimal directory (config.json + model.safetensors with the same tensor names) that the same
-reader opens.
+single safetensors file (its small config in the file metadata) or a minimal directory
+(config.json + model.safetensors), with the same tensor names, that the same reader opens.
 
 Naming: plain causal LMs store `model.embed_tokens.weight` / `lm_head.weight` /
 `model.norm.weight`; Qwen3.5 checkpoints (a vision-language wrapper) store the text model
@@ -34,6 +34,7 @@ EMBED_NAMES = ("model.embed_tokens.weight", "model.language_model.embed_tokens.w
 HEAD_NAMES = ("lm_head.weight", "language_model.lm_head.weight")
 NORM_NAMES = ("model.norm.weight", "model.language_model.norm.weight", "language_model.model.norm.weight",
               "norm.weight")
+HEAD_CONFIG_KEY = "dflash_config"
 # model_type prefixes whose RMSNorm scale is (1 + stored weight).
 ZERO_CENTERED_NORM_TYPES = ("qwen3_5", "qwen3_next", "gemma")
 
@@ -92,16 +93,39 @@ def _first(locations: dict[str, Path], names: tuple[str, ...]) -> str | None:
     return next((n for n in names if n in locations), None)
 
 
-def read_embeddings_and_head(model_dir: str | Path) -> EmbeddingsAndHead:
-    """Read only embed_tokens, lm_head (or the tied embedding) and the final norm of a checkpoint."""
-    model_dir = Path(model_dir)
-    cfg_path = model_dir / "config.json"
+def _load_config_and_locations(path: Path) -> tuple[dict, dict[str, Path]]:
+    if path.is_file():
+        # A single head file written by save_embeddings_and_head: the config rides in its metadata.
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(path), framework="pt") as sf:
+                meta = sf.metadata() or {}
+                names = list(sf.keys())
+        except Exception as exc:
+            raise CacheError(f"{path}: not a readable safetensors file: {exc}",
+                             "re-run `dflash-pipe extract` to rewrite the target head file") from exc
+        if HEAD_CONFIG_KEY not in meta:
+            raise CacheError(f"{path}: no '{HEAD_CONFIG_KEY}' metadata; not a dflash-pipe target head file",
+                             "pass the target's model directory or the cache's head file")
+        return json.loads(meta[HEAD_CONFIG_KEY]), {n: path for n in names}
+    cfg_path = path / "config.json"
     try:
         config = json.loads(cfg_path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as exc:
         raise CacheError(f"{cfg_path}: cannot read the target config: {exc}",
                          "point at the target's model directory (with config.json)") from exc
-    locations = _tensor_locations(model_dir)
+    return config, _tensor_locations(path)
+
+
+def read_embeddings_and_head(model_dir: str | Path) -> EmbeddingsAndHead:
+    """Read only embed_tokens, lm_head (or the tied embedding) and the final norm.
+
+    `model_dir` is a checkpoint directory (single-file or sharded) or a head file written by
+    `save_embeddings_and_head`.
+    """
+    model_dir = Path(model_dir)
+    config, locations = _load_config_and_locations(model_dir)
     embed_name = _first(locations, EMBED_NAMES)
     if embed_name is None:
         raise CacheError(f"{model_dir}: no token embedding tensor (looked for {', '.join(EMBED_NAMES)})",
@@ -116,8 +140,8 @@ def read_embeddings_and_head(model_dir: str | Path) -> EmbeddingsAndHead:
     else:
         head = _read(locations, head_name)
     if head.shape != embed.shape:
-        raise CacheError(f"{model_dir}: lm_head {tuple(head.shape)} and embed_tokens {tuple(embed.shape)} differ in shape",
-                         "a head over a different vocabulary is not supported")
+        raise CacheError(f"{model_dir}: lm_head {tuple(head.shape)} and embed_tokens {tuple(embed.shape)} differ "
+                         "in shape", "a head over a different vocabulary is not supported")
     norm_name = _first(locations, NORM_NAMES)
     norm = None
     if norm_name is not None:
@@ -128,17 +152,18 @@ def read_embeddings_and_head(model_dir: str | Path) -> EmbeddingsAndHead:
     return EmbeddingsAndHead(embed, head, norm)
 
 
-def save_embeddings_and_head(bundle, out_dir: str | Path) -> Path:
-    """Write the bundle's embedding, head and final norm as a minimal checkpoint directory.
+def save_embeddings_and_head(bundle, out_path: str | Path) -> Path:
+    """Write the bundle's embedding, head and final norm so `read_embeddings_and_head` can read them.
 
-    The tensors keep the plain causal-LM names (and the raw, stored norm weight), and
-    config.json carries model_type / tie_word_embeddings / sizes, so `read_embeddings_and_head`
-    reads it exactly like a real checkpoint. Each file is written atomically; config.json last.
+    `out_path` ending in `.safetensors`: one file, the small config (model_type,
+    tie_word_embeddings, sizes, provenance) in its metadata. Otherwise: a minimal checkpoint
+    directory (config.json + model.safetensors). Tensors keep the plain causal-LM names and the
+    raw stored norm weight, so the reader treats it exactly like a real checkpoint. Writes are
+    atomic (the directory form writes config.json last).
     """
     from safetensors.torch import save_file
 
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_path = Path(out_path)
     model = bundle.model
     embed = model.get_input_embeddings().weight
     head = model.get_output_embeddings().weight
@@ -149,9 +174,7 @@ def save_embeddings_and_head(bundle, out_dir: str | Path) -> Path:
     norm = getattr(model.base_model, "norm", None)
     if norm is not None and getattr(norm, "weight", None) is not None:
         tensors["model.norm.weight"] = norm.weight.detach().cpu().contiguous()
-    with atomic_output(out_dir / "model.safetensors") as tmp:
-        save_file(tensors, str(tmp), metadata={"format": "pt"})
-    atomic_write_json(out_dir / "config.json", {
+    config = {
         "model_type": bundle.config.model_type,
         "architectures": [type(model).__name__],
         "tie_word_embeddings": bool(tied),
@@ -160,5 +183,13 @@ def save_embeddings_and_head(bundle, out_dir: str | Path) -> Path:
         "num_hidden_layers": bundle.num_layers,
         "dflash_source": bundle.identity.get("model"),
         "weights_fingerprint": bundle.identity.get("weights_fingerprint"),
-    })
-    return out_dir
+    }
+    if out_path.suffix == ".safetensors":
+        with atomic_output(out_path) as tmp:
+            save_file(tensors, str(tmp), metadata={"format": "pt", HEAD_CONFIG_KEY: json.dumps(config, sort_keys=True)})
+        return out_path
+    out_path.mkdir(parents=True, exist_ok=True)
+    with atomic_output(out_path / "model.safetensors") as tmp:
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+    atomic_write_json(out_path / "config.json", config)
+    return out_path

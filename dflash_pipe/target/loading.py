@@ -31,6 +31,7 @@ from .fingerprint import (  # noqa: E402
     weights_fingerprint_files,
     weights_fingerprint_tensors,
 )
+from .heads import read_embeddings_and_head, save_embeddings_and_head  # noqa: E402,F401 - re-exported
 from .presets import get_preset, preset_config  # noqa: E402
 
 log = logging.getLogger("dflash_pipe.target")
@@ -91,6 +92,7 @@ def _finalize(model, tokenizer, *, spec: str, revision: str, model_dir: Path | N
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     identity = {
         "model": spec,
+        "model_id": spec,                 # alias read by the extract fingerprint
         "revision": revision,
         "architecture": (getattr(model.config, "architectures", None) or [type(model).__name__])[0],
         "model_type": text.model_type,
@@ -135,14 +137,14 @@ def _load_dir(model_dir: Path, *, spec: str, device: torch.device, dtype: torch.
 
 
 def build_random_model(preset_name: str, *, seed: int, device: torch.device, dtype: torch.dtype,
-                       attn_implementation: str = "sdpa"):
+                       attn_implementation: str = "sdpa", **config_overrides):
     """Random-weight model of a preset, built directly on `device` in `dtype` (no CPU copy).
 
     The RNG is forked so the seed fixes the weights without disturbing the caller's RNG state.
     """
     from transformers import AutoModelForCausalLM
 
-    config = preset_config(preset_name)
+    config = preset_config(preset_name, **config_overrides)
     cuda_devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=cuda_devices):
         torch.manual_seed(seed)

@@ -155,11 +155,16 @@ def get_preset(name: str) -> Preset:
                          f"use one of: {', '.join(sorted(PRESETS))} (as --target-model random:<preset>)") from None
 
 
-def preset_config(name: str):
-    """The transformers config object of a preset (no weights are created)."""
+def preset_config(name: str, **overrides):
+    """The transformers config object of a preset (no weights are created).
+
+    `overrides` replace config values (e.g. a truncated `num_hidden_layers` + `layer_types`
+    for a quick shape check); a random target loaded by name never uses them.
+    """
     from transformers import AutoConfig
 
     preset = get_preset(name)
     values = {k: (list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else v)
               for k, v in preset.config_values.items()}
+    values.update(overrides)
     return AutoConfig.for_model(preset.model_type, **values)

@@ -22,6 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..errors import CacheError
+from ..faults import fault_point
 from ..io_utils import _os_error, atomic_write_json, fsync_dir, temp_path_for
 
 MARKER = "COMPLETE"
@@ -89,9 +90,11 @@ def save_checkpoint(out_dir: str | Path, step: int, model: torch.nn.Module, opt:
         (tmp / "state.json").write_text(json.dumps({**state, "optimizer": opt_meta}, indent=2, sort_keys=True))
         for f in tmp.iterdir():
             _fsync(f)
+        fault_point("train.checkpoint.before_marker")
         (tmp / MARKER).write_text(f"{step}\n")
         _fsync(tmp / MARKER)
         fsync_dir(tmp)
+        fault_point("train.checkpoint.before_rename")
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)

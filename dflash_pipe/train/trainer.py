@@ -20,6 +20,7 @@ from ..drafter import (AttentionMask, block_positions, default_gamma, draft_loss
                        gather_kd_targets, lock_compilation, summarize_metrics, unlock_compilation)
 from ..cache.codec import planes_to_hidden
 from ..errors import RuntimeFailure, ValidationError
+from ..faults import fault_point
 from .checkpoint import find_resume, load_checkpoint, save_checkpoint
 from .components import (FrozenHead, build_drafter_config, build_model, build_optimizer, cache_identity,
                          check_against_cache, check_resume_identity)
@@ -127,6 +128,7 @@ def run_train(cfg: RunConfig) -> dict:
                 if tr.checkpoint_every and step % tr.checkpoint_every == 0 and step < total:
                     _checkpoint(out_dir, step, epoch, step_in_epoch, model, opt, epoch_steps, total, spec, dcfg,
                                 cfg, info)
+                fault_point("train.after_step")
             epoch += 1
             step_in_epoch = 0
         _checkpoint(out_dir, step, epoch, step_in_epoch, model, opt, epoch_steps, total, spec, dcfg, cfg, info)
