@@ -52,12 +52,13 @@ def train_cmd(cfg: RunConfig):
     run_train(cfg)
 
 
-@config_command(app, "plan", own=(), others=("target", "data", "extract", "drafter", "train"))
-def plan_cmd(cfg: RunConfig):
+@config_command(app, "plan", own=(), others=("target", "data", "extract", "drafter", "train", "eval"))
+def plan_cmd(cfg: RunConfig, as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")):
     """Print what a pipeline run would do, on which devices, and whether stage 1 is needed."""
     from .plan import make_plan
 
-    typer.echo(make_plan(cfg).describe())
+    plan = make_plan(cfg)
+    typer.echo(plan.to_json() if as_json else plan.describe())
 
 
 @config_command(app, "eval", own=("eval",), others=("target", "train"))

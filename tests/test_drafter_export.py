@@ -161,3 +161,20 @@ def test_damaged_exports_are_refused(exported, tmp_path):
         load_exported_drafter(bad)
     with pytest.raises(CacheError, match="needs config.json"):
         load_exported_drafter(tmp_path / "nowhere")
+
+
+def test_wrapped_models_export_under_the_plain_names(exported, tmp_path):
+    model, cfg, out = exported
+
+    class FakeDDP(torch.nn.Module):
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+    wrapped = FakeDDP(torch.compile(model))  # compiling is lazy: nothing is compiled here
+    names = set(load_file(str(export_drafter(wrapped, cfg, tmp_path / "w") / "model.safetensors")))
+    assert names == spec_tensor_names(cfg.num_layers)
+    with pytest.raises(ValidationError, match="expected a DFlashDrafter"):
+        export_drafter(torch.nn.Linear(2, 2), cfg, tmp_path / "x")
+    with pytest.raises(ValidationError, match="do not match the config"):
+        export_drafter(model, tiny_config(num_layers=2), tmp_path / "y")

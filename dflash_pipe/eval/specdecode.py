@@ -1,0 +1,191 @@
+"""Greedy speculative decoding (batch 1) with a DFlash drafter, as serving engines run it.
+
+One generation:
+
+  1. the target prefills the prompt (capturing its features at the drafter's layers, see
+     `target_step`) and produces the first token;
+  2. each step, with p = position of the last committed token:
+       * the proposer drafts up to B-1 tokens. For DFlash the block input is
+         [token p, MASK x (B-1)] at positions p..p+B-1 and the context is the target
+         features of tokens 0..p-1: exactly the training layout (SPEC §5) with the anchor at
+         context index p, which the block may not see (kv < anchor, strictly). The anchor's
+         own context row is present but masked, so the mask is the training `AttentionMask`
+         unchanged. Slot k's draft is argmax(lm_head(drafter output k)), k = 1..B-1;
+       * the target verifies [token p, drafts] in ONE forward with its KV cache;
+       * drafts are accepted while they equal the target's argmax, then the target's own next
+         token is appended, so each step commits tau = accepted + 1 tokens;
+       * the cache is cropped back to the committed length.
+  3. stop at an EOS token (kept in the output, as HF generate does) or max_new_tokens.
+
+Because every committed token is a target argmax given the committed prefix, the output is
+identical to target-only greedy decoding whatever the proposer does (up to floating-point
+differences between a (k+1)-token and a 1-token forward, which in fp32 do not flip an argmax
+in practice; in bf16 they occasionally do, and the report counts identical outputs).
+
+Proposers share one interface, so DFlash, the n-gram baseline and test oracles run through the
+same verify/accept code: ``propose(tokens, features, num) -> list[int]`` where `tokens` are the
+committed tokens (last = token p), `features` the target feature buffer (rows 0..p-1 valid;
+None unless ``needs_features``) and `num` the most drafts this step may use (<= B-1).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from ..drafter import AttentionMask, DFlashDrafter, DrafterModelConfig, block_positions
+from ..errors import UsageError
+from .target_step import FeatureCapture, TargetVerifier
+
+
+class Proposer(Protocol):
+    needs_features: bool
+
+    def propose(self, tokens: list[int], features: torch.Tensor | None, num: int) -> list[int]: ...
+
+
+@dataclass
+class SpecResult:
+    """One generation. Per step i: drafts proposed, drafts accepted, slots the budget allowed."""
+
+    tokens: list[int]                              # generated tokens (EOS included if hit)
+    block_size: int
+    target_forwards: int = 0
+    proposed: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+    slot_limit: list[int] = field(default_factory=list)
+    committed: list[int] = field(default_factory=list)   # tokens committed per step (after EOS cut)
+    wall_s: float = 0.0
+    draft_s: float = 0.0
+
+    @property
+    def steps(self) -> int:
+        return len(self.accepted)
+
+    @property
+    def tau(self) -> float | None:
+        """Mean tokens committed per verify step (accepted drafts + the target's own token)."""
+        return sum(self.committed) / self.steps if self.steps else None
+
+    def slot_counts(self) -> tuple[list[int], list[int]]:
+        """(accepted, eligible) per slot k = 1..B-1: steps where slot k was accepted / could be.
+
+        A slot is eligible when the token budget allowed a draft there; a proposer that drafts
+        fewer tokens (n-gram with no match) still counts as eligible and not accepted.
+        """
+        n = self.block_size - 1
+        acc, elig = [0] * n, [0] * n
+        for a, limit in zip(self.accepted, self.slot_limit):
+            for k in range(limit):
+                elig[k] += 1
+                acc[k] += k < a
+        return acc, elig
+
+
+def speculative_generate(verifier: TargetVerifier, proposer: Proposer, prompt_ids: Sequence[int], *,
+                         block_size: int, max_new_tokens: int, eos_ids: Sequence[int]) -> SpecResult:
+    """Generate with `proposer` drafting and the verifier's target deciding (module docstring)."""
+    if block_size < 2:
+        raise UsageError(f"block_size must be >= 2, got {block_size}")
+    if max_new_tokens < 1:
+        raise UsageError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if proposer.needs_features and verifier.capture is None:
+        raise UsageError("this proposer needs target features: build the TargetVerifier with a FeatureCapture")
+    eos = set(int(e) for e in eos_ids)
+    sync = _sync_fn(verifier.device)
+    t0 = time.perf_counter()
+    first = verifier.prefill(prompt_ids, feature_rows=len(prompt_ids) + max_new_tokens + block_size)
+    out = [first]
+    res = SpecResult(out, block_size)
+    while out[-1] not in eos and len(out) < max_new_tokens:
+        remaining = max_new_tokens - len(out)
+        limit = min(block_size - 1, remaining - 1)      # the target adds one token of its own
+        feats = verifier.features() if proposer.needs_features else None
+        t_draft = time.perf_counter()
+        drafts = list(proposer.propose(list(verifier.tokens), feats, limit))[:limit] if limit else []
+        sync()
+        res.draft_s += time.perf_counter() - t_draft
+        target = verifier.verify(drafts)
+        accepted = 0
+        while accepted < len(drafts) and drafts[accepted] == target[accepted]:
+            accepted += 1
+        new = drafts[:accepted] + [target[accepted]]
+        verifier.commit(accepted, target[accepted])
+        cut = next((i + 1 for i, t in enumerate(new) if t in eos), len(new))
+        out.extend(new[:cut])
+        res.proposed.append(len(drafts))
+        res.accepted.append(accepted)
+        res.slot_limit.append(limit)
+        res.committed.append(cut)
+    sync()
+    res.wall_s = time.perf_counter() - t0
+    res.target_forwards = verifier.forwards
+    return res
+
+
+def _sync_fn(device: torch.device):
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
+class DFlashProposer:
+    """Drafts one block with a DFlash drafter over the target's features (module docstring)."""
+
+    needs_features = True
+
+    def __init__(self, drafter: DFlashDrafter, cfg: DrafterModelConfig, embed_VH: torch.Tensor,
+                 lm_head: torch.nn.Module):
+        self.drafter = drafter.eval()
+        self.cfg = cfg
+        self.embed_VH = embed_VH
+        self.lm_head = lm_head
+        self.device = embed_VH.device
+
+    def block_inputs(self, tokens: list[int], features: torch.Tensor):
+        """(context features [p+1, F], block embeds [B, H], ctx positions, block positions, mask)."""
+        p, B = len(tokens) - 1, self.cfg.block_size
+        if p < 1:
+            raise UsageError("DFlash needs at least one context token before the block")
+        ctx = features[:p + 1]   # row p (the anchor's slot) is masked: a block sees kv < anchor
+        ids = torch.full((B,), self.cfg.mask_token_id, dtype=torch.long, device=self.device)
+        ids[0] = tokens[p]
+        embeds = self.embed_VH[ids]
+        ctx_pos = torch.arange(p + 1, device=self.device)
+        anchor = torch.tensor([p], dtype=torch.long, device=self.device)
+        mask = AttentionMask(torch.zeros(p + 1, dtype=torch.int32, device=self.device), anchor,
+                             torch.zeros(1, dtype=torch.int32, device=self.device),
+                             torch.ones(1, dtype=torch.bool, device=self.device), B)
+        return ctx, embeds, ctx_pos, block_positions(ctx_pos, anchor, B), mask
+
+    @torch.inference_mode()
+    def propose(self, tokens: list[int], features: torch.Tensor | None, num: int) -> list[int]:
+        if num <= 0:
+            return []
+        ctx, embeds, ctx_pos, blk_pos, mask = self.block_inputs(tokens, features)
+        hidden_BH = self.drafter(ctx, embeds, ctx_pos, blk_pos, mask)
+        draft_hidden = hidden_BH[1:1 + num].to(self.lm_head.weight.dtype)
+        return [int(t) for t in self.lm_head(draft_hidden).argmax(dim=-1).tolist()]
+
+
+def make_dflash_verifier(model: torch.nn.Module, cfg: DrafterModelConfig, num_layers: int, hidden_size: int,
+                         cache_mode: str = "auto") -> TargetVerifier:
+    """A verifier whose hooks capture the drafter's `target_layer_ids` (call .capture.close() after)."""
+    capture = FeatureCapture(model, cfg.target_layer_ids, num_layers, hidden_size)
+    return TargetVerifier(model, cache_mode=cache_mode, capture=capture)
+
+
+def eos_token_ids(model: torch.nn.Module, tokenizer) -> list[int]:
+    """EOS ids from the generation config and the tokenizer (SmolLM2: <|im_end|> = 2)."""
+    ids: set[int] = set()
+    gen = getattr(model, "generation_config", None)
+    for value in (getattr(gen, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return sorted(ids)

@@ -1,0 +1,135 @@
+"""`dflash-pipe plan`: what a pipeline run would do, and why stage 1 is or is not needed.
+
+Stage 1 is decided by comparing the fingerprint this manifest would produce with the cache on
+disk, without loading the target's weights (weights are fingerprinted from safetensors headers
+and samples, see target/fingerprint.py):
+  run     no cache yet
+  resume  same fingerprint, some shards missing (extract skips the committed ones)
+  skip    same fingerprint, manifest complete
+  refuse  different fingerprint: the differing fields are listed; new cache dir or --overwrite
+Random-weight targets are fingerprinted from their tensors, which differ per device, so for
+them stage 1 always runs and decides itself (it skips committed shards if nothing changed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .cache import load_spec
+from .cache.manifest import MANIFEST_FILE, committed_shards, diff_fields, fingerprint_of
+from .config import RunConfig
+from .extract.fingerprint import fingerprint_fields, resolve_target_dtype
+
+
+@dataclass
+class Plan:
+    cfg: RunConfig
+    stage1: str
+    reason: str
+    device: str
+    fingerprint: str | None = None
+    differing: dict = field(default_factory=dict)
+    target_line: str = ""
+    layer_ids: list[int] = field(default_factory=list)
+    committed: int = 0
+
+    def to_json(self) -> str:
+        return json.dumps({"stage1": self.stage1, "reason": self.reason, "fingerprint": self.fingerprint,
+                           "cache_dir": self.cfg.extract.cache_dir, "num_shards": self.cfg.extract.num_shards,
+                           "committed_shards": self.committed, "layer_ids": self.layer_ids,
+                           "differing": {k: list(v) for k, v in self.differing.items()}}, default=str)
+
+    def describe(self) -> str:
+        c = self.cfg
+        gpus_e, gpus_t = os.environ.get("EXTRACT_GPUS", "0,1"), os.environ.get("TRAIN_GPUS", "2,3")
+        on_gpu = self.device.startswith("cuda")
+        lines = [f"dflash-pipe plan ({c.source})",
+                 f"  target    {self.target_line}",
+                 f"  layers    {self.layer_ids or '(decided when the target is loaded)'}",
+                 f"  data      {c.data.source} (format {c.data.format}, skip {c.data.skip_samples}, "
+                 f"max {c.data.max_samples or 'all'}), max length {c.extract.max_length}",
+                 f"  cache     {c.extract.cache_dir}: {c.extract.num_shards} shards, codec {c.extract.codec}, "
+                 f"top-k {c.extract.topk}" + (f", fingerprint {self.fingerprint[:16]}" if self.fingerprint else ""),
+                 f"  stage 1   {self.stage1.upper()}: {self.reason}"
+                 + (f"  [torchrun on GPUs {gpus_e}]" if on_gpu else "  [CPU]")]
+        for k, (old, new) in self.differing.items():
+            lines.append(f"              {k}: cache {old!r} -> manifest {new!r}")
+        ckpt_dir = Path(c.train.output_dir)
+        ckpts = sorted(ckpt_dir.glob("ckpt-*/COMPLETE")) if ckpt_dir.is_dir() else []
+        resume = f"resume from {ckpts[-1].parent.name}" if ckpts and c.train.resume == "auto" else "from scratch"
+        lines.append(f"  stage 2   train {c.drafter.num_layers}-layer drafter (block {c.drafter.block_size}) on "
+                     f"{c.train_cache_dir}, {c.train.epochs} epoch(s), context {c.train.context_tokens}, "
+                     f"{c.train.num_anchors} anchors, {resume} -> {c.train.output_dir}"
+                     + (f"  [DDP on GPUs {gpus_t}]" if on_gpu else "  [CPU]"))
+        lines.append(f"  eval      {c.eval.prompts} (max {c.eval.max_prompts or 'all'} prompts, "
+                     f"{c.eval.max_new_tokens} new tokens)")
+        return "\n".join(lines)
+
+
+def _dir_identity(model_dir: Path, trust_remote_code: bool) -> tuple[dict, dict]:
+    from transformers import AutoTokenizer
+
+    from .target.fingerprint import chat_template_hash, config_file_hash, safetensors_files, tokenizer_hash
+    from .target.fingerprint import weights_fingerprint_files
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True, trust_remote_code=trust_remote_code)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    text = cfg.get("text_config", cfg)
+    return ({"weights_fingerprint": weights_fingerprint_files(safetensors_files(model_dir)),
+             "config_hash": config_file_hash(model_dir / "config.json"), "tokenizer_hash": tokenizer_hash(tok),
+             "chat_template_hash": chat_template_hash(tok)}, text)
+
+
+def make_plan(cfg: RunConfig) -> Plan:
+    from .data.sources import dataset_fingerprint
+    from .target.embedded import ensure_embedded_model_dir
+    from .target.layers import default_target_layer_ids, validate_layer_ids
+
+    spec_str = cfg.target.model
+    dev = cfg.extract.device
+    device = torch.device("cuda" if dev == "auto" and torch.cuda.is_available() else ("cpu" if dev == "auto" else dev))
+    dtype = resolve_target_dtype(cfg.target.dtype, device)
+    cache_dir = Path(cfg.extract.cache_dir)
+    old = load_spec(cache_dir)
+    if spec_str.startswith("random:"):
+        plan = Plan(cfg, "run", "random-weight target: extract checks the fingerprint itself after building "
+                                "the model (committed shards are skipped if it matches)", str(device),
+                    target_line=f"{spec_str} (seed {cfg.target.seed}), {str(dtype)[6:]} on {device}")
+        if old is not None and (cache_dir / MANIFEST_FILE).exists():
+            plan.reason += "; a complete cache exists here"
+        return plan
+    if spec_str.startswith("embedded:"):
+        model_dir = ensure_embedded_model_dir(spec_str.split(":", 1)[1],
+                                              Path(os.path.expanduser(cfg.target.model_cache_dir)))
+    else:
+        model_dir = Path(os.path.expanduser(spec_str)).resolve()
+    identity, text = _dir_identity(model_dir, cfg.target.trust_remote_code)
+    identity["model_id"] = spec_str
+    n_layers = int(text["num_hidden_layers"])
+    layer_ids = validate_layer_ids(cfg.extract.layer_ids or default_target_layer_ids(cfg.extract.num_target_layers,
+                                                                                     n_layers), n_layers)
+    data_fp = dataset_fingerprint(cfg.data.source, cfg.data.format, cfg.data.skip_samples, cfg.data.max_samples)
+    fields = fingerprint_fields(cfg, identity, layer_ids, data_fp, dtype)
+    fp = fingerprint_of(fields)
+    line = (f"{spec_str} ({text.get('model_type')}, {n_layers} layers, hidden {text.get('hidden_size')}), "
+            f"{str(dtype)[6:]} on {device}")
+    plan = Plan(cfg, "run", "no cache in this directory yet", str(device), fp, target_line=line, layer_ids=layer_ids)
+    if old is None:
+        return plan
+    if old.get("fingerprint") != fp:
+        plan.stage1, plan.differing = "refuse", diff_fields(old.get("fingerprint_fields", {}), fields)
+        plan.reason = (f"the cache was extracted with different settings ({', '.join(plan.differing)}); "
+                       "use a new cache dir or --overwrite")
+        return plan
+    plan.committed = len(committed_shards(cache_dir, old))
+    if (cache_dir / MANIFEST_FILE).exists() and plan.committed == old["num_shards"]:
+        plan.stage1, plan.reason = "skip", "the cache is complete and its fingerprint matches this manifest"
+    else:
+        plan.stage1 = "resume"
+        plan.reason = f"same fingerprint, {plan.committed} of {old['num_shards']} shards committed"
+    return plan

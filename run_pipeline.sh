@@ -1,0 +1,114 @@
+#!/usr/bin/env bash
+# dflash-pipe end to end: stage 1 (extract) -> stage 2 (train) -> eval.
+#
+#   ./run_pipeline.sh [MANIFEST] [--dry-run] [--overwrite] [--follow] [--no-eval]
+#
+# MANIFEST defaults to manifests/default.toml (SmolLM2-135M-Instruct + ShareGPT, CPU-sized).
+# GPUs: stage 1 on EXTRACT_GPUS (default 0,1, one process per GPU), stage 2 on TRAIN_GPUS
+# (default 2,3, DDP). Without any GPU both stages run on the CPU. With fewer GPUs than named the
+# documented fallback is to run the stages one after the other on all visible GPUs (STRICT_GPUS=1
+# makes that an error instead).
+# Stage 1 is skipped when the cache is complete and its fingerprint equals this manifest's; a
+# cache built from other target/data/extraction settings is refused (exit 3) unless --overwrite.
+# --follow trains while extraction is still writing (disjoint GPUs only).
+# Exit status: the failing stage's (2 usage, 3 validation, 4 runtime, 130 interrupted).
+set -euo pipefail
+cd "$(dirname "$0")"
+
+MANIFEST=manifests/default.toml
+DRY=0 OVERWRITE=0 FOLLOW=0 EVAL=1
+for arg in "$@"; do
+  case "$arg" in
+    --dry-run) DRY=1 ;;
+    --overwrite) OVERWRITE=1 ;;
+    --follow) FOLLOW=1 ;;
+    --no-eval) EVAL=0 ;;
+    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    -*) echo "run_pipeline: unknown option $arg (see --help)" >&2; exit 2 ;;
+    *) MANIFEST="$arg" ;;
+  esac
+done
+[ -f "$MANIFEST" ] || { echo "run_pipeline: manifest $MANIFEST not found" >&2; exit 2; }
+
+source stages/common.sh
+NGPU=$(gpu_count)
+if [ "$NGPU" = 0 ]; then
+  for v in EXTRACT_GPUS TRAIN_GPUS; do
+    if [ -n "${!v:-}" ] && [ "${!v}" != cpu ]; then
+      echo "run_pipeline: $v=${!v} but no CUDA GPU is visible; unset it to run on the CPU" >&2; exit 2
+    fi
+  done
+  export EXTRACT_GPUS=cpu TRAIN_GPUS=cpu
+  DEVICE=cpu
+else
+  export EXTRACT_GPUS="${EXTRACT_GPUS:-0,1}" TRAIN_GPUS="${TRAIN_GPUS:-2,3}"
+  DEVICE=cuda
+  missing=$(tr ',' '\n' <<<"$EXTRACT_GPUS,$TRAIN_GPUS" | awk -v n="$NGPU" '$1 >= n' | sort -u | paste -sd, -)
+  if [ -n "$missing" ]; then
+    if [ "${STRICT_GPUS:-0}" = 1 ]; then
+      echo "run_pipeline: GPU(s) $missing named in EXTRACT_GPUS/TRAIN_GPUS, but only $NGPU visible" >&2; exit 2
+    fi
+    all=$(seq -s, 0 $((NGPU - 1)))
+    echo "run_pipeline: only $NGPU GPU(s) visible (asked for extract=$EXTRACT_GPUS train=$TRAIN_GPUS);" \
+         "falling back to both stages one after the other on GPUs $all" >&2
+    export EXTRACT_GPUS="$all" TRAIN_GPUS="$all"
+    FOLLOW=0
+  elif [ "$FOLLOW" = 1 ] && [ -n "$(comm -12 <(tr ',' '\n' <<<"$EXTRACT_GPUS" | sort) <(tr ',' '\n' <<<"$TRAIN_GPUS" | sort))" ]; then
+    echo "run_pipeline: --follow needs disjoint EXTRACT_GPUS and TRAIN_GPUS" >&2; exit 2
+  fi
+fi
+
+plan_json=$("$PY" -m dflash_pipe plan -m "$MANIFEST" --json --extract-device "$DEVICE") || exit $?
+stage1=$("$PY" -c 'import json,sys; print(json.loads(sys.argv[1])["stage1"])' "$plan_json")
+echo "run_pipeline: manifest $MANIFEST; extract on ${EXTRACT_GPUS}, train on ${TRAIN_GPUS}; stage 1: $stage1"
+if [ "$DRY" = 1 ]; then
+  "$PY" -m dflash_pipe plan -m "$MANIFEST" --extract-device "$DEVICE"
+  exit 0
+fi
+
+extract_args=()
+case "$stage1" in
+  skip) echo "run_pipeline: stage 1 skipped: the cache is complete and matches this manifest" ;;
+  refuse)
+    if [ "$OVERWRITE" = 1 ]; then extract_args+=(--overwrite); stage1=run
+    else
+      "$PY" -m dflash_pipe plan -m "$MANIFEST" --extract-device "$DEVICE" >&2
+      echo "run_pipeline: refusing to mix caches: use a new [extract].cache_dir or pass --overwrite" >&2; exit 3
+    fi ;;
+esac
+
+pids=()
+cleanup() {
+  trap - INT TERM
+  echo "run_pipeline: interrupted; stopping stages (committed shards and checkpoints are kept)" >&2
+  for p in "${pids[@]}"; do kill -INT "$p" 2>/dev/null || true; done
+  wait || true
+  exit 130
+}
+trap cleanup INT TERM
+
+fail() { echo "run_pipeline: $1 failed (exit $2)" >&2; exit "$2"; }
+
+if [ "$stage1" != skip ] && [ "$FOLLOW" = 1 ]; then
+  stages/extract.sh "$MANIFEST" "${extract_args[@]}" & pids+=($!)
+  stages/train.sh "$MANIFEST" --follow & pids+=($!)
+  rc_e=0; rc_t=0
+  wait "${pids[0]}" || rc_e=$?
+  if [ "$rc_e" != 0 ]; then kill -INT "${pids[1]}" 2>/dev/null || true; wait "${pids[1]}" || true; fail "stage 1 (extract)" "$rc_e"; fi
+  wait "${pids[1]}" || rc_t=$?
+  [ "$rc_t" = 0 ] || fail "stage 2 (train --follow)" "$rc_t"
+else
+  if [ "$stage1" != skip ]; then
+    stages/extract.sh "$MANIFEST" "${extract_args[@]}" & pids=($!)
+    wait "${pids[0]}" || fail "stage 1 (extract)" $?
+  fi
+  stages/train.sh "$MANIFEST" & pids=($!)
+  wait "${pids[0]}" || fail "stage 2 (train)" $?
+fi
+
+if [ "$EVAL" = 1 ]; then
+  first_gpu=$( [ "$DEVICE" = cpu ] && echo "" || cut -d, -f1 <<<"$TRAIN_GPUS")
+  CUDA_VISIBLE_DEVICES="${first_gpu}" "$PY" -m dflash_pipe eval -m "$MANIFEST" --device "$DEVICE" & pids=($!)
+  wait "${pids[0]}" || fail "eval" $?
+fi
+echo "run_pipeline: done"

