@@ -119,6 +119,10 @@ class TrainConfig:
     gamma: float = opt(0.0, "Loss weight decay exp(-(k-1)/gamma) over block slots (0 = 7/5/4 for B = 16/10/8).")
     kd_weight: float = opt(0.0, "Weight of KD against the cached top-k (+ tail bucket); CE gets 1 - kd_weight.")
     loss_chunk_tokens: int = opt(1024, "Query tokens per lm_head chunk in the loss (bounds logits memory).")
+    fused_loss: bool = opt(True, "Compute the loss gradient w.r.t. the drafter output inside the forward pass "
+                           "(each lm_head chunk runs once instead of being recomputed in backward).")
+    checkpoint_mlp_layers: int = opt(0, "Recompute the MLP of this many draft layers in backward (saves the "
+                                     "[query tokens, intermediate] activations; costs two GEMMs per layer).")
     seed: int = opt(0, "Seed for anchors, shuffling and init.")
     precision: str = opt("auto", "'bf16' autocast with fp32 master weights, 'fp32', or 'auto' (bf16 on CUDA).",
                          ("auto", "bf16", "fp32"))

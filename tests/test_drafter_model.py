@@ -129,13 +129,16 @@ def test_flex_path_equals_sdpa_path_in_float64():
                                    rtol=1e-10, atol=1e-10)
 
 
-def test_gradient_checkpointing_gives_the_same_gradients():
+@pytest.mark.parametrize("mode", ["layer", "mlp"])
+def test_gradient_checkpointing_gives_the_same_gradients(mode):
     cfg = tiny_config()
     row = random_packed_row(3)
     feats, embeds, cpos, bpos, mask = inputs(row, cfg, seed=2)
     grads = []
     for ckpt in (False, True):
-        model = build(cfg, seed=5, gradient_checkpointing=ckpt)
+        model = build(cfg, seed=5, gradient_checkpointing=ckpt and mode == "layer")
+        for layer in model.layers:
+            layer.checkpoint_mlp = ckpt and mode == "mlp"
         e = embeds.clone().requires_grad_()
         out = model(feats, e, cpos, bpos, mask)
         (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()

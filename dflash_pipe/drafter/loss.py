@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ..errors import UsageError, ValidationError
+from .fused_loss import fused_head_loss
 
 IGNORE_INDEX = -100
 _GAMMA_POINTS = ((8, 4.0), (10, 5.0), (16, 7.0))  # DFlash recipe values (SPEC §5)
@@ -106,7 +107,7 @@ def _chunk_terms(hidden_cH, lm_head_VH, labels_c, weights_c, kd_ids_cK, kd_lp_cK
 
 
 def draft_loss(hidden_QH: torch.Tensor, lm_head_VH: torch.Tensor, labels_NB: torch.Tensor, block_size: int,
-               gamma: float, loss_chunk_tokens: int, kd: KDTargets | None = None):
+               gamma: float, loss_chunk_tokens: int, kd: KDTargets | None = None, fused: bool = False):
     """Weighted per-slot CE (+ optional top-k KD with tail bucket). Returns (loss, metrics).
 
     hidden_QH: drafter output [N*B, H]; lm_head_VH: frozen target head [V, H];
@@ -136,25 +137,31 @@ def draft_loss(hidden_QH: torch.Tensor, lm_head_VH: torch.Tensor, labels_NB: tor
         kd_ids = kd.topk_ids_NBK.reshape(n * b, -1).to(torch.int64)
         kd_lp = kd.topk_logprobs_NBK.reshape(n * b, -1)
 
-    ce_sum = kd_sum = hidden_QH.new_zeros((), dtype=torch.promote_types(hidden_QH.dtype, torch.float32))
-    preds = []
-    use_ckpt = torch.is_grad_enabled() and hidden_QH.requires_grad
-    for start in range(0, n * b, loss_chunk_tokens):
-        sl = slice(start, start + loss_chunk_tokens)
-        args = (hidden_QH[sl], lm_head_VH, flat_labels[sl], flat_weights[sl],
-                None if kd_ids is None else kd_ids[sl], None if kd_lp is None else kd_lp[sl])
-        if use_ckpt:
-            c_ce, c_kd, c_pred = checkpoint(_chunk_terms, *args, use_reentrant=False)
-        else:
-            c_ce, c_kd, c_pred = _chunk_terms(*args)
-        ce_sum = ce_sum + c_ce
-        kd_sum = kd_sum + c_kd
-        preds.append(c_pred)
-
-    weight_sum = flat_weights.sum().to(ce_sum.dtype)
-    total = (1.0 - kd_weight) * ce_sum + kd_weight * kd_sum
-    # A row without any valid slot gives loss 0 with zero gradients (no NaN, no host sync).
-    loss = total / weight_sum.clamp(min=1e-6)
+    if fused:  # gradient computed in the forward pass, no logits recompute (fused_loss.py)
+        loss, ce_sum, kd_sum, pred_flat = fused_head_loss(
+            hidden_QH, lm_head_VH, flat_labels, flat_weights, kd_ids, kd_lp, kd_weight, loss_chunk_tokens)
+        weight_sum = flat_weights.sum().to(ce_sum.dtype)
+        total = (1.0 - kd_weight) * ce_sum + kd_weight * kd_sum
+        preds = [pred_flat]
+    else:
+        ce_sum = kd_sum = hidden_QH.new_zeros((), dtype=torch.promote_types(hidden_QH.dtype, torch.float32))
+        preds = []
+        use_ckpt = torch.is_grad_enabled() and hidden_QH.requires_grad
+        for start in range(0, n * b, loss_chunk_tokens):
+            sl = slice(start, start + loss_chunk_tokens)
+            args = (hidden_QH[sl], lm_head_VH, flat_labels[sl], flat_weights[sl],
+                    None if kd_ids is None else kd_ids[sl], None if kd_lp is None else kd_lp[sl])
+            if use_ckpt:
+                c_ce, c_kd, c_pred = checkpoint(_chunk_terms, *args, use_reentrant=False)
+            else:
+                c_ce, c_kd, c_pred = _chunk_terms(*args)
+            ce_sum = ce_sum + c_ce
+            kd_sum = kd_sum + c_kd
+            preds.append(c_pred)
+        weight_sum = flat_weights.sum().to(ce_sum.dtype)
+        total = (1.0 - kd_weight) * ce_sum + kd_weight * kd_sum
+        # A row without any valid slot gives loss 0 with zero gradients (no NaN, no host sync).
+        loss = total / weight_sum.clamp(min=1e-6)
 
     with torch.no_grad():
         pred_NB = torch.cat(preds).reshape(n, b)

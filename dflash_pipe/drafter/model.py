@@ -106,10 +106,18 @@ class DrafterLayer(nn.Module):
         self.mlp = DrafterMLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # Recompute norm + MLP in backward: keeps only the MLP input instead of its three
+        # [Q, intermediate] activations (the largest ones); costs the gate/up GEMMs once more.
+        self.checkpoint_mlp = False
+
+    def _mlp_block(self, x_QH):
+        return self.mlp(self.post_attention_layernorm(x_QH))
 
     def forward(self, x_QH, h_SH, rope_block, rope_ctx, mask, path, flex_opts):
         x_QH = x_QH + self.self_attn(self.input_layernorm(x_QH), h_SH, rope_block, rope_ctx, mask, path, flex_opts)
-        return x_QH + self.mlp(self.post_attention_layernorm(x_QH))
+        if self.checkpoint_mlp and torch.is_grad_enabled():
+            return x_QH + checkpoint(self._mlp_block, x_QH, use_reentrant=False)
+        return x_QH + self._mlp_block(x_QH)
 
 
 class DFlashDrafter(nn.Module):

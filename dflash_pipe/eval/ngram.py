@@ -3,12 +3,11 @@
 The proposer looks for the longest suffix of the committed tokens, n = max_n down to min_n,
 that also occurs earlier in them, and drafts the tokens that followed that earlier occurrence
 (up to `num`). Among several earlier occurrences of the same n-gram the most recent one wins
-(recent context predicts the continuation best; HF's prompt-lookup takes the first, vLLM's
-n-gram proposer the longest match, we take the longest n and then the latest position). An
-occurrence counts when at least one token follows it before the suffix itself starts
-copying... precisely: an occurrence starting at i (i + n <= len - 1, i.e. not the suffix
-itself) proposes tokens[i + n : i + n + num], which may run into the suffix. No match: no
-drafts, the step commits only the target's own token (tau = 1).
+(recent context tends to predict the continuation best; HF's prompt-lookup decoding takes the
+first occurrence instead). An earlier occurrence starting at i must be followed by at least one
+token (i + n <= len - 1, which also excludes the suffix itself); it proposes
+tokens[i + n : i + n + num], which may run into the suffix (a repeating pattern keeps
+repeating). No match: no drafts, and the step commits only the target's own token (tau = 1).
 
 It runs through the same `speculative_generate` harness as DFlash (only the proposer differs).
 """

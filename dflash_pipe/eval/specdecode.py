@@ -96,7 +96,7 @@ def speculative_generate(verifier: TargetVerifier, proposer: Proposer, prompt_id
     if proposer.needs_features and verifier.capture is None:
         raise UsageError("this proposer needs target features: build the TargetVerifier with a FeatureCapture")
     eos = set(int(e) for e in eos_ids)
-    sync = _sync_fn(verifier.device)
+    sync = sync_fn(verifier.device)
     t0 = time.perf_counter()
     first = verifier.prefill(prompt_ids, feature_rows=len(prompt_ids) + max_new_tokens + block_size)
     out = [first]
@@ -127,7 +127,7 @@ def speculative_generate(verifier: TargetVerifier, proposer: Proposer, prompt_id
     return res
 
 
-def _sync_fn(device: torch.device):
+def sync_fn(device: torch.device):
     if device.type == "cuda":
         return lambda: torch.cuda.synchronize(device)
     return lambda: None

@@ -75,6 +75,7 @@ class FeatureCapture:
         self.hidden_size = hidden_size
         self.buffer: torch.Tensor | None = None   # [max_tokens, n * H]
         self.offset = 0
+        self.active = False                          # armed only during the owner's own forwards
         layers = decoder_layers(model)
         self._handles = []
         for j, layer_id in enumerate(self.layer_ids):
@@ -88,7 +89,7 @@ class FeatureCapture:
         H = self.hidden_size
 
         def hook(_mod, _inp, out):
-            if self.buffer is None:
+            if not self.active or self.buffer is None:
                 return
             h = out[0] if isinstance(out, (tuple, list)) else out
             h = h[0]                                            # batch 1: [T, H]
@@ -127,8 +128,12 @@ class TargetVerifier:
         if self.mode == "crop":
             kwargs[self.cache_kw] = self.cache
         if self.capture is not None:
-            self.capture.offset = offset
-        out = self.model(input_ids=x, **kwargs)
+            self.capture.offset, self.capture.active = offset, True
+        try:
+            out = self.model(input_ids=x, **kwargs)
+        finally:
+            if self.capture is not None:
+                self.capture.active = False
         self.forwards += 1
         return out.logits[0, -keep_logits:].argmax(dim=-1)
 
@@ -172,6 +177,18 @@ class TargetVerifier:
         self.tokens.extend(fed[1:1 + accepted])
         self.tokens.append(int(bonus))
         self._pending = []
+
+    def close(self) -> None:
+        """Remove the capture hooks and drop the cache (the model is a plain HF model again)."""
+        if self.capture is not None:
+            self.capture.close()
+        self.cache = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
     def features(self) -> torch.Tensor:
         """The feature buffer (rows 0..p-1 final, p = len(tokens) - 1)."""

@@ -95,9 +95,12 @@ class FrozenHead:
         return blocks.reshape(n * block_size, h).to(self.device, dtype=dtype, non_blocking=True)
 
 
-def build_model(dcfg: DrafterModelConfig, device: torch.device, seed: int, compile_layers: bool) -> DFlashDrafter:
+def build_model(dcfg: DrafterModelConfig, device: torch.device, seed: int, compile_layers: bool,
+                checkpoint_mlp_layers: int = 0) -> DFlashDrafter:
     torch.manual_seed(seed)
     model = DFlashDrafter(dcfg).to(device=device, dtype=torch.float32)
+    for layer in list(model.layers)[:checkpoint_mlp_layers]:
+        layer.checkpoint_mlp = True
     if compile_layers:
         for i, layer in enumerate(model.layers):
             model.layers[i] = torch.compile(layer, dynamic=False)

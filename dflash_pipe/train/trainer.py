@@ -64,7 +64,7 @@ def run_train(cfg: RunConfig) -> dict:
     head = FrozenHead(Path(cfg.train_cache_dir), spec["features"]["head_file"], device,
                       torch.bfloat16 if precision == "bf16" else torch.float32)
     compile_layers = tr.compile == "on" or (tr.compile == "auto" and device.type == "cuda")
-    model = build_model(dcfg, device, tr.seed, compile_layers)
+    model = build_model(dcfg, device, tr.seed, compile_layers, tr.checkpoint_mlp_layers)
     loader = BatchLoader(index, rank=info.rank, world=info.world, seed=tr.seed, context_tokens=tr.context_tokens,
                          num_anchors=tr.num_anchors, max_anchors_per_doc=tr.max_anchors_per_doc,
                          block_size=dcfg.block_size, shuffle_rows=tr.shuffle_rows, workers=tr.loader_workers,
@@ -158,6 +158,8 @@ def _train_step(ddp, model, head, opt, sched, batch, dcfg, device, autocast, cod
     t = {k: v.to(device, non_blocking=True) for k, v in batch.tensors().items()}
     hidden = planes_to_hidden(codec, t["planes"], t.get("scale"), n_layers)
     mask = AttentionMask(t["ctx_doc_S"], t["anchor_index_N"], t["block_doc_N"], t["block_valid_N"], dcfg.block_size)
+    if dcfg.attention == "flex":
+        mask.block_mask()  # build (compiled) outside the compiled layers; cached on the mask
     bpos = block_positions(t["ctx_pos_S"], t["anchor_index_N"], dcfg.block_size)
     embeds = head.block_embeds(batch.anchor_tokens_N, dcfg.mask_token_id, dcfg.block_size, torch.float32)
     kd = None
@@ -167,7 +169,7 @@ def _train_step(ddp, model, head, opt, sched, batch, dcfg, device, autocast, cod
     with autocast:
         out = ddp(hidden, embeds, t["ctx_pos_S"], bpos, mask)
         loss, metrics = draft_loss(out, head.lm_head_VH, t["labels_NB"], dcfg.block_size, gamma,
-                                   tr.loss_chunk_tokens, kd)
+                                   tr.loss_chunk_tokens, kd, fused=tr.fused_loss)
     loss.backward()
     grad_norm = (torch.nn.utils.clip_grad_norm_(model.parameters(), tr.grad_clip) if tr.grad_clip > 0 else
                  torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()

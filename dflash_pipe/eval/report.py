@@ -1,0 +1,131 @@
+"""Aggregate generations into the eval report: JSON, a Markdown table and the acceptance plot.
+
+Per prompt set and method:
+  * tau = tokens committed by verify steps / verify steps, over the whole set (the token-weighted
+    acceptance length serving benchmarks report; the prefill's first token is not a step);
+  * per-position acceptance: for slot k = 1..B-1, the fraction of steps (where the token budget
+    allowed a draft in slot k) whose drafts were accepted up to slot k;
+  * tokens/s = generated tokens / wall time over the set; speedup = method tokens/s divided by
+    target-only greedy tokens/s on the same prompts (omitted when the target ran in
+    'recompute' cache mode, whose timings say nothing about a serving engine);
+  * identical: fraction of prompts whose output equals target-only greedy decoding.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from .specdecode import SpecResult
+
+METHODS = ("dflash", "ngram")
+METHOD_LABELS = {"dflash": "DFlash", "ngram": "n-gram"}
+
+
+def method_summary(results: list[SpecResult], reference: list[list[int]], target_tok_s: float | None,
+                   with_speedup: bool) -> dict:
+    block = results[0].block_size if results else 0
+    steps = sum(r.steps for r in results)
+    committed = sum(sum(r.committed) for r in results)
+    acc, elig = [0] * max(0, block - 1), [0] * max(0, block - 1)
+    for r in results:
+        a, e = r.slot_counts()
+        acc = [x + y for x, y in zip(acc, a)]
+        elig = [x + y for x, y in zip(elig, e)]
+    tokens = sum(len(r.tokens) for r in results)
+    wall = sum(r.wall_s for r in results)
+    tok_s = tokens / wall if wall > 0 else None
+    speedup = tok_s / target_tok_s if with_speedup and tok_s and target_tok_s else None
+    identical = sum(r.tokens == ref for r, ref in zip(results, reference))
+    return {
+        "tau": committed / steps if steps else None,
+        "acceptance": [a / e if e else None for a, e in zip(acc, elig)],
+        "accepted_per_slot": acc, "eligible_per_slot": elig,
+        "steps": steps, "target_forwards": sum(r.target_forwards for r in results),
+        "generated_tokens": tokens, "wall_s": wall, "draft_s": sum(r.draft_s for r in results),
+        "tokens_per_s": tok_s, "speedup": speedup,
+        "identical_to_target": identical / len(results) if results else None,
+    }
+
+
+def training_tau(train_dir: Path) -> dict | None:
+    """Simulated tau logged by training: the last record and the mean over the last 10 % of records."""
+    path = Path(train_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    taus = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue                          # a line cut by a killed run
+        if isinstance(rec, dict) and isinstance(rec.get("tau"), (int, float)) and math.isfinite(rec["tau"]):
+            taus.append(float(rec["tau"]))
+    if not taus:
+        return None
+    tail = taus[-max(1, len(taus) // 10):]
+    return {"metrics_file": str(path), "records": len(taus), "tau_last": taus[-1],
+            "tau_last_10pct_mean": sum(tail) / len(tail)}
+
+
+def _fmt(x, spec: str = ".2f", suffix: str = "") -> str:
+    return "-" if x is None else f"{x:{spec}}{suffix}"
+
+
+def markdown_table(report: dict) -> str:
+    lines = ["| set | prompts | target tok/s | DFlash tau | DFlash tok/s | DFlash speedup | n-gram tau | "
+             "n-gram tok/s | n-gram speedup | identical (DFlash) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, s in report["sets"].items():
+        d, n = s["dflash"], s["ngram"]
+        lines.append(f"| {name} | {s['prompts']} | {_fmt(s['target_only']['tokens_per_s'], ',.1f')} | "
+                     f"{_fmt(d['tau'])} | {_fmt(d['tokens_per_s'], ',.1f')} | {_fmt(d['speedup'], '.2f', 'x')} | "
+                     f"{_fmt(n['tau'])} | {_fmt(n['tokens_per_s'], ',.1f')} | {_fmt(n['speedup'], '.2f', 'x')} | "
+                     f"{_fmt(d['identical_to_target'], '.0%')} |")
+    tr = report.get("training")
+    if tr:
+        lines.append("")
+        lines.append(f"Training-time simulated tau: last {tr['tau_last']:.2f}, mean of the last 10 % of logged "
+                     f"steps {tr['tau_last_10pct_mean']:.2f} (eval tau above is real speculative decoding).")
+    if report.get("cache_mode") == "recompute":
+        lines.append("")
+        lines.append("Target ran in 'recompute' cache mode (recurrent layers): tau is exact, speedups are omitted.")
+    return "\n".join(lines) + "\n"
+
+
+def acceptance_markdown(report: dict) -> str:
+    out = []
+    for name, s in report["sets"].items():
+        k = len(s["dflash"]["acceptance"])
+        out.append(f"\nPer-position acceptance, {name}:\n")
+        out.append("| method | " + " | ".join(str(i) for i in range(1, k + 1)) + " |")
+        out.append("|---|" + "---:|" * k)
+        for m in METHODS:
+            out.append(f"| {METHOD_LABELS[m]} | " + " | ".join(_fmt(a) for a in s[m]["acceptance"]) + " |")
+    return "\n".join(out) + "\n"
+
+
+def plot_acceptance(report: dict, out_png: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for i, (name, s) in enumerate(report["sets"].items()):
+        color = f"C{i % 10}"
+        for m, style in (("dflash", "-o"), ("ngram", "--x")):
+            acc = s[m]["acceptance"]
+            ks = [k + 1 for k, a in enumerate(acc) if a is not None]
+            ax.plot(ks, [a for a in acc if a is not None], style, color=color,
+                    label=f"{name} {METHOD_LABELS[m]} (tau {_fmt(s[m]['tau'])})")
+    ax.set_xlabel("block position k")
+    ax.set_ylabel("fraction of steps accepted through k")
+    ax.set_ylim(0, 1.02)
+    ax.set_title("per-position acceptance: DFlash vs n-gram")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)
+    return out_png

@@ -1,0 +1,191 @@
+"""`dflash-pipe eval`: real speculative decoding of target + exported drafter on prompt sets.
+
+For every prompt of every set (cfg.eval.prompts, at most cfg.eval.max_prompts each) three
+generations of cfg.eval.max_new_tokens tokens run on the same target, one after the other:
+target-only greedy (the reference output and the tokens/s baseline), DFlash, and the n-gram
+prompt-lookup baseline through the same verify/accept harness. A short warm-up generation of
+each kind runs first so one-time costs (CUDA context, kernel selection) stay out of the timings.
+
+Outputs (cfg.eval.output_dir, default <train.output_dir>/eval): eval_report.json,
+eval_report.md, acceptance.png, eval_prompts.jsonl (one line per prompt and method) and
+resolved_config.toml. The Markdown table is also printed, with the training-time simulated tau
+from <train.output_dir>/metrics.jsonl when that file exists.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from ..config import RunConfig, write_resolved
+from ..data.prompts import Prompt, load_prompt_sets
+from ..drafter import DrafterModelConfig, load_exported_drafter
+from ..errors import UsageError, ValidationError
+from ..io_utils import atomic_write_json, atomic_write_text
+from ..progress import progress_bar
+from ..target import load_target
+from ..target.loading import TargetBundle
+from .ngram import NgramProposer
+from .report import acceptance_markdown, markdown_table, method_summary, plot_acceptance, training_tau
+from .specdecode import (DFlashProposer, SpecResult, eos_token_ids, make_dflash_verifier, speculative_generate,
+                         sync_fn)
+from .target_step import TargetVerifier, greedy_generate
+
+log = logging.getLogger("dflash_pipe.eval")
+WARMUP_TOKENS = 8
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"device '{name}' was asked for, but no CUDA GPU is visible", "pass --device cpu")
+    return device
+
+
+def encode_prompt(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """Chat-template the prompt with the generation prompt; plain text if the tokenizer has no template."""
+    if getattr(tokenizer, "chat_template", None):
+        enc = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+        return [int(t) for t in enc["input_ids"]]
+    return [int(t) for t in tokenizer("\n\n".join(m["content"] for m in messages))["input_ids"]]
+
+
+def check_drafter_fits(dcfg: DrafterModelConfig, bundle: TargetBundle, where: str) -> None:
+    """Refuse a drafter trained for another target, naming every field that differs."""
+    expect = {"hidden_size": bundle.hidden_size, "num_target_layers": bundle.num_layers,
+              "vocab_size": bundle.vocab_size}
+    diff = {k: (getattr(dcfg, k), v) for k, v in expect.items() if getattr(dcfg, k) != v}
+    if diff:
+        lines = "; ".join(f"{k}: drafter {a} vs target {b}" for k, (a, b) in diff.items())
+        raise ValidationError(f"{where} was not trained for this target: {lines}",
+                              "pass the target the drafter was trained on (--target-model), or another --drafter")
+
+
+def drafter_dir(cfg: RunConfig) -> Path:
+    d = Path(cfg.eval.drafter) if cfg.eval.drafter else Path(cfg.train.output_dir) / "export"
+    if not d.is_dir():
+        raise UsageError(f"drafter export {d} does not exist",
+                         "train first (`dflash-pipe train` writes <output_dir>/export) or pass --drafter DIR")
+    return d
+
+
+def output_dir(cfg: RunConfig) -> Path:
+    return Path(cfg.eval.output_dir) if cfg.eval.output_dir else Path(cfg.train.output_dir) / "eval"
+
+
+def _record(set_name: str, prompt: Prompt, method: str, r: SpecResult | None, tokens: list[int],
+            wall_s: float, reference: list[int]) -> dict:
+    rec = {"set": set_name, "id": prompt.id, "method": method, "generated": len(tokens), "wall_s": wall_s,
+           "identical_to_target": tokens == reference}
+    if r is not None:
+        acc, elig = r.slot_counts()
+        rec.update(tau=r.tau, steps=r.steps, target_forwards=r.target_forwards, accepted=r.accepted,
+                   accepted_per_slot=acc, eligible_per_slot=elig, draft_s=r.draft_s)
+    return rec
+
+
+def run_eval(cfg: RunConfig) -> dict:
+    ev = cfg.eval
+    if ev.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be >= 1, got {ev.max_new_tokens}")
+    device = resolve_device(ev.device)
+    export = drafter_dir(cfg)
+    out_dir = output_dir(cfg)
+    t = cfg.target
+    bundle = load_target(t.model, device=device, dtype=t.dtype, revision=t.revision,
+                         trust_remote_code=t.trust_remote_code, seed=t.seed, model_cache_dir=t.model_cache_dir,
+                         attn_implementation=t.attn_implementation)
+    drafter, dcfg = load_exported_drafter(export, dtype=bundle.dtype, device=device, attention="sdpa")
+    check_drafter_fits(dcfg, bundle, f"drafter {export}")
+    sets = load_prompt_sets(ev.prompts, ev.max_prompts, skip_samples=cfg.data.skip_samples,
+                            source=cfg.data.source, format=cfg.data.format)
+    model, tok = bundle.model, bundle.tokenizer
+    eos = eos_token_ids(model, tok)
+    B = dcfg.block_size
+    max_pos = min(int(getattr(bundle.config, "max_position_embeddings", 1 << 30) or 1 << 30),
+                  dcfg.max_position_embeddings)
+    max_prompt = max_pos - ev.max_new_tokens - B
+    dflash_verifier = make_dflash_verifier(model, dcfg, bundle.num_layers, bundle.hidden_size)
+    plain_verifier = TargetVerifier(model)
+    cache_mode = dflash_verifier.mode
+    dflash = DFlashProposer(drafter, dcfg, model.get_input_embeddings().weight, model.get_output_embeddings())
+    ngram = NgramProposer()
+    print(f"eval: target {t.model} ({bundle.family}, {bundle.identity['dtype']}) on {device}, drafter {export} "
+          f"(B={B}, layers {dcfg.target_layer_ids}), cache mode {cache_mode}, {ev.max_new_tokens} new tokens",
+          flush=True)
+    report: dict = {"target": {k: bundle.identity.get(k) for k in ("model", "model_type", "weights_fingerprint",
+                                                                   "dtype", "num_layers")},
+                    "drafter": {"dir": str(export), "block_size": B, "num_layers": dcfg.num_layers,
+                                "target_layer_ids": dcfg.target_layer_ids, "mask_token_id": dcfg.mask_token_id},
+                    "device": str(device), "cache_mode": cache_mode, "max_new_tokens": ev.max_new_tokens,
+                    "eos_token_ids": eos, "sets": {}}
+    records: list[dict] = []
+    warmed = False
+    sync = sync_fn(device)
+    try:
+        for set_name, prompts in sets.items():
+            encoded = [(p, encode_prompt(tok, p.messages)) for p in prompts]
+            kept = [(p, ids) for p, ids in encoded if 0 < len(ids) <= max_prompt]
+            if len(kept) < len(encoded):
+                log.warning("%s: skipped %d prompts longer than %d tokens", set_name, len(encoded) - len(kept),
+                            max_prompt)
+            if kept and not warmed:
+                _warm_up(model, kept[0][1], eos, dflash_verifier, plain_verifier, dflash, ngram, B)
+                warmed = True
+            refs, ref_wall, res = [], [], {"dflash": [], "ngram": []}
+            bar = progress_bar(len(kept), f"eval {set_name}", "prompt")
+            for prompt, ids in kept:
+                t0 = time.perf_counter()
+                ref = greedy_generate(model, ids, ev.max_new_tokens, eos)
+                sync()
+                refs.append(ref)
+                ref_wall.append(time.perf_counter() - t0)
+                records.append(_record(set_name, prompt, "target", None, ref, ref_wall[-1], ref))
+                for name, verifier, proposer in (("dflash", dflash_verifier, dflash), ("ngram", plain_verifier, ngram)):
+                    r = speculative_generate(verifier, proposer, ids, block_size=B, max_new_tokens=ev.max_new_tokens,
+                                             eos_ids=eos)
+                    res[name].append(r)
+                    records.append(_record(set_name, prompt, name, r, r.tokens, r.wall_s, ref))
+                bar.update(1, tokens=len(ref))
+            bar.close()
+            target_tokens, target_wall = sum(len(r) for r in refs), sum(ref_wall)
+            target_tok_s = target_tokens / target_wall if target_wall > 0 else None
+            report["sets"][set_name] = {
+                "prompts": len(kept), "skipped_too_long": len(encoded) - len(kept),
+                "target_only": {"generated_tokens": target_tokens, "wall_s": target_wall,
+                                "tokens_per_s": target_tok_s},
+                **{m: method_summary(res[m], refs, target_tok_s, cache_mode == "crop") for m in res},
+            }
+    finally:
+        dflash_verifier.close()
+        plain_verifier.close()
+    report["training"] = training_tau(Path(cfg.train.output_dir))
+    _write(report, records, out_dir, cfg)
+    return report
+
+
+def _warm_up(model, ids, eos, dflash_verifier, plain_verifier, dflash, ngram, block_size) -> None:
+    greedy_generate(model, ids, WARMUP_TOKENS, eos)
+    for verifier, proposer in ((dflash_verifier, dflash), (plain_verifier, ngram)):
+        speculative_generate(verifier, proposer, ids, block_size=block_size, max_new_tokens=WARMUP_TOKENS,
+                             eos_ids=eos)
+
+
+def _write(report: dict, records: list[dict], out_dir: Path, cfg: RunConfig) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out_dir / "eval_report.json", report)
+    table = markdown_table(report)
+    atomic_write_text(out_dir / "eval_report.md", "# DFlash acceptance eval\n\n" + table + acceptance_markdown(report))
+    atomic_write_text(out_dir / "eval_prompts.jsonl", "".join(json.dumps(r) + "\n" for r in records))
+    if report["sets"]:
+        plot_acceptance(report, out_dir / "acceptance.png")
+    write_resolved(cfg, out_dir)
+    print(table, end="", flush=True)
+    print(f"eval: report in {out_dir}", flush=True)
+
