@@ -48,7 +48,9 @@ def _run_packed(runner, docs):
     return runner.run(ids, [d.numel() for d in docs])
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float32, 2e-3)])
+# Measured on an H200 (torch 2.11, transformers 5.17, FLA 0.6.0): packed vs alone through the FLA
+# path <= 5.2e-3 (bf16) / 2.4e-5 (fp32); FLA path vs the HF forward <= 8.7e-3 / 2.4e-5.
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float32, 2e-4)])
 def test_fla_packed_equals_fla_standalone(dtype, tol, cache, caplog):
     bundle = _load(dtype, cache)
     docs = _docs()
@@ -71,14 +73,27 @@ def test_fla_packed_equals_fla_standalone(dtype, tol, cache, caplog):
         runner.close()
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 5e-2), (torch.float32, 5e-3)])
-def test_fla_packed_close_to_hf_forward_and_naive_is_not(dtype, tol, cache):
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 3e-2), (torch.float32, 2e-4)])
+def test_fla_packed_close_to_hf_forward(dtype, tol, cache):
     """Against the plain HF forward (FLA recurrence, torch conv) of each document alone."""
     bundle = _load(dtype, cache)
     docs = _docs()
     with TargetRunner(bundle, LAYERS, topk=0, linear_attn_kernels="auto", hidden_dtype=None) as runner:
         assert runner.linear_path == "fla"
         packed = _run_packed(runner, docs)
+    start = 0
+    for j, d in enumerate(docs):
+        ref = standalone_features(bundle, d.cuda(), LAYERS).hidden_TD
+        got = packed.hidden_TD[start:start + d.numel()]
+        assert _rel(got, ref) < tol, (j, _rel(got, ref))
+        start += d.numel()
+
+
+def test_naive_packing_leaks_on_gpu(cache):
+    """transformers' own packed forward (restarted positions, FLA recurrence without cu_seqlens, torch
+    conv) contaminates the first tokens of every later document: the tests above could fail."""
+    bundle = _load(torch.float32, cache)
+    docs = _docs()
     lens = [d.numel() for d in docs]
     ids = torch.cat(docs).cuda()
     row = make_packed_row(lens, ids.numel())
@@ -88,11 +103,10 @@ def test_fla_packed_close_to_hf_forward_and_naive_is_not(dtype, tol, cache):
     naive = torch.cat([out.hidden_states[i + 1][0] for i in LAYERS], dim=-1)
     start = 0
     for j, d in enumerate(docs):
-        ref = standalone_features(bundle, d.cuda(), LAYERS).hidden_TD
-        got = packed.hidden_TD[start:start + d.numel()]
-        assert _rel(got, ref) < tol, (j, _rel(got, ref))
-        if j > 0:
-            assert _rel(naive[start:start + d.numel()], ref) > 3 * tol     # the leak is far above noise
+        head = min(16, d.numel())
+        ref = standalone_features(bundle, d.cuda(), LAYERS).hidden_TD[:head]
+        err = _rel(naive[start:start + head], ref)
+        assert (err < 1e-4) if j == 0 else (err > 1e-2), (j, err)
         start += d.numel()
 
 

@@ -30,6 +30,23 @@ from ..errors import RuntimeFailure, UsageError
 from .masks import AttentionMask
 
 FLEX_ATTENTION = torch.compile(flex_attention, dynamic=False)
+# Tile sizes (BlockMask Q/KV block and Triton kernel options). Set once, before the first step,
+# with `set_flex_tuning`; bench/flex_kernel.py measures the choices.
+_FLEX_TUNING: dict = {"block": (128, 128), "kernel_options": None}
+
+
+def set_flex_tuning(q_block: int = 128, kv_block: int = 128, kernel_options: dict | None = None) -> None:
+    """Choose flex tile sizes. Non-default tiles also set the matching Triton block options."""
+    opts = dict(kernel_options or {})
+    if (q_block, kv_block) != (128, 128) and not opts:
+        opts = {"BLOCK_M": q_block, "BLOCK_N": kv_block, "BLOCK_M1": min(q_block, 64), "BLOCK_N1": kv_block,
+                "BLOCK_M2": q_block, "BLOCK_N2": min(kv_block, 64)}
+    _FLEX_TUNING["block"] = (q_block, kv_block)
+    _FLEX_TUNING["kernel_options"] = opts or None
+
+
+def flex_tuning() -> dict:
+    return dict(_FLEX_TUNING)
 
 _RECOMPILE_MARK = "fail_on_recompile"
 _lock_state: dict[str, object] = {"locked": False, "limit_hit": None}
@@ -94,11 +111,14 @@ def flex_attend(q_BHQD: torch.Tensor, k_BKVD: torch.Tensor, v_BKVD: torch.Tensor
     if dtype is not None:
         q_BHQD, k_BKVD, v_BKVD = (t.to(dtype) for t in (q_BHQD, k_BKVD, v_BKVD))
     scale = q_BHQD.shape[-1] ** -0.5
-    block_mask = mask.block_mask(compiled=compiled)
+    block_mask = mask.block_mask(compiled=compiled, flex_block=_FLEX_TUNING["block"])
     enable_gqa = k_BKVD.shape[1] != q_BHQD.shape[1]
     if compiled:
+        opts = _FLEX_TUNING["kernel_options"]
+        kw = {"kernel_options": opts} if opts else {}
         with reraise_recompile("running the compiled flex_attention"):
-            out = FLEX_ATTENTION(q_BHQD, k_BKVD, v_BKVD, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
+            out = FLEX_ATTENTION(q_BHQD, k_BKVD, v_BKVD, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa,
+                                 **kw)
     else:
         out = flex_attention(q_BHQD, k_BKVD, v_BKVD, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
     return out.to(out_dtype)

@@ -49,7 +49,7 @@ def _visible(block_idx, kv_idx, ctx_doc, anchor_index, block_doc, block_valid, c
     return sees_context | own_block
 
 
-def _build_block_mask(ctx_doc, anchor_index, block_doc, block_valid, block_size: int, flex_block: int) -> BlockMask:
+def _build_block_mask(ctx_doc, anchor_index, block_doc, block_valid, block_size: int, flex_block) -> BlockMask:
     ctx_len = ctx_doc.shape[0]
     q_len = anchor_index.shape[0] * block_size
 
@@ -150,7 +150,7 @@ class AttentionMask:
 
         return mask_mod
 
-    def block_mask(self, compiled: bool | None = None, flex_block: int = FLEX_BLOCK_SIZE) -> BlockMask:
+    def block_mask(self, compiled: bool | None = None, flex_block: int | tuple = FLEX_BLOCK_SIZE) -> BlockMask:
         """The flex BlockMask (cached). compiled=None: compiled builder on CUDA, eager elsewhere."""
         if self._block_mask is None:
             use_compiled = self.device.type == "cuda" if compiled is None else compiled

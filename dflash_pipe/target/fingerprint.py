@@ -96,8 +96,10 @@ def _tensor_sample(t: torch.Tensor) -> torch.Tensor:
     flat = t.detach().reshape(-1)
     if flat.numel() <= TENSOR_SAMPLES:
         return flat
-    idx = torch.linspace(0, flat.numel() - 1, TENSOR_SAMPLES, device=flat.device).round().long()
-    return flat[idx]
+    # Integer arithmetic: a float32 linspace cannot address elements past 2**24 exactly (the
+    # 248320 x 5120 head has 1.27e9) and would index out of bounds.
+    idx = torch.arange(TENSOR_SAMPLES, device=flat.device, dtype=torch.int64) * (flat.numel() - 1)
+    return flat[idx // (TENSOR_SAMPLES - 1)]
 
 
 def weights_fingerprint_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]], extra: dict[str, Any]) -> str:

@@ -55,6 +55,34 @@ class TrainBatch:
         return {k: v for k, v in self.__dict__.items() if isinstance(v, torch.Tensor)}
 
 
+def block_targets(input_ids_S: np.ndarray, masks: list[np.ndarray], offsets: list[int], num_anchors: int,
+                  block_size: int, max_per_doc: int, rng: np.random.Generator):
+    """Anchors and labels of one packed row, padded to exactly `num_anchors` blocks.
+
+    Per document: up to `max_per_doc` anchors (uniform, without replacement); over the row: if
+    more than `num_anchors` were drawn, `num_anchors` of them uniformly, kept in context order.
+    Returns (anchor_index_N, labels_NB, block_doc_N, block_valid_N, anchors_available).
+    """
+    anchors, labels, block_doc, available = [], [], [], 0
+    for j, (mask, o) in enumerate(zip(masks, offsets)):
+        a = sample_anchors(mask, max_per_doc, rng)
+        available += a.size
+        anchors.append(a + o)
+        labels.append(block_labels(input_ids_S[o:o + len(mask)], mask, a, block_size))
+        block_doc.append(np.full(a.size, j, np.int32))
+    anchor_index = np.concatenate(anchors) if anchors else np.zeros(0, np.int64)
+    lab = np.concatenate(labels) if labels else np.zeros((0, block_size), np.int64)
+    bdoc = np.concatenate(block_doc) if block_doc else np.zeros(0, np.int32)
+    if anchor_index.size > num_anchors:
+        keep = np.sort(rng.choice(anchor_index.size, size=num_anchors, replace=False))
+        anchor_index, lab, bdoc = anchor_index[keep], lab[keep], bdoc[keep]
+    n_real, pad = anchor_index.size, num_anchors - anchor_index.size
+    anchor_index = np.concatenate([anchor_index, np.zeros(pad, np.int64)])
+    lab = np.concatenate([lab, np.full((pad, block_size), IGNORE, np.int64)])
+    bdoc = np.concatenate([bdoc, np.full(pad, -1, np.int32)])
+    return anchor_index, lab, bdoc, np.arange(num_anchors) < n_real, available
+
+
 class CacheIndex:
     """What the trainer knows about a cache: spec, which shards exist, document lengths."""
 
@@ -215,31 +243,14 @@ class BatchLoader:
             off += d.num_tokens
         futures = [self.pool.submit(self._decode_doc, row, d.num_tokens, o, planes, scale, tk_ids, tk_lp)
                    for row, d, o in zip(rows, docs, offsets)]
-        anchors, labels, block_doc, available = [], [], [], 0
         for j, (row, d, o) in enumerate(zip(rows, docs, offsets)):
             T = d.num_tokens
-            ids = row.input_ids[:T].numpy()
-            mask = row.loss_mask[:T].numpy()
-            input_ids[o:o + T] = ids
+            input_ids[o:o + T] = row.input_ids[:T].numpy()
             ctx_doc[o:o + T] = j
             ctx_pos[o:o + T] = np.arange(T)
-            a = sample_anchors(mask, self.max_per_doc, rng)
-            available += a.size
-            anchors.append(a + o)
-            labels.append(block_labels(ids, mask, a, B))
-            block_doc.append(np.full(a.size, j, np.int32))
-        anchor_index = np.concatenate(anchors) if anchors else np.zeros(0, np.int64)
-        lab = np.concatenate(labels) if labels else np.zeros((0, B), np.int64)
-        bdoc = np.concatenate(block_doc) if block_doc else np.zeros(0, np.int32)
-        if anchor_index.size > N:  # keep N anchors uniformly at random, in context order
-            keep = np.sort(rng.choice(anchor_index.size, size=N, replace=False))
-            anchor_index, lab, bdoc = anchor_index[keep], lab[keep], bdoc[keep]
-        n_real = anchor_index.size
-        pad = N - n_real
-        anchor_index = np.concatenate([anchor_index, np.zeros(pad, np.int64)])
-        lab = np.concatenate([lab, np.full((pad, B), IGNORE, np.int64)])
-        bdoc = np.concatenate([bdoc, np.full(pad, -1, np.int32)])
-        valid = np.arange(N) < n_real
+        masks = [row.loss_mask[:d.num_tokens].numpy() for row, d in zip(rows, docs)]
+        anchor_index, lab, bdoc, valid, available = block_targets(input_ids, masks, offsets, N, B,
+                                                                  self.max_per_doc, rng)
         for f in futures:
             f.result()
         self.decode_s += time.perf_counter() - t0

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from ..config import RunConfig, write_resolved
 from ..dist import DistInfo, barrier, destroy, init_process_group, pick_device, set_rank_cache_dirs
+from ..drafter.attention import flex_tuning
 from ..drafter import (AttentionMask, block_positions, default_gamma, draft_loss, export_drafter,
                        gather_kd_targets, lock_compilation, summarize_metrics, unlock_compilation)
 from ..cache.codec import planes_to_hidden
@@ -159,7 +160,7 @@ def _train_step(ddp, model, head, opt, sched, batch, dcfg, device, autocast, cod
     hidden = planes_to_hidden(codec, t["planes"], t.get("scale"), n_layers)
     mask = AttentionMask(t["ctx_doc_S"], t["anchor_index_N"], t["block_doc_N"], t["block_valid_N"], dcfg.block_size)
     if dcfg.attention == "flex":
-        mask.block_mask()  # build (compiled) outside the compiled layers; cached on the mask
+        mask.block_mask(flex_block=flex_tuning()["block"])  # built outside the compiled layers, cached
     bpos = block_positions(t["ctx_pos_S"], t["anchor_index_N"], dcfg.block_size)
     embeds = head.block_embeds(batch.anchor_tokens_N, dcfg.mask_token_id, dcfg.block_size, torch.float32)
     kd = None

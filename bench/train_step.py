@@ -1,0 +1,243 @@
+"""Training-step benchmark at the seed's config (GPU): time, peak memory, MFU, recompiles, loader rate.
+
+Shape: context 8192, 512 anchors x block 16, 27B-shaped drafter (5 layers, hidden 5120, 32/8 heads,
+head_dim 128, intermediate 17408), vocab 248,320 (frozen bf16 lm_head on the GPU, embeddings on
+the CPU). Every step goes through the trainer's own `_train_step` (planes -> bf16 on the GPU,
+BlockMask, drafter, loss, AdamW fused, clipping) on real-structure batches (bench/seed_shape.py).
+FLOPs per step = 6 x trainable params x query tokens + 4 x lm_head params x query tokens.
+
+    python bench/train_step.py --variants compiled-fused,compiled-fused-mlp3,compiled,eager --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.seed_shape import SeedShape, heavy_tailed_features, structure_batches  # noqa: E402
+from dflash_pipe.cache.codec import LOSSLESS, encode_hidden  # noqa: E402
+from dflash_pipe.config import RunConfig  # noqa: E402
+from dflash_pipe.drafter import DrafterModelConfig, lock_compilation, unlock_compilation  # noqa: E402
+from dflash_pipe.drafter.attention import set_flex_tuning  # noqa: E402
+from dflash_pipe.train.components import build_model, build_optimizer  # noqa: E402
+from dflash_pipe.train.loader import TrainBatch  # noqa: E402
+from dflash_pipe.train.metrics import step_flops  # noqa: E402
+from dflash_pipe.train.trainer import _train_step  # noqa: E402
+
+VARIANTS = {
+    "eager": dict(compile=False, fused=False, mlp=0),
+    "compiled": dict(compile=True, fused=False, mlp=0),
+    "compiled-fused": dict(compile=True, fused=True, mlp=0),
+    "compiled-fused-mlp2": dict(compile=True, fused=True, mlp=2),
+    "compiled-fused-mlp3": dict(compile=True, fused=True, mlp=3),
+    "compiled-fused-mlp5": dict(compile=True, fused=True, mlp=5),
+}
+
+
+class BenchHead:
+    """FrozenHead stand-in with random tensors: lm_head bf16 on the GPU, embeddings bf16 on the CPU."""
+
+    def __init__(self, shape: SeedShape, device):
+        base = torch.randn(1024, shape.hidden) * 0.02
+        self.embed_VH = base.repeat((shape.vocab + 1023) // 1024, 1)[: shape.vocab].to(torch.bfloat16)
+        g = torch.Generator(device=device).manual_seed(1)
+        self.lm_head_VH = (torch.randn(shape.vocab, shape.hidden, generator=g, device=device) * 0.02).to(torch.bfloat16)
+        self.device = device
+
+    def block_embeds(self, anchor_tokens_N, mask_token_id, block_size, dtype):
+        anchor = self.embed_VH[anchor_tokens_N.cpu()]
+        mask = self.embed_VH[mask_token_id]
+        n, h = anchor.shape
+        blocks = torch.cat([anchor[:, None, :], mask.expand(n, block_size - 1, h)], dim=1)
+        return blocks.reshape(n * block_size, h).to(self.device, dtype=dtype, non_blocking=True)
+
+
+def make_batches(shape: SeedShape, count: int, planes_pool: list[torch.Tensor]) -> list[TrainBatch]:
+    out = []
+    for i, b in enumerate(structure_batches(shape, count)):
+        t = torch.from_numpy
+        out.append(TrainBatch(0, i, planes_pool[i % len(planes_pool)], None, t(b["input_ids"]), t(b["ctx_doc"]),
+                              t(b["ctx_pos"]), t(b["anchor_index"]), t(b["block_doc"]), t(b["block_valid"]),
+                              t(b["labels"]), t(b["input_ids"][b["anchor_index"]]), None, None, b["docs"],
+                              b["tokens"], int(b["block_valid"].sum())))
+    return out
+
+
+def run_variant(name: str, shape: SeedShape, head: BenchHead, batches: list[TrainBatch], steps: int,
+                warmup: int, device) -> dict:
+    v = VARIANTS[name]
+    dcfg = DrafterModelConfig(hidden_size=shape.hidden, num_layers=shape.layers, num_attention_heads=shape.heads,
+                              num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim,
+                              intermediate_size=shape.intermediate, rms_norm_eps=1e-6, rope_theta=1e7,
+                              block_size=shape.block, mask_token_id=shape.mask_token_id,
+                              target_layer_ids=[1, 16, 31, 46, 61][: shape.target_layers], num_target_layers=64,
+                              vocab_size=shape.vocab,
+                              attention="flex" if device.type == "cuda" else "sdpa")
+    cfg = RunConfig()
+    cfg.train.fused_loss = v["fused"]
+    cfg.train.loss_chunk_tokens = 1024
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    model = build_model(dcfg, device, 0, v["compile"], v["mlp"])
+    total = warmup + steps
+    opt, sched = build_optimizer(model, cfg, device, total)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16)
+    trainable = sum(p.numel() for p in model.parameters())
+    flops = step_flops(trainable, head.lm_head_VH.numel(), shape.anchors * shape.block)
+    times, compile_s = [], None
+    res = {"variant": name, **v}
+    try:
+        for i in range(total):
+            sync(device)
+            t0 = time.perf_counter()
+            _train_step(model, model, head, opt, sched, batches[i % len(batches)], dcfg, device, autocast, LOSSLESS,
+                        shape.target_layers, 7.0, cfg)
+            sync(device)
+            dt = time.perf_counter() - t0
+            if i == 0:
+                compile_s = dt
+                if device.type == "cuda":
+                    lock_compilation()
+            if i >= warmup:
+                times.append(dt)
+        res.update(ok=True, recompiles_under_lock=0)
+    except Exception as exc:  # noqa: BLE001 - report and continue with the next variant
+        res.update(ok=False, error=f"{type(exc).__name__}: {str(exc)[:400]}")
+    finally:
+        unlock_compilation()
+    if times:
+        ms = 1000 * float(np.median(times))
+        res.update(step_ms=ms, step_ms_mean=1000 * float(np.mean(times)), first_step_s=compile_s,
+                   tflops=flops / (ms / 1000) / 1e12, mfu=flops / (ms / 1000) / 790e12,
+                   peak_gib=torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else 0.0,
+                   reserved_gib=torch.cuda.max_memory_reserved(device) / 2 ** 30 if device.type == "cuda" else 0.0,
+                   trainable_params=trainable,
+                   flops_per_step=flops, steps_timed=len(times))
+    del model, opt, sched
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return res
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def loader_rate(shape: SeedShape, workers: int, batches: int = 4) -> dict:
+    """Decode throughput of the real loader at the seed's feature width (synthetic heavy-tailed values)."""
+    from dflash_pipe.cache import init_or_check_spec, make_spec, shard_name, try_finalize, write_sidecar
+    from dflash_pipe.cache.schema import shard_meta
+    from dflash_pipe.cache.writer import ShardWriter, make_row
+    from dflash_pipe.train.loader import BatchLoader, CacheIndex
+    from concurrent.futures import ThreadPoolExecutor
+
+    width = shape.hidden * shape.target_layers
+    tmp = Path(tempfile.mkdtemp(prefix="dflash-loader-bench-"))
+    spec = make_spec({"bench": 1}, {"hidden_size": shape.hidden}, {"width": width, "num_layers": shape.target_layers,
+                     "codec": LOSSLESS, "topk": 0, "layer_ids": list(range(shape.target_layers))}, 1, {})
+    init_or_check_spec(tmp, spec)
+    w = ShardWriter(tmp, shard_name(0, 1), 0, LOSSLESS, 0,
+                    shard_meta(LOSSLESS, 0, width, shape.target_layers, spec["fingerprint"]), 256 << 20)
+    docs = structure_batches(shape, batches)
+    feats = heavy_tailed_features(shape.context, width, 0)
+    rows = []
+    with ThreadPoolExecutor(workers) as pool:
+        t0 = time.perf_counter()
+        for bi, b in enumerate(docs):
+            starts = np.flatnonzero(np.diff(np.concatenate([[-2], b["ctx_doc"]])) != 0)
+            for s in starts:
+                j = b["ctx_doc"][s]
+                if j < 0:
+                    continue
+                T = int((b["ctx_doc"] == j).sum())
+                rows.append(pool.submit(make_row, f"b{bi}d{j}", len(rows), b["input_ids"][s:s + T].astype(np.int32),
+                                        (np.arange(T) > 0).astype(np.uint8),
+                                        encode_hidden(feats[s:s + T], LOSSLESS, shape.target_layers)))
+        for r in rows:
+            w.add(r.result())
+        enc_s = time.perf_counter() - t0
+    info = w.commit()
+    write_sidecar(tmp, spec, info, {})
+    try_finalize(tmp, spec)
+    index = CacheIndex(tmp)
+    loader = BatchLoader(index, rank=0, world=1, seed=0, context_tokens=shape.context, num_anchors=shape.anchors,
+                         max_anchors_per_doc=512, block_size=shape.block, shuffle_rows=1, workers=workers,
+                         want_topk=False, pin_memory=torch.cuda.is_available(), prefetch=1)
+    n, t0, raw = 0, time.perf_counter(), 0
+    for batch in loader.iterate(0, 0):
+        n += 1
+        raw += batch.tokens * width * 2
+    dt = time.perf_counter() - t0
+    loader.close()
+    return {"workers": workers, "batches": n, "decode_GBps": raw / dt / 1e9, "batch_ms": 1000 * dt / max(1, n),
+            "encode_GBps": info.raw_feature_bytes / enc_s / 1e9, "ratio": info.bytes / info.raw_feature_bytes}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--variants", default="compiled-fused,compiled-fused-mlp3,compiled,eager")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--lock-steps", type=int, default=50, help="steps of the first variant run under the lock")
+    ap.add_argument("--loader-workers", type=int, default=8)
+    ap.add_argument("--json", default="")
+    ap.add_argument("--flex-block", default="128,128")
+    ap.add_argument("--cpu-smoke", action="store_true", help="tiny shape on the CPU (checks the script, no numbers)")
+    args = ap.parse_args()
+    device = torch.device("cpu" if args.cpu_smoke else "cuda")
+    shape = SeedShape()
+    if args.cpu_smoke:
+        shape = SeedShape(context=512, anchors=16, block=8, hidden=64, layers=1, heads=4, kv_heads=2, head_dim=16,
+                          intermediate=128, vocab=49152 + 16, target_layers=2, mask_token_id=49152 + 3)
+    qb, kb = (int(x) for x in args.flex_block.split(","))
+    set_flex_tuning(qb, kb)
+    width = shape.hidden * shape.target_layers
+    pool = [encode_hidden(heavy_tailed_features(shape.context, width, s), LOSSLESS, shape.target_layers).planes
+            for s in range(3)]
+    if device.type == "cuda":
+        pool = [p.pin_memory() for p in pool]
+    batches = make_batches(shape, max(args.lock_steps, args.steps + args.warmup), pool)
+    head = BenchHead(shape, device)
+    results = []
+    names = args.variants.split(",")
+    for i, name in enumerate(names):
+        steps = max(args.steps, args.lock_steps - args.warmup) if i == 0 else args.steps
+        r = run_variant(name, shape, head, batches, steps, args.warmup, device)
+        results.append(r)
+        print(json.dumps(r), flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"variants": results}, indent=2))
+    lr = loader_rate(shape, args.loader_workers)
+    best = min((r for r in results if r.get("ok")), key=lambda r: r["step_ms"], default=None)
+    if best:
+        consume = shape.context * width * 2 / (best["step_ms"] / 1000) / 1e9
+        lr["step_consumption_GBps"] = consume
+        lr["decode_over_consumption"] = lr["decode_GBps"] / consume
+    print(json.dumps({"loader": lr}), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"variants": results, "loader": lr}, indent=2))
+    print(f"\n{'variant':24s} {'ms/step':>8s} {'TFLOP/s':>8s} {'MFU':>6s} {'peak GiB':>9s} {'1st step s':>10s}  status")
+    for r in results:
+        if r.get("step_ms"):
+            print(f"{r['variant']:24s} {r['step_ms']:8.1f} {r['tflops']:8.1f} {r['mfu']:6.1%} {r['peak_gib']:9.2f} "
+                  f"{r['first_step_s']:10.1f}  {'ok' if r['ok'] else r.get('error', '')[:60]}")
+        else:
+            print(f"{r['variant']:24s} failed: {r.get('error', '')[:100]}")
+    print(f"loader: {lr['decode_GBps']:.2f} GB/s with {lr['workers']} workers"
+          + (f" = {lr['decode_over_consumption']:.1f}x the step's consumption" if "decode_over_consumption" in lr else ""))
+
+
+if __name__ == "__main__":
+    main()
