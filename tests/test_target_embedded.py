@@ -12,8 +12,8 @@ import os
 import pytest
 import torch
 
-from dflash_pipe.target import load_target, read_embeddings_and_head
 from dflash_pipe.target import embedded as embedded_mod
+from dflash_pipe.target import load_target, read_embeddings_and_head
 from dflash_pipe.target.embedded import CONVERSION_MARKER, embedded_gguf_path
 
 pytestmark = pytest.mark.slow

@@ -235,3 +235,22 @@ def test_read_embeddings_untied_without_head_is_an_error(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "tie_word_embeddings": False}))
     with pytest.raises(CacheError, match="lm_head"):
         read_embeddings_and_head(tmp_path)
+
+
+def test_random_target_without_tokenizer(cache_dir, qwen):
+    bare = load_target("random:tiny-qwen3.5", dtype="float32", model_cache_dir=cache_dir, with_tokenizer=False)
+    assert bare.tokenizer is None
+    assert bare.identity["tokenizer_hash"] is None and bare.identity["chat_template_hash"] is None
+    assert bare.identity["weights_fingerprint"] == qwen.identity["weights_fingerprint"]
+
+
+def test_tensor_sample_addresses_huge_tensors_exactly():
+    """Sample indices are integer math: float32 cannot address element 2**25 + 2 (regression: the
+    27B head has 1.27e9 elements and a float linspace indexed past its end on the GPU)."""
+    from dflash_pipe.target.fingerprint import TENSOR_SAMPLES, _tensor_sample
+
+    t = torch.zeros(2 ** 25 + 3, dtype=torch.uint8)
+    t[-1] = 7
+    t[(t.numel() - 1) // (TENSOR_SAMPLES - 1)] = 3
+    s = _tensor_sample(t)
+    assert s.numel() == TENSOR_SAMPLES and int(s[-1]) == 7 and int(s[1]) == 3 and int(s[0]) == 0

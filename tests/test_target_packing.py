@@ -158,6 +158,14 @@ def test_kernel_choice_on_cpu(bundle, caplog):
             assert runner.linear_path == "torch"
             assert runner.kernel_paths["linear_attention"].startswith("torch")
     assert any("linear_attention layers: torch" in r.getMessage() for r in caplog.records)
+    # FLA is never installed on the CPU machine: asking for it fails loudly, saying how to get it,
+    # and transformers' own GDN rule is seen to be its PyTorch fallback.
+    from dflash_pipe.target.gdn_packing import find_gdn_modules
+    from dflash_pipe.target.kernels import hf_linear_attn_impl, import_fla
+
+    with pytest.raises(RuntimeFailure, match="flash-linear-attention"):
+        import_fla()
+    assert hf_linear_attn_impl(find_gdn_modules(bundle.model)[0][1]) == "torch"
 
 
 def test_close_restores_plain_model(bundle, docs_ids):

@@ -22,6 +22,13 @@ same model is a true HF forward. Inside the context:
     gated RMSNorm, out_proj). q/k heads are repeated to the value heads explicitly
     (`repeat_interleave`, as transformers does), which is what FLA's grouped-value mode
     computes too.
+
+Measured on an H200 (torch 2.11, transformers 5.17, FLA 0.6.0; tiny-qwen3.5, documents of
+300/3/517/64/211 tokens): packed vs the same document alone through the FLA path 2.4e-5
+relative error in float32 (5e-3 in bf16); vs the plain HF forward 2.4e-5 (8.7e-3 in bf16);
+transformers' own packed forward: 1.5e-2 to 2e-1. At the Qwen3.5-27B shape (5-layer capture,
+top-32 over 248,320) the runner does 8,260 tok/s on 8 x 1024-token documents and 8,890 on one
+8192-token document, against 8,880 for a bare HF forward.
 """
 
 from __future__ import annotations

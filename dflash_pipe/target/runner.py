@@ -57,7 +57,7 @@ def _as_ids(input_ids_T, vocab_size: int, device: torch.device) -> torch.Tensor:
         pos = int(bad.nonzero()[0, 0])
         raise ValidationError(f"token id {int(ids[pos])} at position {pos} is outside the target's vocab "
                               f"[0, {vocab_size})", "the data was tokenized with another tokenizer")
-    return ids.to(device=device, dtype=torch.long)
+    return ids.to(device=device, dtype=torch.long, non_blocking=True)
 
 
 class TargetRunner:
@@ -145,15 +145,19 @@ class TargetRunner:
         self.close()
 
     @torch.inference_mode()
-    def run(self, input_ids_T, doc_lens: Sequence[int]) -> TargetOutput:
-        """Features of one packed row: documents of `doc_lens` tokens, concatenated in `input_ids_T`."""
+    def run(self, input_ids_T, doc_lens: Sequence[int], capture: bool = True, logits: str = "topk") -> TargetOutput:
+        """Features of one packed row: documents of `doc_lens` tokens, concatenated in `input_ids_T`.
+
+        capture=False / logits="plain" give the plain forward the extraction benchmark compares
+        against (no hooks copying, full-vocab logits computed and dropped).
+        """
         if not self._hooks:
             raise UsageError("this TargetRunner was closed")
         ids = _as_ids(input_ids_T, self.bundle.vocab_size, self.device)
         row = make_packed_row(doc_lens, ids.numel())
         T = row.total
         self._buffer = torch.empty((T, len(self.layer_ids) * self.bundle.hidden_size),
-                                   dtype=self.hidden_dtype, device=self.device)
+                                   dtype=self.hidden_dtype, device=self.device) if capture else None
         kwargs = {}
         mask = None
         if self.attn_impl == "flash_attention_2":
@@ -171,7 +175,9 @@ class TargetRunner:
         finally:
             self._buffer = None
         topk_ids = topk_lp = None
-        if self.topk:
+        if logits == "plain":
+            self.model.get_output_embeddings()(out.last_hidden_state)
+        elif self.topk:
             softcap = getattr(self.bundle.config, "final_logit_softcapping", None)
             topk_ids, topk_lp = chunked_topk_logprobs(out.last_hidden_state[0], self.model.get_output_embeddings(),
                                                       self.topk, self.logits_chunk, softcap)
