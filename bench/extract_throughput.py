@@ -31,10 +31,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.seed_shape import load_structure  # noqa: E402
 from dflash_pipe.cache import make_spec, shard_name  # noqa: E402
-from dflash_pipe.cache.codec import LOSSLESS, encode_hidden  # noqa: E402
+from dflash_pipe.cache.codec import LOSSLESS  # noqa: E402
 from dflash_pipe.cache.schema import shard_meta  # noqa: E402
 from dflash_pipe.cache.writer import ShardWriter  # noqa: E402
-from dflash_pipe.extract.host_pipeline import DocJob, HostPipeline  # noqa: E402
+from dflash_pipe.extract.host_pipeline import DocMeta, HostPipeline  # noqa: E402
 from dflash_pipe.extract.sanity import feature_stats  # noqa: E402
 
 
@@ -117,20 +117,17 @@ def main() -> None:
     def full_pass(bs, name):
         writer = ShardWriter(out_dir, name, 0, LOSSLESS, args.topk,
                              shard_meta(LOSSLESS, args.topk, width, n_layers, spec["fingerprint"]), 256 << 20)
-        host = HostPipeline(writer, args.workers, 4, device, layer_ids, sanity=True)
+        host = HostPipeline(writer, args.workers, 4, device, layer_ids, LOSSLESS, sanity=True)
         doc = 0
         for b in bs:
             lens = [len(i) for i, _ in b]
             out = runner.run(as_ids(b), lens)
             stats = feature_stats(out.hidden_TD, lens, n_layers)
-            jobs, off = [], 0
-            for (ids, mask), T in zip(b, lens):
-                enc = encode_hidden(out.hidden_TD[off:off + T], LOSSLESS, n_layers)
-                jobs.append(DocJob(f"d{doc}", doc, ids.astype(np.int32), mask, enc, out.topk_ids_TK[off:off + T],
-                                   out.topk_logprobs_TK[off:off + T]))
-                off += T
+            docs = []
+            for ids, mask in b:
+                docs.append(DocMeta(f"d{doc}", doc, ids.astype(np.int32), mask))
                 doc += 1
-            host.submit(jobs, stats)
+            host.submit(docs, out.hidden_TD, lens, n_layers, out.topk_ids_TK, out.topk_logprobs_TK, stats)
         timers = host.close()
         info = writer.commit()
         return timers, info

@@ -90,7 +90,11 @@ def _record(set_name: str, prompt: Prompt, method: str, r: SpecResult | None, to
     return rec
 
 
-def run_eval(cfg: RunConfig) -> dict:
+def run_eval(cfg: RunConfig, *, bundle: TargetBundle | None = None) -> dict:
+    """Run the eval described by cfg (module docstring); returns the report dict.
+
+    bundle: an already loaded target to use instead of loading cfg.target (tests, notebooks).
+    """
     ev = cfg.eval
     if ev.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {ev.max_new_tokens}")
@@ -98,9 +102,11 @@ def run_eval(cfg: RunConfig) -> dict:
     export = drafter_dir(cfg)
     out_dir = output_dir(cfg)
     t = cfg.target
-    bundle = load_target(t.model, device=device, dtype=t.dtype, revision=t.revision,
-                         trust_remote_code=t.trust_remote_code, seed=t.seed, model_cache_dir=t.model_cache_dir,
-                         attn_implementation=t.attn_implementation)
+    if bundle is None:
+        bundle = load_target(t.model, device=device, dtype=t.dtype, revision=t.revision,
+                             trust_remote_code=t.trust_remote_code, seed=t.seed, model_cache_dir=t.model_cache_dir,
+                             attn_implementation=t.attn_implementation)
+    device = bundle.device
     drafter, dcfg = load_exported_drafter(export, dtype=bundle.dtype, device=device, attention="sdpa")
     check_drafter_fits(dcfg, bundle, f"drafter {export}")
     sets = load_prompt_sets(ev.prompts, ev.max_prompts, skip_samples=cfg.data.skip_samples,
@@ -116,9 +122,9 @@ def run_eval(cfg: RunConfig) -> dict:
     cache_mode = dflash_verifier.mode
     dflash = DFlashProposer(drafter, dcfg, model.get_input_embeddings().weight, model.get_output_embeddings())
     ngram = NgramProposer()
-    print(f"eval: target {t.model} ({bundle.family}, {bundle.identity['dtype']}) on {device}, drafter {export} "
-          f"(B={B}, layers {dcfg.target_layer_ids}), cache mode {cache_mode}, {ev.max_new_tokens} new tokens",
-          flush=True)
+    print(f"eval: target {bundle.identity.get('model', t.model)} ({bundle.family}, {bundle.identity['dtype']}) "
+          f"on {device}, drafter {export} (B={B}, layers {dcfg.target_layer_ids}), cache mode {cache_mode}, "
+          f"{ev.max_new_tokens} new tokens", flush=True)
     report: dict = {"target": {k: bundle.identity.get(k) for k in ("model", "model_type", "weights_fingerprint",
                                                                    "dtype", "num_layers")},
                     "drafter": {"dir": str(export), "block_size": B, "num_layers": dcfg.num_layers,

@@ -77,10 +77,12 @@ class FeatureCapture:
         self.offset = 0
         self.active = False                          # armed only during the owner's own forwards
         layers = decoder_layers(model)
+        bad = [i for i in self.layer_ids if not 0 <= i < num_layers]
+        if bad:
+            raise UsageError(f"drafter target layer {bad[0]} is outside the target's layers 0..{num_layers - 1}",
+                             "the drafter was trained for another target")
         self._handles = []
         for j, layer_id in enumerate(self.layer_ids):
-            if not 0 <= layer_id < num_layers:
-                raise UsageError(f"drafter target layer {layer_id} is outside the target's 0..{num_layers - 1}")
             module = final_norm(model) if layer_id == num_layers - 1 else None
             module = module if module is not None else layers[layer_id]
             self._handles.append(module.register_forward_hook(self._hook(j)))

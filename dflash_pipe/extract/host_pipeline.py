@@ -1,13 +1,15 @@
 """Overlap the target forward with device->host copies, compression and Parquet writes.
 
-    main thread   forward(batch k) -> encode planes on the GPU -> async copy into pinned memory
-    worker pool   wait for the copy event -> sanity check -> zstd compress, one job per document
-    writer thread take documents strictly in order -> ShardWriter.add
+    main thread   forward(batch k) -> encode every document's planes into one device buffer
+                  -> one async copy into a pinned staging slot (ring of `queue_batches` slots)
+    worker pool   wait for the copy event -> sanity check -> zstd, one job per document
+    writer thread take documents strictly in order -> ShardWriter.add -> free the slot
 
-A semaphore bounds the batches in flight (`queue_batches`). The GPU waits only when every slot
-is taken, i.e. when compression or the disk is the slower side; the time the main thread spends
-blocked there, against the time the writer spends waiting for compressed rows, says which side
-is the bottleneck.
+A slot is a pinned buffer reused for the whole run (pinned allocations are slow and may
+synchronise), so the steady state allocates nothing. The semaphore bounds batches in flight:
+the GPU waits only when every slot is taken, i.e. when compression or the disk is the slower
+side. The time the main thread spends blocked there, against the time the writer spends waiting
+for compressed rows, says which side is the bottleneck.
 """
 
 from __future__ import annotations
@@ -18,23 +20,21 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from ..cache.codec import EncodedHidden
+from ..cache.codec import EncodedHidden, encode_hidden
 from ..cache.writer import ShardWriter, make_row
 from ..faults import fault_point
 from .sanity import check_doc
 
 
 @dataclass
-class DocJob:
+class DocMeta:
     sample_id: str
     doc_index: int
-    input_ids: object  # np.int32 [T]
-    loss_mask: object  # np.uint8 [T]
-    hidden: EncodedHidden
-    topk_ids: torch.Tensor | None
-    topk_logprobs: torch.Tensor | None
+    input_ids: np.ndarray  # int32 [T]
+    loss_mask: np.ndarray  # uint8 [T]
 
 
 @dataclass
@@ -47,25 +47,59 @@ class PipelineTimers:
     stats_rows: list = field(default_factory=list)
 
 
-def _to_host(t: torch.Tensor | None) -> torch.Tensor | None:
-    if t is None:
-        return None
-    if t.device.type == "cpu":
-        return t
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
-    return host
+@dataclass
+class _Part:
+    name: str
+    offset: int  # bytes into the staging buffer
+    shape: tuple
+    dtype: torch.dtype
+
+
+def _pack_batch(hidden_TD, lens, codec, num_layers, topk_ids, topk_lps, stats):
+    """All of one batch's outputs as one flat uint8 device buffer + where each piece lives."""
+    pieces, parts, off = [], [], 0
+
+    def add(name, t):
+        nonlocal off
+        flat = t.contiguous().view(torch.uint8).reshape(-1)
+        pieces.append(flat)
+        parts.append(_Part(name, off, tuple(t.shape), t.dtype))
+        off += flat.numel()
+
+    start = 0
+    for i, T in enumerate(lens):
+        enc = encode_hidden(hidden_TD[start:start + T], codec, num_layers)
+        add(f"planes{i}", enc.planes)
+        if enc.scale is not None:
+            add(f"scale{i}", enc.scale)
+        if topk_ids is not None:
+            add(f"tki{i}", topk_ids[start:start + T])
+            add(f"tkl{i}", topk_lps[start:start + T])
+        start += T
+    if stats is not None:
+        add("stats", stats)
+    return torch.cat(pieces), {p.name: p for p in parts}
+
+
+def _view(buf: torch.Tensor, p: _Part) -> torch.Tensor:
+    n = int(np.prod(p.shape)) * torch.empty((), dtype=p.dtype).element_size()
+    return buf[p.offset:p.offset + n].view(p.dtype).view(p.shape)
 
 
 class HostPipeline:
     def __init__(self, writer: ShardWriter, workers: int, max_inflight: int, device: torch.device,
-                 layer_ids: list[int], sanity: bool = True):
+                 layer_ids: list[int], codec: str, sanity: bool = True):
         self.writer = writer
         self.device = device
         self.layer_ids = layer_ids
+        self.codec = codec
         self.sanity = sanity
         self.pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="dflash-compress")
         self.slots = threading.BoundedSemaphore(max(1, max_inflight))
+        self._free: queue.Queue = queue.Queue()
+        self._pinned: list[torch.Tensor] = []
+        for _ in range(max(1, max_inflight)):
+            self._free.put(None)  # slot tokens; buffers are allocated on first use, grown if needed
         self.batches: queue.Queue = queue.Queue()
         self.timers = PipelineTimers()
         self._lock = threading.Lock()
@@ -78,56 +112,64 @@ class HostPipeline:
         if self._error is not None:
             raise self._error
 
-    def submit(self, jobs: list[DocJob], stats_NL3: torch.Tensor | None) -> None:
-        """Hand one forward batch over; returns once its copies are queued (blocks if all slots are busy)."""
+    def _staging(self, nbytes: int) -> torch.Tensor:
+        buf = self._free.get()
+        if buf is None or buf.numel() < nbytes:
+            buf = torch.empty(int(nbytes * 1.25), dtype=torch.uint8, pin_memory=True)
+        return buf
+
+    def submit(self, docs: list[DocMeta], hidden_TD: torch.Tensor, lens: list[int], num_layers: int,
+               topk_ids=None, topk_lps=None, stats_NL3=None) -> None:
+        """Hand one forward batch over; returns once its copy is queued (blocks if all slots are busy)."""
         self._raise_if_failed()
         t0 = time.perf_counter()
         self.slots.acquire()
         self.timers.gpu_blocked_s += time.perf_counter() - t0
-        event = None
+        flat, parts = _pack_batch(hidden_TD, lens, self.codec, num_layers, topk_ids, topk_lps, stats_NL3)
+        event, slot = None, None
         if self.copy_stream is not None:
+            slot = self._staging(flat.numel())
             self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.copy_stream):
-                host_jobs = [self._job_to_host(j) for j in jobs]
-                host_stats = _to_host(stats_NL3)
+                slot[:flat.numel()].copy_(flat, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(self.copy_stream)
-            # the device tensors must outlive the copies: tie them to the copy stream
-            for j in jobs:
-                for t in (j.hidden.planes, j.hidden.scale, j.topk_ids, j.topk_logprobs):
-                    if t is not None:
-                        t.record_stream(self.copy_stream)
+            flat.record_stream(self.copy_stream)  # the device buffer must outlive the copy
+            host = slot
         else:
-            host_jobs, host_stats = jobs, stats_NL3
-        futures = [self.pool.submit(self._compress, job, event, host_stats, i) for i, job in enumerate(host_jobs)]
-        self.batches.put(futures)
+            host = flat
+        stats = _view(host, parts["stats"]) if "stats" in parts else None
+        futures = [self.pool.submit(self._compress, d, i, host, parts, event, stats, num_layers)
+                   for i, d in enumerate(docs)]
+        self.batches.put((futures, slot))
 
-    @staticmethod
-    def _job_to_host(j: DocJob) -> DocJob:
-        h = j.hidden
-        return DocJob(j.sample_id, j.doc_index, j.input_ids, j.loss_mask,
-                      EncodedHidden(h.codec, h.num_tokens, h.width, _to_host(h.planes), _to_host(h.scale)),
-                      _to_host(j.topk_ids), _to_host(j.topk_logprobs))
-
-    def _compress(self, job: DocJob, event, stats_NL3, i: int):
+    def _compress(self, doc: DocMeta, i: int, host, parts, event, stats, num_layers: int):
         if event is not None:
             event.synchronize()
         t0 = time.perf_counter()
-        if stats_NL3 is not None:
-            if self.sanity:
-                check_doc(stats_NL3[i], job.sample_id, job.hidden.num_tokens, self.layer_ids)
+        T = len(doc.input_ids)
+        if stats is not None and self.sanity:
+            check_doc(stats[i], doc.sample_id, T, self.layer_ids)
         fault_point("extract.compress")
-        row = make_row(job.sample_id, job.doc_index, job.input_ids, job.loss_mask, job.hidden,
-                       job.topk_ids, job.topk_logprobs)
+        planes = _view(host, parts[f"planes{i}"])
+        scale = _view(host, parts[f"scale{i}"]) if f"scale{i}" in parts else None
+        width = planes.shape[-2]
+        enc = EncodedHidden(self.codec, T, width, planes, scale)
+        tki = _view(host, parts[f"tki{i}"]) if f"tki{i}" in parts else None
+        tkl = _view(host, parts[f"tkl{i}"]) if f"tkl{i}" in parts else None
+        row = make_row(doc.sample_id, doc.doc_index, doc.input_ids, doc.loss_mask, enc, tki, tkl)
+        # raw (uncompressed) planes are views into the staging slot: copy them out before it is reused
+        row.hidden = {k: (v if isinstance(v, bytes) else v.copy()) for k, v in row.hidden.items()}
         with self._lock:
             self.timers.compress_s += time.perf_counter() - t0
-        return row, (None if stats_NL3 is None else stats_NL3[i])
+        return row, (None if stats is None else stats[i].clone())
 
     def _write_loop(self) -> None:
         while True:
-            futures = self.batches.get()
-            if futures is None:
+            item = self.batches.get()
+            if item is None:
                 return
+            futures, slot = item
             try:
                 if self._error is None:
                     for fut in futures:
@@ -143,6 +185,10 @@ class HostPipeline:
             except BaseException as exc:  # noqa: BLE001 - surfaced to the main thread
                 self._error = exc
             finally:
+                for fut in futures:  # a failed batch: let its other jobs finish before reusing the slot
+                    fut.exception() if not fut.cancelled() else None
+                if self.copy_stream is not None:
+                    self._free.put(slot)
                 self.slots.release()
 
     def close(self) -> PipelineTimers:

@@ -1,0 +1,18 @@
+"""Acceptance evaluation (real speculative decoding) and target-side data regeneration.
+
+Public API (see each module's docstring):
+  target_step.py  TargetVerifier, FeatureCapture, greedy_generate, resolve_cache_mode
+  specdecode.py   speculative_generate, SpecResult, DFlashProposer, make_dflash_verifier, eos_token_ids
+  ngram.py        NgramProposer, ngram_propose
+  runner.py       run_eval(cfg)                     -> `dflash-pipe eval`
+  regenerate.py   run_regenerate(cfg, output, ...)  -> `dflash-pipe regenerate`
+"""
+
+from .ngram import NgramProposer, ngram_propose
+from .specdecode import DFlashProposer, SpecResult, eos_token_ids, make_dflash_verifier, speculative_generate
+from .target_step import FeatureCapture, TargetVerifier, greedy_generate, resolve_cache_mode
+
+__all__ = [
+    "DFlashProposer", "FeatureCapture", "NgramProposer", "SpecResult", "TargetVerifier", "eos_token_ids",
+    "greedy_generate", "make_dflash_verifier", "ngram_propose", "resolve_cache_mode", "speculative_generate",
+]

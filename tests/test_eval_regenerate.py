@@ -1,0 +1,187 @@
+"""`run_regenerate`: turn-by-turn greedy answers, resumable after a kill, readable by the data reader."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dflash_pipe.config import RunConfig
+from dflash_pipe.data import iter_conversations
+from dflash_pipe.errors import ValidationError
+from dflash_pipe.eval import eos_token_ids, greedy_generate
+from dflash_pipe.eval import regenerate as regen_mod
+from dflash_pipe.eval.regenerate import run_regenerate, sidecar_path
+from dflash_pipe.eval.runner import encode_prompt
+from dflash_pipe.target import load_target
+from tests.eval_helpers import liven
+
+NEW = 6
+ROWS = [
+    {"id": "a", "conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello"},
+                                  {"from": "human", "value": "Tell me more."}, {"from": "gpt", "value": "Sure"}]},
+    {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
+                  {"role": "assistant", "content": "4"}]},
+    {"id": "c", "messages": [{"role": "assistant", "content": "lead"}, {"role": "user", "content": "x"},
+                             {"role": "assistant", "content": "y"}, {"role": "user", "content": "trailing"}]},
+    {"text": "a plain document is not a conversation"},
+    {"id": "e", "messages": [{"role": "user", "content": "Why is the sky blue?"},
+                             {"role": "assistant", "content": "Rayleigh."}]},
+    {"id": "f", "messages": [{"role": "user", "content": "List colours."}, {"role": "assistant", "content": "red"},
+                             {"role": "user", "content": "And shapes?"}, {"role": "assistant", "content": "square"},
+                             {"role": "user", "content": "Numbers?"}, {"role": "assistant", "content": "one"}]},
+    {"id": "g", "messages": [{"role": "user", "content": "Last one."}, {"role": "assistant", "content": "ok"}]},
+]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    bundle = load_target("random:tiny-llama", dtype="float32",
+                         model_cache_dir=tmp_path_factory.getbasetemp() / "dflash-model-cache")
+    liven(bundle.model)
+    return bundle
+
+
+@pytest.fixture()
+def cfg(tmp_path):
+    src = tmp_path / "src.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    c = RunConfig()
+    c.data.source = str(src)
+    return c
+
+
+def _source_messages() -> dict[str, list[dict]]:
+    """The chat rows of ROWS by sample id, in the reader's normalised form."""
+    out = {}
+    for r in ROWS:
+        if "text" in r:
+            continue
+        msgs = r.get("messages") or [{"role": {"human": "user", "gpt": "assistant"}[m["from"]],
+                                      "content": m["value"]} for m in r["conversations"]]
+        out[r.get("id", "src:2")] = msgs
+    return out
+
+
+def _rows(path):
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    return {r["id"]: r["messages"] for r in rows}, [r["id"] for r in rows]
+
+
+def _regen(cfg, llama, out, **kw):
+    return run_regenerate(cfg, out, max_new_tokens=NEW, batch_size=2, device="cpu", bundle=llama, **kw)
+
+
+@pytest.fixture()
+def reference(cfg, llama, tmp_path):
+    out = tmp_path / "ref.jsonl"
+    _regen(cfg, llama, out)
+    return _rows(out)
+
+
+def test_turn_by_turn_answers_are_the_targets_own_greedy_responses(reference, llama):
+    by_id, order = reference
+    assert order == ["a", "src:2", "c", "e", "f", "g"]            # input order; the text row is skipped
+    eos = eos_token_ids(llama.model, llama.tokenizer)
+    src = _source_messages()
+    for sid, messages in by_id.items():
+        orig = src[sid]
+        # leading assistant turns and trailing user turns are dropped; others keep their role order
+        kept = orig[1:] if orig[0]["role"] == "assistant" else orig
+        while kept[-1]["role"] != "assistant":
+            kept = kept[:-1]
+        assert [m["role"] for m in messages] == [m["role"] for m in kept]
+        for i, (m, o) in enumerate(zip(messages, kept)):
+            if m["role"] != "assistant":
+                assert m == o                                       # prompts verbatim
+                continue
+            # unbatched, unpadded greedy decoding of the regenerated conversation so far
+            ids = encode_prompt(llama.tokenizer, messages[:i])
+            toks = greedy_generate(llama.model, ids, NEW, eos)
+            toks = [t for t in toks if t not in eos]
+            assert m["content"] == llama.tokenizer.decode(toks, skip_special_tokens=True)
+            assert m["content"] != o["content"]
+
+
+def test_output_is_readable_by_the_data_reader(reference, tmp_path, cfg, llama):
+    out = tmp_path / "ref.jsonl"
+    convs = list(iter_conversations(str(out)))
+    by_id, order = reference
+    assert [c.sample_id for c in convs] == order
+    assert all(c.messages == by_id[c.sample_id] for c in convs)
+
+
+def test_rerun_after_a_line_cut_mid_way_gives_every_id_once_and_identical_content(reference, cfg, llama, tmp_path):
+    out = tmp_path / "ref.jsonl"
+    full = out.read_bytes()
+    lines = full.split(b"\n")
+    cut = len(lines[0]) + 1 + len(lines[1]) + 1 + len(lines[2]) // 2      # in the middle of the third row
+    out.write_bytes(full[:cut])
+    state = _regen(cfg, llama, out)
+    assert out.read_bytes() == full
+    by_id, order = _rows(out)
+    assert sorted(order) == sorted(set(order)) and (by_id, order) == reference
+    assert state["rows_written"] == len(order)
+
+
+def test_crash_inside_a_batch_write_then_resume(reference, cfg, llama, tmp_path, monkeypatch):
+    out = tmp_path / "crashed.jsonl"
+    real_append = regen_mod.JsonlAppender.append
+    calls = {"n": 0}
+
+    def dying_append(self, rows):
+        calls["n"] += 1
+        if calls["n"] == 2:                       # second batch: half its bytes reach the disk, then death
+            data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode()
+            self._f.write(data[:len(data) // 2 + 3])
+            self._f.flush()
+            raise KeyboardInterrupt
+        return real_append(self, rows)
+
+    monkeypatch.setattr(regen_mod.JsonlAppender, "append", dying_append)
+    with pytest.raises(KeyboardInterrupt):
+        _regen(cfg, llama, out)
+    assert not out.read_bytes().endswith(b"\n")
+    monkeypatch.setattr(regen_mod.JsonlAppender, "append", real_append)
+    _regen(cfg, llama, out)
+    assert _rows(out) == reference
+    # a third run has nothing left to do and changes nothing
+    before = out.read_bytes()
+    _regen(cfg, llama, out)
+    assert out.read_bytes() == before
+
+
+def test_resume_with_other_settings_or_a_foreign_file_is_refused(reference, cfg, llama, tmp_path):
+    out = tmp_path / "ref.jsonl"
+    with pytest.raises(ValidationError, match="max_new_tokens"):
+        run_regenerate(cfg, out, max_new_tokens=NEW + 1, batch_size=2, device="cpu", bundle=llama)
+    foreign = tmp_path / "foreign.jsonl"
+    foreign.write_text('{"id": "z", "messages": []}\n')
+    with pytest.raises(ValidationError, match="no progress sidecar"):
+        _regen(cfg, llama, foreign)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("not json\n")
+    sidecar_path(bad).write_text(sidecar_path(out).read_text())
+    with pytest.raises(ValidationError, match="bad.jsonl:1"):
+        _regen(cfg, llama, bad)
+
+
+def test_too_long_prompts_stop_the_conversation_or_skip_it(cfg, llama, tmp_path):
+    out = tmp_path / "short.jsonl"
+    tok = llama.tokenizer
+    f_first = next(r for r in ROWS if r.get("id") == "f")["messages"][:1]
+    cfg.extract.max_length = len(encode_prompt(tok, f_first)) + NEW + 2   # f's first turn fits, its second not
+    state = _regen(cfg, llama, out)
+    by_id, _ = _rows(out)
+    assert [m["role"] for m in by_id["f"]] == ["user", "assistant"]
+    for msgs in by_id.values():                  # every regenerated turn had room for max_new_tokens
+        for i, m in enumerate(msgs):
+            if m["role"] == "assistant":
+                assert len(encode_prompt(tok, msgs[:i])) + NEW <= cfg.extract.max_length
+    assert state["skipped"] and set(state["skipped"]) | set(by_id) == {"a", "src:2", "c", "e", "f", "g"}
+    src = _source_messages()
+    for sid, reason in state["skipped"].items():
+        assert "max_length" in reason
+        first_user = next(m for m in src[sid] if m["role"] == "user")
+        head = [m for m in src[sid] if m["role"] == "system"] + [first_user]
+        assert len(encode_prompt(tok, head)) + NEW > cfg.extract.max_length

@@ -1,0 +1,107 @@
+"""`run_eval` end to end on a tiny target + exported drafter, and the report arithmetic by hand."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dflash_pipe.config import RunConfig
+from dflash_pipe.drafter import export_drafter
+from dflash_pipe.errors import UsageError, ValidationError
+from dflash_pipe.eval import SpecResult
+from dflash_pipe.eval.report import method_summary, training_tau
+from dflash_pipe.eval.runner import run_eval
+from dflash_pipe.target import load_target
+from tests.eval_helpers import hf_greedy, liven, tiny_drafter
+
+
+def test_method_summary_matches_hand_computation():
+    # prompt 1: steps accepted 3, 0, 1 with budgets 3, 3, 2; prompt 2: one step, budget 3, accepted 2
+    r1 = SpecResult(tokens=[5] * 8, block_size=4, target_forwards=4, proposed=[3, 3, 2], accepted=[3, 0, 1],
+                    slot_limit=[3, 3, 2], committed=[4, 1, 2], wall_s=2.0)
+    r2 = SpecResult(tokens=[6] * 4, block_size=4, target_forwards=2, proposed=[3], accepted=[2], slot_limit=[3],
+                    committed=[3], wall_s=1.0)
+    s = method_summary([r1, r2], [[5] * 8, [7] * 4], target_tok_s=2.0, with_speedup=True)
+    assert s["tau"] == pytest.approx((4 + 1 + 2 + 3) / 4)
+    # slot 1: a>=1 in 3 of 4 steps; slot 2: a>=2 in 2 of 4; slot 3: a>=3 in 1 of the 3 steps with budget 3
+    assert s["acceptance"] == pytest.approx([3 / 4, 2 / 4, 1 / 3])
+    assert s["tokens_per_s"] == pytest.approx(12 / 3.0) and s["speedup"] == pytest.approx(2.0)
+    assert s["identical_to_target"] == 0.5 and s["target_forwards"] == 6
+    assert method_summary([r1], [[5] * 8], 2.0, with_speedup=False)["speedup"] is None
+
+
+def test_training_tau_reads_last_and_tail_mean(tmp_path):
+    taus = [1.0 + 0.1 * i for i in range(30)]
+    lines = [json.dumps({"step": i, "tau": t}) for i, t in enumerate(taus)] + ['{"step": 30, "ta']   # cut line
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines))
+    got = training_tau(tmp_path)
+    assert got["tau_last"] == pytest.approx(taus[-1])
+    assert got["tau_last_10pct_mean"] == pytest.approx(sum(taus[-3:]) / 3)
+    assert training_tau(tmp_path / "missing") is None
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    bundle = load_target("random:tiny-llama", dtype="float32",
+                         model_cache_dir=tmp_path_factory.getbasetemp() / "dflash-model-cache")
+    liven(bundle.model)
+    return bundle
+
+
+def _cfg(tmp_path, **eval_kw) -> RunConfig:
+    cfg = RunConfig()
+    cfg.target.model = "random:tiny-llama"
+    cfg.train.output_dir = str(tmp_path / "train")
+    cfg.eval.device = "cpu"
+    cfg.eval.prompts = "mtbench,humaneval"
+    cfg.eval.max_prompts = 2
+    cfg.eval.max_new_tokens = 12
+    for k, v in eval_kw.items():
+        setattr(cfg.eval, k, v)
+    return cfg
+
+
+def test_run_eval_end_to_end(llama, tmp_path, capsys):
+    drafter, dcfg = tiny_drafter(block_size=4)
+    export_drafter(drafter, dcfg, tmp_path / "train" / "export")             # the default location
+    (tmp_path / "train" / "metrics.jsonl").write_text(json.dumps({"step": 0, "tau": 1.5}) + "\n")
+    report = run_eval(_cfg(tmp_path), bundle=llama)
+    out = tmp_path / "train" / "eval"
+    on_disk = json.loads((out / "eval_report.json").read_text())
+    assert on_disk["sets"].keys() == {"mtbench", "humaneval"} == report["sets"].keys()
+    assert on_disk["training"]["tau_last"] == 1.5
+    records = [json.loads(line) for line in (out / "eval_prompts.jsonl").read_text().splitlines()]
+    from dflash_pipe.data import load_prompts
+    from dflash_pipe.eval import eos_token_ids
+    from dflash_pipe.eval.runner import encode_prompt
+
+    eos = eos_token_ids(llama.model, llama.tokenizer)
+    for name, s in on_disk["sets"].items():
+        assert s["prompts"] == 2
+        mine = [r for r in records if r["set"] == name]
+        for m in ("dflash", "ngram"):
+            rows = [r for r in mine if r["method"] == m]
+            assert len(rows) == 2 and all(r["identical_to_target"] for r in rows)
+            assert s[m]["identical_to_target"] == 1.0
+            steps = sum(r["steps"] for r in rows)
+            assert s[m]["steps"] == steps
+            assert s[m]["tau"] == pytest.approx(sum(r["generated"] - 1 for r in rows) / steps)
+            assert all(0.0 <= a <= 1.0 for a in s[m]["acceptance"]) and len(s[m]["acceptance"]) == 3
+        # the target-only outputs are transformers' greedy outputs for the same chat-templated prompts
+        for prompt, rec in zip(load_prompts(name, 2), [r for r in mine if r["method"] == "target"]):
+            ids = encode_prompt(llama.tokenizer, prompt.messages)
+            assert rec["generated"] == len(hf_greedy(llama.model, ids, 12, eos))
+    md = (out / "eval_report.md").read_text()
+    assert "| mtbench | 2 |" in md and "Training-time simulated tau: last 1.50" in md
+    assert (out / "acceptance.png").stat().st_size > 1000
+    assert "| humaneval | 2 |" in capsys.readouterr().out
+
+
+def test_run_eval_refuses_missing_or_foreign_drafter(llama, tmp_path):
+    with pytest.raises(UsageError, match="does not exist"):
+        run_eval(_cfg(tmp_path, drafter=str(tmp_path / "nope")), bundle=llama)
+    drafter, dcfg = tiny_drafter(hidden=32, heads=2, kv_heads=1, head_dim=16, intermediate=64)
+    export_drafter(drafter, dcfg, tmp_path / "foreign")
+    with pytest.raises(ValidationError, match="hidden_size: drafter 32 vs target 64"):
+        run_eval(_cfg(tmp_path, drafter=str(tmp_path / "foreign")), bundle=llama)
