@@ -1,0 +1,102 @@
+"""Stage 1 end to end on the CPU with the tiny random Qwen3.5 hybrid and real ShareGPT rows."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_pipe.cache import load_manifest, verify_cache
+from dflash_pipe.cache.reader import ShardReader
+from dflash_pipe.config import load_manifest as load_run_manifest
+from dflash_pipe.config import normalize
+from dflash_pipe.errors import FingerprintMismatch
+from dflash_pipe.extract.pipeline import run_extract
+from dflash_pipe.extract.recompute import recompute_check
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["--data-max-samples", "10", "--max-length", "96", "--token-budget", "256", "--num-shards", "3", "--topk", "4",
+         "--num-target-layers", "3", "--row-group-mb", "1"]
+
+
+def small_cfg(cache_dir: Path, **over):
+    cfg = load_run_manifest(ROOT / "manifests" / "tiny-qwen3.5.toml")
+    cfg.data.max_samples, cfg.extract.max_length, cfg.extract.token_budget = 10, 96, 256
+    cfg.extract.num_shards, cfg.extract.topk, cfg.extract.num_target_layers = 3, 4, 3
+    cfg.extract.cache_dir, cfg.extract.device = str(cache_dir), "cpu"
+    for k, v in over.items():
+        setattr(cfg.extract, k, v)
+    return normalize(cfg)
+
+
+def contents(cache_dir: Path) -> dict:
+    man = load_manifest(cache_dir)
+    out = {}
+    for e in man["shards"]:
+        for row in ShardReader(e["abs_path"], man["fingerprint"]).iter_rows():
+            ids, lps = row.teacher_topk()
+            out[row.doc_index] = (row.sample_id, row.input_ids.tolist(), row.loss_mask.tolist(),
+                                  row.hidden().view(torch.int16), ids, lps)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("ref") / "cache"
+    summary = run_extract(small_cfg(cache))
+    assert summary.complete and sorted(summary.shards_done) == [0, 1, 2]
+    return cache, contents(cache)
+
+
+def test_cache_is_complete_verified_and_matches_standalone_forwards(reference):
+    cache, docs = reference
+    man = load_manifest(cache)
+    tok = man["stats"]["data_tokenizer"]
+    # every selected sample is either in the cache exactly once or counted as malformed with a reason
+    assert man["totals"]["rows"] == len(docs) == tok["samples"]
+    assert tok["samples"] + tok["malformed_total"] == 10 and set(tok["malformed"]) <= {"no_supervised_tokens"}
+    assert len(set(docs)) == len(docs) and max(docs) <= 9
+    assert verify_cache(cache, decode=True)["rows"] == len(docs)
+    # packed forward + hooks + codec == a plain unpacked HF forward of each document (bf16 rounding)
+    report = recompute_check(cache, k=len(docs), device="cpu")
+    assert report["samples"] == len(docs) and report["max_rel_l2"] < 1e-2
+    assert man["features"]["layer_convention"].startswith("0-based")
+    assert man["target"]["family"] == "qwen3.5" and len(man["features"]["layer_ids"]) == 3
+
+
+def test_rerun_skips_committed_shards_and_mismatch_is_refused(reference, tmp_path):
+    cache, _ = reference
+    again = run_extract(small_cfg(cache))
+    assert again.status == "match" and again.shards_done == [] and sorted(again.shards_skipped) == [0, 1, 2]
+    with pytest.raises(FingerprintMismatch) as err:
+        run_extract(small_cfg(cache, topk=8, max_length=80))
+    assert set(err.value.differing) == {"topk", "max_length"}
+
+
+KILL_POINTS = ["extract.forward@3", "extract.compress@5", "extract.before_rename@2", "extract.before_sidecar@2",
+               "extract.before_manifest"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", KILL_POINTS)
+def test_sigkill_then_rerun_gives_the_uninterrupted_cache(reference, tmp_path, fault):
+    _, ref_docs = reference
+    cache = tmp_path / "cache"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "DFLASH_FAULT": fault, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "dflash_pipe", "extract", "-m", str(ROOT / "manifests" / "tiny-qwen3.5.toml"),
+           "--cache-dir", str(cache), "--device", "cpu", *SMALL]
+    killed = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert not (cache / "manifest.json").exists()
+    env.pop("DFLASH_FAULT")
+    rerun = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    got = contents(cache)
+    assert sorted(got) == sorted(ref_docs)
+    for i, ref in ref_docs.items():
+        g = got[i]
+        assert g[:3] == ref[:3]
+        assert torch.equal(g[3], ref[3]) and torch.equal(g[4], ref[4]) and torch.equal(g[5], ref[5])
+    assert not [p for p in os.listdir(cache) if p.startswith(".")]  # no temp files left behind
