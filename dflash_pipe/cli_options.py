@@ -37,7 +37,9 @@ def config_command(app: typer.Typer, name: str, own: tuple[str, ...], others: tu
     """Decorator: `func(cfg: RunConfig, **extra)` becomes a typer command with config flags."""
 
     def decorator(func: Callable) -> Callable:
-        extra_params = list(inspect.signature(func).parameters.values())[1:]
+        hints = typing.get_type_hints(func)  # resolve string annotations (from __future__ import annotations)
+        extra_params = [p.replace(annotation=hints.get(p.name, p.annotation))
+                        for p in list(inspect.signature(func).parameters.values())[1:]]
         params = [inspect.Parameter("manifest", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[Path],
                                     default=typer.Option(None, "--manifest", "-m", help=MANIFEST_HELP))]
         params += [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in extra_params]

@@ -14,6 +14,10 @@ gpu_count() { "$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/n
 # launch STAGE GPUS ARGS...: one process per GPU in GPUS (comma list), or one CPU process if GPUS is "cpu".
 launch() {
   local stage="$1" gpus="$2"; shift 2
+  if [ "$gpus" != "cpu" ] && [ "$(gpu_count)" = 0 ]; then
+    echo "stages: no CUDA GPU visible; running $stage on the CPU (one process) instead of GPUs $gpus" >&2
+    gpus=cpu
+  fi
   if [ "$gpus" = "cpu" ]; then
     "$PY" -m dflash_pipe "$stage" --device cpu "$@"
   else

@@ -88,8 +88,13 @@ def write_train_cache(cache_dir: Path, num_docs: int = 24, hidden: int = 32, num
                         "layer_convention": "test"}
     atomic_write_json(cache_dir / "cache_spec.json", spec)
     g = torch.Generator().manual_seed(seed)
-    save_file({"embed_tokens.weight": torch.randn(vocab, hidden, generator=g),
-               "lm_head.weight": torch.randn(vocab, hidden, generator=g) * 0.2}, str(cache_dir / "target_head.safetensors"))
+    import json as _json
+
+    save_file({"model.embed_tokens.weight": torch.randn(vocab, hidden, generator=g),
+               "lm_head.weight": torch.randn(vocab, hidden, generator=g) * 0.2},
+              str(cache_dir / "target_head.safetensors"),
+              metadata={"dflash_config": _json.dumps({"model_type": "llama", "tie_word_embeddings": False,
+                                                      "vocab_size": vocab, "hidden_size": hidden})})
     from dflash_pipe.cache import try_finalize
     try_finalize(cache_dir, spec)
     return spec

@@ -12,7 +12,6 @@ import math
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from ..config import RunConfig
 from ..drafter import DFlashDrafter, DrafterModelConfig, derive_drafter_config
@@ -75,13 +74,12 @@ class FrozenHead:
         if not path.exists():
             raise CacheError(f"{path} is missing: stage 2 needs the target's embeddings and lm_head",
                              "rerun `dflash-pipe extract` on this cache (it rewrites the head file)")
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            keys = set(f.keys())
-            for k in ("embed_tokens.weight", "lm_head.weight"):
-                if k not in keys:
-                    raise CacheError(f"{path}: tensor '{k}' is missing")
-            self.embed_VH = f.get_tensor("embed_tokens.weight").to(torch.float32)
-            self.lm_head_VH = f.get_tensor("lm_head.weight").to(device=device, dtype=dtype)
+        from ..target.heads import read_embeddings_and_head
+
+        heads = read_embeddings_and_head(path)  # reads only these tensors; handles tied heads
+        self.embed_VH = heads.embed_VH.to(torch.float32)
+
+        self.lm_head_VH = heads.lm_head_VH.to(device=device, dtype=dtype)
         self.lm_head_VH.requires_grad_(False)
         self.device = device
 
