@@ -42,7 +42,7 @@ def fields_for(width: int, num_layers: int, codec: str, topk: int, tag: str = "t
 
 def write_cache(cache_dir: Path, docs, width: int, num_layers: int, codec: str = "lossless", topk: int = 4,
                 num_shards: int = 2, row_group_bytes: int = 2000, fingerprint_fields: dict | None = None,
-                finalize: bool = True) -> dict:
+                finalize: bool = True, shard_of=None) -> dict:
     fields = fingerprint_fields or fields_for(width, num_layers, codec, topk)
     spec = make_spec(fields, target={"hidden_size": width // num_layers},
                      features={"width": width, "num_layers": num_layers, "codec": codec, "topk": topk,
@@ -52,7 +52,8 @@ def write_cache(cache_dir: Path, docs, width: int, num_layers: int, codec: str =
     for s in range(num_shards):
         w = ShardWriter(cache_dir, shard_name(s, num_shards), s, codec, topk,
                         shard_meta(codec, topk, width, num_layers, spec["fingerprint"]), row_group_bytes)
-        for d in docs[s::num_shards]:
+        mine = docs[s::num_shards] if shard_of is None else [d for i, d in enumerate(docs) if shard_of(i) == s]
+        for d in mine:
             enc = encode_hidden(d["hidden"], codec, num_layers)
             w.add(make_row(d["sample_id"], d["doc_index"], d["input_ids"], d["loss_mask"], enc,
                            d["topk_ids"], d["topk_logprobs"]))
@@ -65,7 +66,7 @@ def write_cache(cache_dir: Path, docs, width: int, num_layers: int, codec: str =
 
 def write_train_cache(cache_dir: Path, num_docs: int = 24, hidden: int = 32, num_layers: int = 2, vocab: int = 97,
                       codec: str = "lossless", topk: int = 4, num_shards: int = 2, seed: int = 0,
-                      max_len: int = 48) -> dict:
+                      max_len: int = 48, row_group_bytes: int = 4000, shard_of=None) -> dict:
     """A synthetic cache with everything stage 2 reads: spec with target config + head file."""
     from safetensors.torch import save_file
 
@@ -78,7 +79,7 @@ def write_train_cache(cache_dir: Path, num_docs: int = 24, hidden: int = 32, num
         d["hidden"] = (d["hidden"].float() / 30).to(torch.bfloat16)
     fields = fields_for(width, num_layers, codec, topk, f"synthetic-{seed}")
     write_cache(cache_dir, docs, width, num_layers, codec=codec, topk=topk, num_shards=num_shards,
-                row_group_bytes=4000, fingerprint_fields=fields, finalize=False)
+                row_group_bytes=row_group_bytes, fingerprint_fields=fields, finalize=False, shard_of=shard_of)
     spec = load_spec(cache_dir)
     spec["target"] = {"family": "llama", "hidden_size": hidden, "vocab_size": vocab, "num_layers": 6,
                       "config": {"num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 64,

@@ -16,6 +16,7 @@ import torch
 from ..config import RunConfig
 from ..drafter import DFlashDrafter, DrafterModelConfig, derive_drafter_config
 from ..errors import CacheError, ValidationError
+from ..io_utils import safe_child
 
 
 def target_cfg_dict(spec: dict) -> dict:
@@ -70,7 +71,7 @@ class FrozenHead:
     """The target's embedding rows (on the CPU: blocks only need anchor + MASK rows) and lm_head."""
 
     def __init__(self, cache_dir: Path, head_file: str, device: torch.device, dtype: torch.dtype):
-        path = Path(cache_dir) / head_file
+        path = safe_child(Path(cache_dir), head_file, f"{cache_dir}/cache_spec.json field features.head_file")
         if not path.exists():
             raise CacheError(f"{path} is missing: stage 2 needs the target's embeddings and lm_head",
                              "rerun `dflash-pipe extract` on this cache (it rewrites the head file)")

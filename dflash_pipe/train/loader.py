@@ -191,13 +191,20 @@ class BatchLoader:
 
     def wait_for_step(self, epoch: int, step: int, follow_first_epoch: bool) -> EpochSchedule | None:
         """Schedule that contains `step`, waiting for extraction in follow mode; None = epoch over."""
+        waited = 0.0
         while True:
             sched = self.schedule(epoch, follow_first_epoch)
             if step < sched.steps:
+                if waited:
+                    log.info("follow: resumed after waiting %.0fs for shards", waited)
                 return sched
             if sched.final:
                 return None
+            if waited == 0.0:
+                log.info("follow: waiting for extraction (%d of %d shards usable, step %d)", len(self.index.lengths),
+                         self.index.spec["num_shards"], step)
             time.sleep(self.poll_s)
+            waited += self.poll_s
 
     # ------------------------------------------------------------------ batches
     def iterate(self, epoch: int, start_step: int, follow_first_epoch: bool = False):

@@ -86,8 +86,9 @@ def run_train(cfg: RunConfig) -> dict:
         check_resume_identity(state, spec, resume)
         step, epoch, step_in_epoch = state["step"], state["epoch"], state["step_in_epoch"]
         epoch_steps, total = state["epoch_steps"], state["total_steps"]
-        sched.last_epoch = step - 1
-        sched.step()
+        # the optimizer's param groups already carry the lr of `step` (saved after its scheduler step)
+        sched.last_epoch = step
+        sched._last_lr = [g["lr"] for g in opt.param_groups]
         if info.is_main:
             print(f"resumed from {resume} at step {step} (epoch {epoch}, batch {step_in_epoch})", flush=True)
     ddp = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True) if distributed else model
@@ -106,11 +107,12 @@ def run_train(cfg: RunConfig) -> dict:
               f"({epoch_steps} per epoch), mask token {dcfg.mask_token_id}", flush=True)
     last = {}
     try:
-        while step < total and epoch < tr.epochs:
+        cap = tr.max_steps or None  # otherwise every epoch runs until its data ends (follow: when extraction does)
+        while epoch < tr.epochs and (cap is None or step < cap):
             follow_first = tr.follow and epoch == 0
             batches = loader.iterate(epoch, step_in_epoch, follow_first_epoch=follow_first)
             watch = Stopwatch(device)
-            while step < total:
+            while cap is None or step < cap:
                 t_wait = time.perf_counter()
                 batch = next(batches, None)
                 data_wait = time.perf_counter() - t_wait
@@ -126,7 +128,7 @@ def run_train(cfg: RunConfig) -> dict:
                 if step % tr.log_every == 0 or step == total:
                     logger.log(step - 1, epoch, last["metrics"], step_s, data_wait, batch.tokens,
                                sched.get_last_lr()[0], last["grad_norm"])
-                if tr.checkpoint_every and step % tr.checkpoint_every == 0 and step < total:
+                if tr.checkpoint_every and step % tr.checkpoint_every == 0 and step != total:
                     _checkpoint(out_dir, step, epoch, step_in_epoch, model, opt, epoch_steps, total, spec, dcfg,
                                 cfg, info)
                 fault_point("train.after_step")

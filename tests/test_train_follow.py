@@ -1,0 +1,56 @@
+"""Follow mode: training consumes shards while a (slow) extractor is still committing them."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from dflash_pipe.train.loader import CacheIndex
+from dflash_pipe.train.schedule import build_epoch_schedule
+from tests.cache_helpers import write_train_cache
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def slow_extractor(staged: Path, live: Path, delay: float) -> None:
+    """Replay a finished cache into `live` in extract's commit order: spec + head, then each shard
+    (data file, then sidecar) with a delay, in a scrambled order, and the manifest last."""
+    live.mkdir()
+    for name in ("cache_spec.json", "target_head.safetensors"):
+        shutil.copy(staged / name, live / name)
+    for i in (1, 0, 3, 2):  # shards commit out of index order, as concurrent ranks do
+        time.sleep(delay)
+        for ext in (".parquet", ".json"):
+            name = f"shard-{i:05d}-of-00004{ext}"
+            shutil.copy(staged / name, live / f".{name}.tmp-x")
+            os.replace(live / f".{name}.tmp-x", live / name)
+    time.sleep(delay)
+    shutil.copy(staged / "manifest.json", live / "manifest.json")
+
+
+def test_follow_trains_during_extraction_and_ends_epoch_when_manifest_is_final(tmp_path):
+    staged, live, out = tmp_path / "staged", tmp_path / "live", tmp_path / "out"
+    write_train_cache(staged, num_docs=48, num_shards=4, seed=5)
+    t = threading.Thread(target=slow_extractor, args=(staged, live, 2.0))
+    t.start()
+    while not (live / "target_head.safetensors").exists():
+        time.sleep(0.05)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "dflash_pipe", "train", "--cache-dir", str(live), "--output-dir", str(out),
+           "--follow", "--follow-poll-s", "0.2", "--epochs", "1", "--drafter-num-layers", "1",
+           "--drafter-block-size", "4", "--context-tokens", "96", "--num-anchors", "8", "--checkpoint-every", "0",
+           "--loader-workers", "1"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    t.join()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "follow: waiting for extraction" in proc.stderr  # it really ran ahead of the extractor
+    steps = [json.loads(ln)["step"] for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    index = CacheIndex(staged)
+    index.refresh()
+    expect = build_epoch_schedule(index.lengths, 1, 0, 0, 96, 256, follow_first_epoch=True, final=True).steps
+    assert steps == list(range(expect))  # the first epoch covered every committed shard, nothing dropped
+    assert (out / "export" / "model.safetensors").exists()
