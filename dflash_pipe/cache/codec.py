@@ -153,7 +153,12 @@ def planes_to_hidden(codec: str, planes: torch.Tensor, scale: torch.Tensor | Non
     """Batch plane buffer -> bf16 [S, D] on the planes' device (run it on the GPU when training there)."""
     if codec == LOSSLESS:
         _, D, S = planes.shape
-        return planes.permute(2, 1, 0).contiguous().view(torch.bfloat16).view(S, D)
+        # interleave the planes into [D, S] 16-bit words, then one 2-byte transpose (4x faster on the
+        # CPU than permuting single bytes; on the GPU both are noise)
+        words = torch.empty(D, S, 2, dtype=torch.uint8, device=planes.device)
+        words[..., 0] = planes[0]
+        words[..., 1] = planes[1]
+        return words.view(torch.int16).view(D, S).t().contiguous().view(torch.bfloat16)
     D, S = planes.shape
     q = planes.t().contiguous().view(torch.float8_e4m3fn).view(S, num_layers, D // num_layers)
     return (q.float() * scale.unsqueeze(-1)).view(S, D).to(torch.bfloat16)
