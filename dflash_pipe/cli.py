@@ -74,11 +74,14 @@ def regenerate_cmd(cfg: RunConfig, output: Path = typer.Option(..., "--output", 
                                                                 help="JSONL file of regenerated conversations."),
                    max_new_tokens: int = typer.Option(512, help="Tokens generated per response."),
                    batch_size: int = typer.Option(16, help="Prompts generated together."),
-                   device: str = typer.Option("auto", help="'auto', 'cpu' or 'cuda'.")):
+                   device: str = typer.Option("auto", help="'auto', 'cpu' or 'cuda'."),
+                   max_turns: int = typer.Option(0, help="Regenerate at most this many assistant turns per "
+                                                         "conversation (0 = all, turn by turn).")):
     """Regenerate the assistant turns with the target itself (drafters must learn the target's outputs)."""
     from .eval.regenerate import run_regenerate
 
-    run_regenerate(cfg, output, max_new_tokens=max_new_tokens, batch_size=batch_size, device=device)
+    run_regenerate(cfg, output, max_new_tokens=max_new_tokens, batch_size=batch_size, device=device,
+                   max_turns=max_turns)
 
 
 @app.command("export")

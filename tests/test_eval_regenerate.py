@@ -185,3 +185,14 @@ def test_too_long_prompts_stop_the_conversation_or_skip_it(cfg, llama, tmp_path)
         first_user = next(m for m in src[sid] if m["role"] == "user")
         head = [m for m in src[sid] if m["role"] == "system"] + [first_user]
         assert len(encode_prompt(tok, head)) + NEW > cfg.extract.max_length
+
+
+def test_max_turns_keeps_the_first_regenerated_turns_only(reference, cfg, llama, tmp_path):
+    out = tmp_path / "first.jsonl"
+    run_regenerate(cfg, out, max_new_tokens=NEW, batch_size=3, device="cpu", bundle=llama, max_turns=1)
+    (first, _), (full, _) = _rows(out), reference
+    assert set(first) == set(full)
+    for sid, msgs in first.items():
+        assert sum(m["role"] == "assistant" for m in msgs) == 1
+        k = next(i for i, m in enumerate(full[sid]) if m["role"] == "assistant")
+        assert msgs == full[sid][:k + 1]  # identical to the full run up to its first answer

@@ -127,6 +127,7 @@ class _ConvState:
     cursor: int = 0
     done: bool = False
     skipped: str = ""                                    # reason, if the conversation yields nothing
+    turns: int = 0                                       # assistant turns regenerated so far
 
     def next_prompt(self) -> list[dict] | None:
         """Advance to the next assistant turn; the messages before it, or None when finished."""
@@ -153,8 +154,9 @@ class _ConvState:
 class Regenerator:
     """Greedy batched regeneration of conversations with one target (module docstring)."""
 
-    def __init__(self, model, tokenizer, max_new_tokens: int, max_length: int):
+    def __init__(self, model, tokenizer, max_new_tokens: int, max_length: int, max_turns: int = 0):
         self.model, self.tokenizer = model, tokenizer
+        self.max_turns = max_turns
         self.max_new_tokens, self.max_length = max_new_tokens, max_length
         self.eos = eos_token_ids(model, tokenizer)
         if not self.eos:
@@ -196,6 +198,9 @@ class Regenerator:
             for st in batch:
                 if st.done:
                     continue
+                if self.max_turns and st.turns >= self.max_turns:
+                    st.finish("")
+                    continue
                 msgs = st.next_prompt()
                 if msgs is None:
                     continue
@@ -214,16 +219,18 @@ class Regenerator:
                     continue
                 st.out.append({"role": "assistant", "content": text})
                 st.cursor += 1
+                st.turns += 1
 
 
 # --------------------------------------------------------------------------- command
 
-def _settings(cfg: RunConfig, bundle, max_new_tokens: int) -> dict:
+def _settings(cfg: RunConfig, bundle, max_new_tokens: int, max_turns: int = 0) -> dict:
     d = cfg.data
     return {"target": cfg.target.model, "weights_fingerprint": bundle.identity.get("weights_fingerprint"),
             "chat_template_hash": bundle.identity.get("chat_template_hash"), "dtype": bundle.identity.get("dtype"),
             "source": d.source, "format": d.format, "skip_samples": d.skip_samples, "max_samples": d.max_samples,
-            "max_new_tokens": max_new_tokens, "max_length": cfg.extract.max_length, "mode": "multi-turn"}
+            "max_new_tokens": max_new_tokens, "max_length": cfg.extract.max_length,
+            "mode": "multi-turn" if not max_turns else f"first {max_turns} turn(s)"}
 
 
 def _load_sidecar(output: Path, settings: dict) -> dict:
@@ -249,7 +256,7 @@ def _load_sidecar(output: Path, settings: dict) -> dict:
 
 
 def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batch_size: int = 16,
-                   device: str = "auto", *, bundle=None) -> dict:
+                   device: str = "auto", *, bundle=None, max_turns: int = 0) -> dict:
     """Regenerate cfg.data's conversations into `output` (JSONL); returns the final sidecar dict.
 
     bundle: an already loaded TargetBundle to use instead of loading cfg.target (tests, notebooks).
@@ -264,12 +271,12 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
         bundle = load_target(t.model, device=resolve_device(device), dtype=t.dtype, revision=t.revision,
                              trust_remote_code=t.trust_remote_code, seed=t.seed, model_cache_dir=t.model_cache_dir,
                              attn_implementation=t.attn_implementation)
-    state = _load_sidecar(output, _settings(cfg, bundle, max_new_tokens))
+    state = _load_sidecar(output, _settings(cfg, bundle, max_new_tokens, max_turns))
     done = scan_output(output)
     state["rows_written"] = len(done)       # the output is the truth (a crash may precede a sidecar update)
     skip = done | set(state["skipped"])
     atomic_write_json(sidecar_path(output), state)
-    regen = Regenerator(bundle.model, bundle.tokenizer, max_new_tokens, cfg.extract.max_length)
+    regen = Regenerator(bundle.model, bundle.tokenizer, max_new_tokens, cfg.extract.max_length, max_turns)
     stats = DataStats()
     d = cfg.data
     convs = load_conversations(d.source, d.format, d.strict, stats, d.skip_samples, d.max_samples)

@@ -1,0 +1,112 @@
+"""Orchestration: when stage 1 is skipped, resumed, rerun or refused (real embedded SmolLM2 target)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dflash_pipe.config import load_manifest, normalize
+from dflash_pipe.plan import make_plan
+
+ROOT = Path(__file__).resolve().parents[1]
+
+BASE = {
+    "target": {"model": '"embedded:smollm2-135m-instruct"'},
+    "data": {"source": '"embedded:sharegpt"', "max_samples": "3"},
+    "extract": {"cache_dir": "{cache}", "max_length": "64", "token_budget": "128", "num_shards": "2", "topk": "4",
+                "num_target_layers": "2"},
+    "drafter": {"num_layers": "1", "block_size": "4"},
+    "train": {"output_dir": "{out}", "epochs": "1", "context_tokens": "128", "num_anchors": "8",
+              "max_anchors_per_doc": "8", "checkpoint_every": "0", "loader_workers": "1"},
+}
+
+
+def write_manifest(tmp: Path, name: str, cache: Path, out: Path, extra: str = "") -> Path:
+    """The base manifest with "section.key = value" lines of `extra` replacing or adding keys."""
+    tables = {sec: dict(kv) for sec, kv in BASE.items()}
+    tables["extract"]["cache_dir"] = f'"{cache}"'
+    tables["train"]["output_dir"] = f'"{out}"'
+    for line in extra.splitlines():
+        if line.strip():
+            key, value = (x.strip() for x in line.split("=", 1))
+            section, k = key.split(".")
+            tables[section][k] = value
+    path = tmp / name
+    path.write_text("".join(f"[{sec}]\n" + "".join(f"{k} = {v}\n" for k, v in kv.items()) for sec, kv in tables.items()))
+    return path
+
+
+@pytest.fixture(scope="module")
+def extracted(tmp_path_factory):
+    from dflash_pipe.extract.pipeline import run_extract
+
+    tmp = tmp_path_factory.mktemp("plan")
+    cache, out = tmp / "cache", tmp / "out"
+    m = write_manifest(tmp, "base.toml", cache, out)
+    cfg = normalize(load_manifest(m))
+    assert make_plan(cfg).stage1 == "run"
+    assert run_extract(cfg).complete
+    return tmp, cache, out, m
+
+
+def _plan(path: Path):
+    return make_plan(normalize(load_manifest(path)))
+
+
+def test_complete_matching_cache_is_skipped(extracted):
+    _, _, _, m = extracted
+    plan = _plan(m)
+    assert plan.stage1 == "skip" and plan.committed == 2
+
+
+def test_drafter_or_training_changes_keep_the_cache(extracted):
+    tmp, cache, out, m = extracted
+    base = _plan(m).fingerprint
+    changed = write_manifest(tmp, "drafter.toml", cache, out, "drafter.num_layers = 2\ndrafter.block_size = 8\n"
+                                                              "train.lr = 0.0003\ntrain.num_anchors = 4")
+    plan = _plan(changed)
+    assert plan.stage1 == "skip" and plan.fingerprint == base
+
+
+@pytest.mark.parametrize("extra,field", [("data.max_samples = 2", "dataset_fingerprint"),
+                                         ("extract.topk = 8", "topk"),
+                                         ("extract.max_length = 48", "max_length"),
+                                         ("extract.codec = \"fp8\"", "codec")])
+def test_target_data_or_extraction_changes_are_refused(extracted, extra, field):
+    tmp, cache, out, _ = extracted
+    plan = _plan(write_manifest(tmp, "changed.toml", cache, out, extra))
+    assert plan.stage1 == "refuse" and set(plan.differing) == {field}
+
+
+def test_missing_shard_means_resume(extracted, tmp_path):
+    import shutil
+
+    _, cache, out, _ = extracted
+    copy = tmp_path / "cache"
+    shutil.copytree(cache, copy)
+    (copy / "shard-00001-of-00002.json").unlink()
+    plan = _plan(write_manifest(tmp_path, "r.toml", copy, out))
+    assert plan.stage1 == "resume" and plan.committed == 1
+
+
+@pytest.mark.slow
+def test_run_pipeline_skips_stage1_trains_and_refuses_mixing(extracted):
+    tmp, cache, out, m = extracted
+    env = {**os.environ, "DFLASH_PYTHON": sys.executable, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
+    env.pop("EXTRACT_GPUS", None)
+    env.pop("TRAIN_GPUS", None)
+    dry = subprocess.run([str(ROOT / "run_pipeline.sh"), str(m), "--dry-run"], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert dry.returncode == 0, dry.stderr[-2000:]
+    assert "stage 1: skip" in dry.stdout and "SKIP" in dry.stdout
+    run = subprocess.run([str(ROOT / "run_pipeline.sh"), str(m), "--no-eval"], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "stage 1 skipped" in run.stdout and (out / "export" / "model.safetensors").exists()
+    bad = write_manifest(tmp, "bad.toml", cache, out, "extract.topk = 8")
+    refused = subprocess.run([str(ROOT / "run_pipeline.sh"), str(bad), "--no-eval"], env=env, capture_output=True,
+                             text=True, timeout=300)
+    assert refused.returncode == 3
+    assert "refusing to mix caches" in refused.stderr and "topk" in refused.stderr
