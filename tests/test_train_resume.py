@@ -56,10 +56,11 @@ def test_two_rank_resume_after_sigkill_reproduces_losses(tmp_path):
 
 
 @pytest.mark.slow
-def test_checkpoint_killed_before_marker_is_never_loaded(tmp_path):
+@pytest.mark.parametrize("point", ["train.checkpoint.before_marker", "train.checkpoint.before_rename"])
+def test_checkpoint_killed_while_being_written_is_never_loaded(tmp_path, point):
     cache = tmp_path / "cache"
     write_train_cache(cache, num_docs=24, seed=4)
-    run = _train(cache, tmp_path / "run", 1, fault="train.checkpoint.before_marker@2")  # 2nd checkpoint dies
+    run = _train(cache, tmp_path / "run", 1, fault=f"{point}@2")  # the 2nd checkpoint dies half-written
     assert run.returncode != 0
     names = sorted(p.name for p in (tmp_path / "run").iterdir())
     assert "ckpt-00000004" in names and "ckpt-00000008" not in names
