@@ -127,7 +127,13 @@ def main(argv: Optional[list[str]] = None) -> None:
     logging.basicConfig(level=os.environ.get("DFLASH_LOG", "INFO"), format="%(asctime)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     try:
-        app(args=argv, prog_name="dflash-pipe", standalone_mode=False)
+        # non-standalone typer returns an exit code instead of raising for Ctrl-C (130) and ctx.exit
+        rv = app(args=argv, prog_name="dflash-pipe", standalone_mode=False)
+        if isinstance(rv, int) and rv != 0:
+            if rv == 130:
+                typer.echo("interrupted: committed shards/checkpoints are kept; rerun the same command to resume",
+                           err=True)
+            sys.exit(rv)
     except DFlashError as exc:
         typer.echo(f"error: {exc}", err=True)
         sys.exit(exc.exit_code)

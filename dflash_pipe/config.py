@@ -316,6 +316,9 @@ def normalize(cfg: RunConfig) -> RunConfig:
     """Resolve shorthands and check rules that involve several fields (errors name the flag)."""
     ex, tr, dr = cfg.extract, cfg.train, cfg.drafter
     if ex.shards.strip().isdigit():  # `--shards 8` is shorthand for --num-shards 8
+        if int(ex.shards) < 1:
+            raise UsageError(f"{cfg.source}: --shards {ex.shards}: a plain integer is the shard count",
+                             "to run only shard 0 pass --shards 0-0")
         ex.num_shards, ex.shards = int(ex.shards), ""
     checks = [
         (ex.num_shards >= 1, "--num-shards must be >= 1"),

@@ -100,3 +100,40 @@ def test_sigkill_then_rerun_gives_the_uninterrupted_cache(reference, tmp_path, f
         assert g[:3] == ref[:3]
         assert torch.equal(g[3], ref[3]) and torch.equal(g[4], ref[4]) and torch.equal(g[5], ref[5])
     assert not [p for p in os.listdir(cache) if p.startswith(".")]  # no temp files left behind
+
+
+def test_shard_subsets_from_two_jobs_complete_one_cache(reference, tmp_path):
+    _, ref_docs = reference
+    cache = tmp_path / "cache"
+    first = run_extract(small_cfg(cache, shards="0-0"))
+    assert first.shards_done == [0] and not first.complete and not (cache / "manifest.json").exists()
+    second = run_extract(small_cfg(cache, shards="1-2"))
+    assert sorted(second.shards_done) == [1, 2] and second.complete
+    got = contents(cache)
+    assert sorted(got) == sorted(ref_docs) and all(torch.equal(got[i][3], ref_docs[i][3]) for i in ref_docs)
+
+
+@pytest.mark.slow
+def test_ctrl_c_exits_130_and_leaves_a_resumable_cache(tmp_path):
+    import signal
+    import time
+
+    cache = tmp_path / "cache"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    args = [a if a != "10" else "40" for a in SMALL]  # more samples, so there is time to interrupt
+    cmd = [sys.executable, "-m", "dflash_pipe", "extract", "-m", str(ROOT / "manifests" / "tiny-qwen3.5.toml"),
+           "--cache-dir", str(cache), "--device", "cpu", *args]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while not list(cache.glob("shard-*.json")) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    if proc.returncode == 0:
+        pytest.skip("extraction finished before the interrupt landed")
+    assert proc.returncode == 130, err[-2000:]
+    assert "interrupted" in err and not (cache / "manifest.json").exists()
+    assert not [p for p in os.listdir(cache) if p.startswith(".")]
+    rerun = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0 and (cache / "manifest.json").exists()
+    assert verify_cache(cache, decode=True)["rows"] == load_manifest(cache)["stats"]["data_tokenizer"]["samples"]

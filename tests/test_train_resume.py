@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.cache_helpers import write_train_cache
 
@@ -69,3 +70,31 @@ def test_checkpoint_killed_while_being_written_is_never_loaded(tmp_path, point):
     assert again.returncode == 0, again.stderr[-3000:]
     assert "at step 4" in again.stdout
     assert not any(n.startswith(".ckpt") for n in os.listdir(tmp_path / "run"))
+
+
+def test_export_command_equals_the_trainers_own_export_and_resume_refuses_another_cache(tmp_path):
+    from safetensors.torch import load_file
+
+    from dflash_pipe.config import RunConfig, normalize
+    from dflash_pipe.errors import ValidationError
+    from dflash_pipe.train.exporting import export_checkpoint
+    from dflash_pipe.train.trainer import run_train
+
+    cache = tmp_path / "cache"
+    write_train_cache(cache, num_docs=12, seed=8)
+    cfg = RunConfig()
+    cfg.train.cache_dir, cfg.train.output_dir = str(cache), str(tmp_path / "out")
+    cfg.drafter.num_layers, cfg.drafter.block_size = 1, 4
+    cfg.train.context_tokens, cfg.train.num_anchors = 96, 8
+    run_train(normalize(cfg))
+    out = export_checkpoint(tmp_path / "out", tmp_path / "exported")
+    a, b = load_file(str(out / "model.safetensors")), load_file(str(tmp_path / "out" / "export" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert json.loads((out / "config.json").read_text()) == json.loads(
+        (tmp_path / "out" / "export" / "config.json").read_text())
+    other = tmp_path / "other"
+    write_train_cache(other, num_docs=12, seed=9, num_layers=1)  # another target layer set
+    cfg.train.cache_dir = str(other)
+    with pytest.raises(ValidationError) as err:
+        run_train(normalize(cfg))
+    assert "layer_ids" in str(err.value) or "target_layer_ids" in str(err.value)

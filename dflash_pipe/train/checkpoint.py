@@ -140,8 +140,15 @@ def find_resume(out_dir: str | Path, resume: str) -> Path | None:
     return path
 
 
+def read_state(path: Path) -> dict:
+    try:
+        return json.loads((path / "state.json").read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CacheError(f"{path}/state.json: unreadable ({exc})", "pass --resume never or another checkpoint") from None
+
+
 def load_checkpoint(path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, device: torch.device) -> dict:
-    state = json.loads((path / "state.json").read_text())
+    state = read_state(path)
     weights = {}
     with safe_open(str(path / "model.safetensors"), framework="pt", device="cpu") as f:
         for k in f.keys():

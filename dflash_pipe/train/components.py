@@ -49,10 +49,19 @@ def check_against_cache(dcfg: DrafterModelConfig, spec: dict, where: str) -> Non
                               "train a new drafter for this cache (new --output-dir), or use the matching cache")
 
 
-def check_resume_identity(state: dict, spec: dict, path: Path) -> None:
+def check_resume_identity(state: dict, spec: dict, path: Path, dcfg: DrafterModelConfig | None = None) -> None:
+    """Refuse to resume a checkpoint trained on another cache or with another drafter shape."""
     old = state.get("cache_identity", {})
     new = cache_identity(spec)
     diff = {k: (old.get(k), new[k]) for k in new if old.get(k) != new[k]}
+    if dcfg is not None and not diff:
+        saved = state.get("drafter_config", {})
+        now = {k: v for k, v in dcfg.to_dict().items() if k != "attention"}
+        shape = {k: (saved.get(k), v) for k, v in now.items() if saved.get(k) != v}
+        if shape:
+            lines = "; ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in shape.items())
+            raise ValidationError(f"checkpoint {path} has another drafter shape: {lines}",
+                                  "use a new --output-dir for a new drafter, or --resume never")
     if diff:
         lines = "; ".join(f"{k}: checkpoint {a!r} vs cache {b!r}" for k, (a, b) in diff.items())
         raise ValidationError(f"checkpoint {path} was trained on a different cache: {lines}",

@@ -22,7 +22,7 @@ from ..drafter import (AttentionMask, block_positions, default_gamma, draft_loss
 from ..cache.codec import planes_to_hidden
 from ..errors import RuntimeFailure, ValidationError
 from ..faults import fault_point
-from .checkpoint import find_resume, load_checkpoint, save_checkpoint
+from .checkpoint import find_resume, load_checkpoint, read_state, save_checkpoint
 from .components import (FrozenHead, build_drafter_config, build_model, build_optimizer, cache_identity,
                          check_against_cache, check_resume_identity)
 from .loader import BatchLoader, CacheIndex
@@ -82,8 +82,8 @@ def run_train(cfg: RunConfig) -> dict:
     step, epoch, step_in_epoch = 0, 0, 0
     resume = find_resume(out_dir, tr.resume)
     if resume is not None:
+        check_resume_identity(read_state(resume), spec, resume, dcfg)  # before touching any weights
         state = load_checkpoint(resume, model, opt, device)
-        check_resume_identity(state, spec, resume)
         step, epoch, step_in_epoch = state["step"], state["epoch"], state["step_in_epoch"]
         epoch_steps, total = state["epoch_steps"], state["total_steps"]
         # the optimizer's param groups already carry the lr of `step` (saved after its scheduler step)
