@@ -29,15 +29,19 @@ def temp_path_for(path: Path) -> Path:
     return path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
 
 
-def fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory by path (a directory fsync makes its renames durable)."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
 
 
-def _os_error(exc: OSError, path: Path, what: str) -> RuntimeFailure:
+fsync_dir = fsync_path
+
+
+def disk_error(exc: OSError, path: Path, what: str) -> RuntimeFailure:
     if exc.errno == errno.ENOSPC:
         return RuntimeFailure(f"disk full while {what} {path}",
                               "free space on that filesystem and rerun; nothing partial was left visible")
@@ -52,16 +56,12 @@ def atomic_output(path: str | Path) -> Iterator[Path]:
     tmp = temp_path_for(path)
     try:
         yield tmp
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_path(tmp)
         os.replace(tmp, path)
         fsync_dir(path.parent)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
-        raise _os_error(exc, path, "writing") from exc
+        raise disk_error(exc, path, "writing") from exc
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

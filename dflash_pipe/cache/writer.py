@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 
 from ..errors import RuntimeFailure, ValidationError
 from ..faults import fault_point
-from ..io_utils import _os_error, fsync_dir, temp_path_for
+from ..io_utils import disk_error, fsync_dir, temp_path_for
 from .schema import MAX_VALUE_BYTES, arrow_schema, column_names, parquet_write_options
 
 
@@ -132,7 +132,7 @@ class ShardWriter:
             self._file = _HashingFile(self.tmp_path)
             self._writer = pq.ParquetWriter(self._file, self.schema, **parquet_write_options(self.columns))
         except OSError as exc:
-            raise _os_error(exc, self.tmp_path, "creating") from exc
+            raise disk_error(exc, self.tmp_path, "creating") from exc
 
     def add(self, row: EncodedRow) -> None:
         for col, v in row.hidden.items():
@@ -166,7 +166,7 @@ class ShardWriter:
         try:
             self._writer.write_table(table, row_group_size=len(rows))
         except OSError as exc:
-            raise _os_error(exc, self.tmp_path, "writing") from exc
+            raise disk_error(exc, self.tmp_path, "writing") from exc
         for r in rows:
             self.rows += 1
             self.tokens += r.num_tokens
@@ -188,7 +188,7 @@ class ShardWriter:
             fsync_dir(self.cache_dir)
         except OSError as exc:
             self.abort()
-            raise _os_error(exc, self.final_path, "committing") from exc
+            raise disk_error(exc, self.final_path, "committing") from exc
         except BaseException:
             self.abort()
             raise

@@ -23,18 +23,10 @@ from safetensors.torch import save_file
 
 from ..errors import CacheError
 from ..faults import fault_point
-from ..io_utils import _os_error, atomic_write_json, fsync_dir, temp_path_for
+from ..io_utils import disk_error, atomic_write_json, fsync_dir, fsync_path, temp_path_for
 
 MARKER = "COMPLETE"
 PREFIX = "ckpt-"
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def optimizer_tensors(opt: torch.optim.Optimizer, names: dict[int, str]) -> tuple[dict, dict]:
@@ -89,10 +81,10 @@ def save_checkpoint(out_dir: str | Path, step: int, model: torch.nn.Module, opt:
         save_file(tensors, str(tmp / "optimizer.safetensors"))
         (tmp / "state.json").write_text(json.dumps({**state, "optimizer": opt_meta}, indent=2, sort_keys=True))
         for f in tmp.iterdir():
-            _fsync(f)
+            fsync_path(f)
         fault_point("train.checkpoint.before_marker")
         (tmp / MARKER).write_text(f"{step}\n")
-        _fsync(tmp / MARKER)
+        fsync_path(tmp / MARKER)
         fsync_dir(tmp)
         fault_point("train.checkpoint.before_rename")
         if final.exists():
@@ -101,7 +93,7 @@ def save_checkpoint(out_dir: str | Path, step: int, model: torch.nn.Module, opt:
         fsync_dir(out_dir)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise _os_error(exc, final, "writing checkpoint") from exc
+        raise disk_error(exc, final, "writing checkpoint") from exc
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
