@@ -31,7 +31,7 @@ from dflash_pipe.drafter.attention import set_flex_tuning  # noqa: E402
 from dflash_pipe.train.components import build_model, build_optimizer  # noqa: E402
 from dflash_pipe.train.loader import TrainBatch  # noqa: E402
 from dflash_pipe.train.metrics import step_flops  # noqa: E402
-from dflash_pipe.train.trainer import _train_step  # noqa: E402
+from dflash_pipe.train.trainer import DeviceFeed, _train_step  # noqa: E402
 
 VARIANTS = {
     "eager": dict(compile=False, fused=False, mlp=0),
@@ -84,7 +84,6 @@ def run_variant(name: str, shape: SeedShape, head: BenchHead, batches: list[Trai
                               attention="flex" if device.type == "cuda" else "sdpa")
     cfg = RunConfig()
     cfg.train.fused_loss = v["fused"]
-    cfg.train.loss_chunk_tokens = 1024
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
@@ -96,12 +95,14 @@ def run_variant(name: str, shape: SeedShape, head: BenchHead, batches: list[Trai
     flops = step_flops(trainable, head.lm_head_VH.numel(), shape.anchors * shape.block)
     times, compile_s = [], None
     res = {"variant": name, **v}
+    feed = DeviceFeed((batches[i % len(batches)] for i in range(total)), device)  # H2D overlapped, as in training
     try:
         for i in range(total):
             sync(device)
             t0 = time.perf_counter()
-            _train_step(model, model, head, opt, sched, batches[i % len(batches)], dcfg, device, autocast, LOSSLESS,
-                        shape.target_layers, 7.0, cfg)
+            batch, on_device = next(feed)
+            _train_step(model, model, head, opt, sched, batch, dcfg, device, autocast, LOSSLESS,
+                        shape.target_layers, 7.0, cfg, on_device)
             sync(device)
             dt = time.perf_counter() - t0
             if i == 0:

@@ -118,7 +118,8 @@ class TrainConfig:
     grad_clip: float = opt(1.0, "Clip the global gradient norm to this (0 = off).")
     gamma: float = opt(0.0, "Loss weight decay exp(-(k-1)/gamma) over block slots (0 = 7/5/4 for B = 16/10/8).")
     kd_weight: float = opt(0.0, "Weight of KD against the cached top-k (+ tail bucket); CE gets 1 - kd_weight.")
-    loss_chunk_tokens: int = opt(1024, "Query tokens per lm_head chunk in the loss (bounds logits memory).")
+    loss_chunk_tokens: int = opt(512, "Query tokens per lm_head chunk in the loss (bounds the fp32 logits "
+                                 "memory to about 10 bytes x chunk x vocab).")
     fused_loss: bool = opt(True, "Compute the loss gradient w.r.t. the drafter output inside the forward pass "
                            "(each lm_head chunk runs once instead of being recomputed in backward).")
     checkpoint_mlp_layers: int = opt(0, "Recompute the MLP of this many draft layers in backward (saves the "

@@ -110,16 +110,17 @@ def run_train(cfg: RunConfig) -> dict:
         cap = tr.max_steps or None  # otherwise every epoch runs until its data ends (follow: when extraction does)
         while epoch < tr.epochs and (cap is None or step < cap):
             follow_first = tr.follow and epoch == 0
-            batches = loader.iterate(epoch, step_in_epoch, follow_first_epoch=follow_first)
+            batches = DeviceFeed(loader.iterate(epoch, step_in_epoch, follow_first_epoch=follow_first), device)
             watch = Stopwatch(device)
             while cap is None or step < cap:
                 t_wait = time.perf_counter()
-                batch = next(batches, None)
+                item = next(batches, None)
                 data_wait = time.perf_counter() - t_wait
-                if batch is None:
+                if item is None:
                     break
+                batch, on_device = item
                 last = _train_step(ddp, model, head, opt, sched, batch, dcfg, device, autocast, codec, n_layers,
-                                   gamma, cfg)
+                                   gamma, cfg, on_device)
                 if step == 0 and device.type == "cuda":
                     lock_compilation()  # everything is compiled now: a recompile is an error, not a fallback
                 step_s = watch.lap()
@@ -156,10 +157,48 @@ def _checkpoint(out_dir, step, epoch, step_in_epoch, model, opt, epoch_steps, to
     barrier()
 
 
-def _train_step(ddp, model, head, opt, sched, batch, dcfg, device, autocast, codec, n_layers, gamma, cfg) -> dict:
+class DeviceFeed:
+    """Copy batch k+1 to the GPU on a side stream while step k computes (the planes are ~420 MB at the
+    seed's size: a serial copy would idle the GPU for that long every step). On CPU it passes through."""
+
+    def __init__(self, batches, device: torch.device):
+        self.batches, self.device = batches, device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.pending = self._start()
+
+    def _start(self):
+        batch = next(self.batches, None)
+        if batch is None:
+            return None
+        if self.stream is None:
+            return batch, batch.tensors(), None
+        with torch.cuda.stream(self.stream):
+            t = {k: v.to(self.device, non_blocking=True) for k, v in batch.tensors().items()}
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        return batch, t, event
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.pending is None:
+            raise StopIteration
+        batch, t, event = self.pending
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+            for v in t.values():
+                v.record_stream(torch.cuda.current_stream(self.device))
+        self.pending = self._start()
+        return batch, t
+
+
+def _train_step(ddp, model, head, opt, sched, batch, dcfg, device, autocast, codec, n_layers, gamma, cfg,
+                on_device: dict | None = None) -> dict:
     tr = cfg.train
-    t = {k: v.to(device, non_blocking=True) for k, v in batch.tensors().items()}
-    hidden = planes_to_hidden(codec, t["planes"], t.get("scale"), n_layers)
+    t = on_device if on_device is not None else {k: v.to(device, non_blocking=True)
+                                                 for k, v in batch.tensors().items()}
+    hidden = planes_to_hidden(codec, t.pop("planes"), t.pop("scale", None), n_layers)  # planes freed early
     mask = AttentionMask(t["ctx_doc_S"], t["anchor_index_N"], t["block_doc_N"], t["block_valid_N"], dcfg.block_size)
     if dcfg.attention == "flex":
         mask.block_mask(flex_block=flex_tuning()["block"])  # built outside the compiled layers, cached
