@@ -17,6 +17,7 @@ import torch.distributed as dist
 from ..config import RunConfig, write_resolved
 from ..dist import DistInfo, barrier, destroy, init_process_group, pick_device, set_rank_cache_dirs
 from ..drafter.attention import flex_tuning
+from ..drafter.attention import compilation_locked
 from ..drafter import (AttentionMask, block_positions, default_gamma, draft_loss, export_drafter,
                        gather_kd_targets, lock_compilation, summarize_metrics, unlock_compilation)
 from ..cache.codec import planes_to_hidden
@@ -121,8 +122,9 @@ def run_train(cfg: RunConfig) -> dict:
                 batch, on_device = item
                 last = _train_step(ddp, model, head, opt, sched, batch, dcfg, device, autocast, codec, n_layers,
                                    gamma, cfg, on_device)
-                if step == 0 and device.type == "cuda":
-                    lock_compilation()  # everything is compiled now: a recompile is an error, not a fallback
+                if not compilation_locked() and device.type == "cuda":
+                    lock_compilation()  # after this process's first step everything is compiled: a
+                    # recompile is an error from here on, not a silent dense fallback
                 step_s = watch.lap()
                 step += 1
                 step_in_epoch += 1
