@@ -60,8 +60,16 @@ def get_embedded(name: str) -> EmbeddedModel:
 
 
 def embedded_gguf_path(name: str) -> Path:
-    """Path of the GGUF inside its package, found without importing the package."""
+    """Path of the GGUF inside its package, found without importing the package.
+
+    DFLASH_SMOLLM2_GGUF (a file path) overrides it, for machines where the package cannot be
+    installed (the lent GPU image; see scripts/prepare_gpu_carry.sh)."""
     em = get_embedded(name)
+    override = os.environ.get("DFLASH_SMOLLM2_GGUF")
+    if override and name.startswith("smollm2"):
+        if not Path(override).is_file():
+            raise UsageError(f"DFLASH_SMOLLM2_GGUF={override} is not a file")
+        return Path(override)
     spec = importlib.util.find_spec(em.package)
     if spec is None or not spec.submodule_search_locations:
         raise UsageError(f"the embedded target '{name}' needs the package {em.package.replace('_', '-')}",
