@@ -120,7 +120,8 @@ def plot_history(history_path: Path, out_png: Path) -> Path | None:
     steps = [r["step"] + 1 for r in recs]
     a1.plot(steps, [r["loss"] for r in recs], label="loss")
     a1.set_xlabel("step")
-    a1.set_ylabel("weighted CE")
+    a1.set_ylabel("weighted CE (log scale)")
+    a1.set_yscale("log")
     a1b = a1.twinx()
     a1b.plot(steps, [r["tau"] for r in recs], color="tab:orange", label="simulated tau")
     a1b.set_ylabel("simulated acceptance length tau")
