@@ -16,14 +16,17 @@ from tests.cache_helpers import write_train_cache
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def slow_extractor(staged: Path, live: Path, delay: float) -> None:
+def slow_extractor(staged: Path, live: Path, delay: float, trainer_started: Path) -> None:
     """Replay a finished cache into `live` in extract's commit order: spec + head, then each shard
-    (data file, then sidecar) with a delay, in a scrambled order, and the manifest last."""
+    (data file, then sidecar) with a delay, in a scrambled order, and the manifest last. All but the
+    first shard wait until the trainer has started, so it is guaranteed to run ahead of the extractor."""
     live.mkdir()
     for name in ("cache_spec.json", "target_head.safetensors"):
         shutil.copy(staged / name, live / name)
-    for i in (1, 0, 3, 2):  # shards commit out of index order, as concurrent ranks do
+    for n, i in enumerate((1, 0, 3, 2)):  # shards commit out of index order, as concurrent ranks do
         time.sleep(delay)
+        while n >= 1 and not trainer_started.exists():
+            time.sleep(0.1)
         for ext in (".parquet", ".json"):
             name = f"shard-{i:05d}-of-00004{ext}"
             shutil.copy(staged / name, live / f".{name}.tmp-x")
@@ -35,7 +38,7 @@ def slow_extractor(staged: Path, live: Path, delay: float) -> None:
 def test_follow_trains_during_extraction_and_ends_epoch_when_manifest_is_final(tmp_path):
     staged, live, out = tmp_path / "staged", tmp_path / "live", tmp_path / "out"
     write_train_cache(staged, num_docs=48, num_shards=4, seed=5)
-    t = threading.Thread(target=slow_extractor, args=(staged, live, 2.0))
+    t = threading.Thread(target=slow_extractor, args=(staged, live, 2.0, out / "resolved_config.toml"))
     t.start()
     while not (live / "target_head.safetensors").exists():
         time.sleep(0.05)

@@ -57,6 +57,8 @@ def run_train(cfg: RunConfig) -> dict:
     distributed = init_process_group(info, device)
     out_dir = Path(tr.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if info.is_main:
+        write_resolved(cfg, out_dir)
 
     index = CacheIndex(cfg.train_cache_dir, follow=tr.follow)
     spec = index.spec
@@ -93,8 +95,6 @@ def run_train(cfg: RunConfig) -> dict:
         if info.is_main:
             print(f"resumed from {resume} at step {step} (epoch {epoch}, batch {step_in_epoch})", flush=True)
     ddp = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True) if distributed else model
-    if info.is_main:
-        write_resolved(cfg, out_dir)
     gamma = tr.gamma or default_gamma(dcfg.block_size)
     trainable = sum(p.numel() for p in model.parameters())
     flops = step_flops(trainable, head.lm_head_VH.numel(), tr.num_anchors * dcfg.block_size)
