@@ -115,24 +115,15 @@ def test_shard_subsets_from_two_jobs_complete_one_cache(reference, tmp_path):
 
 @pytest.mark.slow
 def test_ctrl_c_exits_130_and_leaves_a_resumable_cache(tmp_path):
-    import signal
-    import time
+    from tests.proc_helpers import interrupt_after_first_shard
 
     cache = tmp_path / "cache"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     args = [a if a != "10" else "40" for a in SMALL]  # more samples, so there is time to interrupt
     cmd = [sys.executable, "-m", "dflash_pipe", "extract", "-m", str(ROOT / "manifests" / "tiny-qwen3.5.toml"),
            "--cache-dir", str(cache), "--device", "cpu", *args]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 240
-    while not list(cache.glob("shard-*.json")) and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
-    if proc.returncode == 0:
-        pytest.skip("extraction finished before the interrupt landed")
-    assert proc.returncode == 130, err[-2000:]
-    assert "interrupted" in err and not (cache / "manifest.json").exists()
+    interrupt_after_first_shard(cmd, env, cache, "extraction")
+    assert not (cache / "manifest.json").exists()
     assert not [p for p in os.listdir(cache) if p.startswith(".")]
     rerun = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0 and (cache / "manifest.json").exists()

@@ -114,23 +114,12 @@ def test_run_pipeline_skips_stage1_trains_and_refuses_mixing(extracted):
 
 @pytest.mark.slow
 def test_ctrl_c_stops_the_pipeline_with_130_and_a_rerun_resumes(tmp_path):
-    import signal
-    import time
+    from tests.proc_helpers import interrupt_after_first_shard
 
     cache, out = tmp_path / "cache", tmp_path / "out"
     m = write_manifest(tmp_path, "int.toml", cache, out, "data.max_samples = 24\nextract.num_shards = 4")
     env = {**os.environ, "DFLASH_PYTHON": sys.executable, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.Popen([str(ROOT / "run_pipeline.sh"), str(m), "--no-eval"], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 240
-    while not list(cache.glob("shard-*.json")) and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
-    if proc.returncode == 0:
-        pytest.skip("the pipeline finished before the interrupt landed")
-    assert proc.returncode == 130, err[-2000:]
-    assert "interrupted" in err
+    interrupt_after_first_shard([str(ROOT / "run_pipeline.sh"), str(m), "--no-eval"], env, cache, "the pipeline")
     assert not [p for p in os.listdir(cache) if p.startswith(".")]
     again = subprocess.run([str(ROOT / "run_pipeline.sh"), str(m), "--no-eval"], env=env, capture_output=True,
                            text=True, timeout=600)

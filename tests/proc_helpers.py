@@ -1,0 +1,28 @@
+"""Run a command and Ctrl-C it once its first shard is committed (shared by the interrupt tests)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+
+def interrupt_after_first_shard(cmd: list[str], env: dict, cache: Path, what: str) -> str:
+    """Start `cmd`, send SIGINT when a shard sidecar appears in `cache`; returns stderr.
+
+    Skips the calling test if the command finished before the interrupt landed; asserts exit 130.
+    """
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while not list(cache.glob("shard-*.json")) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    if proc.returncode == 0:
+        pytest.skip(f"{what} finished before the interrupt landed")
+    assert proc.returncode == 130, err[-2000:]
+    assert "interrupted" in err
+    return err
