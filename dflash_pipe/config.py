@@ -14,7 +14,6 @@ Rules:
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import tomllib
 import typing
@@ -164,7 +163,6 @@ class RunConfig:
         return self.train.cache_dir or self.extract.cache_dir
 
 
-SECTIONS: dict[str, type] = {f.name: f.type for f in fields(RunConfig) if f.name != "source"}
 _SECTION_TYPES = {"target": TargetConfig, "data": DataConfig, "extract": ExtractConfig,
                   "drafter": DrafterConfig, "train": TrainConfig, "eval": EvalConfig}
 
@@ -277,10 +275,6 @@ def to_toml(cfg: RunConfig) -> str:
         for f in fields(getattr(cfg, section)):
             lines.append(f"{f.name} = {_toml_value(getattr(getattr(cfg, section), f.name))}")
     return "\n".join(lines) + "\n"
-
-
-def section_dict(cfg: RunConfig, section: str) -> dict[str, Any]:
-    return dataclasses.asdict(getattr(cfg, section))
 
 
 def write_resolved(cfg: RunConfig, out_dir: str | Path) -> Path:

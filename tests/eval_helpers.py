@@ -7,6 +7,7 @@ would make "identical output" checks vacuous. `liven` redraws every matrix with 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from dflash_pipe.drafter import DFlashDrafter, DrafterModelConfig
@@ -76,3 +77,14 @@ class CorruptingOracle:
         self.expected.append(min(j, len(drafts)))
         self.step += 1
         return drafts
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """The tiny random Llama target with weights redrawn so its greedy output varies (see `liven`)."""
+    from dflash_pipe.target import load_target
+
+    bundle = load_target("random:tiny-llama", dtype="float32",
+                         model_cache_dir=tmp_path_factory.getbasetemp() / "dflash-model-cache")
+    liven(bundle.model)
+    return bundle

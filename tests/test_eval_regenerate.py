@@ -13,8 +13,7 @@ from dflash_pipe.eval import eos_token_ids, greedy_generate
 from dflash_pipe.eval import regenerate as regen_mod
 from dflash_pipe.eval.regenerate import run_regenerate, sidecar_path
 from dflash_pipe.eval.runner import encode_prompt
-from dflash_pipe.target import load_target
-from tests.eval_helpers import liven
+from tests.eval_helpers import llama  # noqa: F401 - pytest fixture
 
 NEW = 6
 ROWS = [
@@ -32,14 +31,6 @@ ROWS = [
                              {"role": "user", "content": "Numbers?"}, {"role": "assistant", "content": "one"}]},
     {"id": "g", "messages": [{"role": "user", "content": "Last one."}, {"role": "assistant", "content": "ok"}]},
 ]
-
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    bundle = load_target("random:tiny-llama", dtype="float32",
-                         model_cache_dir=tmp_path_factory.getbasetemp() / "dflash-model-cache")
-    liven(bundle.model)
-    return bundle
 
 
 @pytest.fixture()

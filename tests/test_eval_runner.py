@@ -12,8 +12,7 @@ from dflash_pipe.errors import UsageError, ValidationError
 from dflash_pipe.eval import SpecResult
 from dflash_pipe.eval.report import method_summary, training_tau
 from dflash_pipe.eval.runner import run_eval
-from dflash_pipe.target import load_target
-from tests.eval_helpers import hf_greedy, liven, tiny_drafter
+from tests.eval_helpers import hf_greedy, llama, tiny_drafter  # noqa: F401 - llama is a fixture
 
 
 def test_method_summary_matches_hand_computation():
@@ -39,14 +38,6 @@ def test_training_tau_reads_last_and_tail_mean(tmp_path):
     assert got["tau_last"] == pytest.approx(taus[-1])
     assert got["tau_last_10pct_mean"] == pytest.approx(sum(taus[-3:]) / 3)
     assert training_tau(tmp_path / "missing") is None
-
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    bundle = load_target("random:tiny-llama", dtype="float32",
-                         model_cache_dir=tmp_path_factory.getbasetemp() / "dflash-model-cache")
-    liven(bundle.model)
-    return bundle
 
 
 def _cfg(tmp_path, **eval_kw) -> RunConfig:

@@ -94,6 +94,13 @@ class EncodedHidden:
                              None if self.scale is None else self.scale.to(device, non_blocking=non_blocking))
 
 
+def _fp8_quantize(x_TLH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 [T, L, H] -> (e4m3 values, fp32 scale [T, L]); scale = absmax / 448 per (token, layer)."""
+    amax = x_TLH.abs().amax(dim=-1)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    return (x_TLH / scale.unsqueeze(-1)).to(torch.float8_e4m3fn), scale
+
+
 def encode_hidden(hidden_TD: torch.Tensor, codec: str, num_layers: int) -> EncodedHidden:
     """Split/quantise [T, D] features into channel-major planes, on the tensor's device."""
     T, D = hidden_TD.shape
@@ -101,11 +108,8 @@ def encode_hidden(hidden_TD: torch.Tensor, codec: str, num_layers: int) -> Encod
         u8 = hidden_TD.to(torch.bfloat16).contiguous().view(torch.uint8).view(T, D, 2)
         return EncodedHidden(codec, T, D, u8.permute(2, 1, 0).contiguous())
     if codec == FP8:
-        x = hidden_TD.float().view(T, num_layers, D // num_layers)
-        amax = x.abs().amax(dim=-1)
-        scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-        q = (x / scale.unsqueeze(-1)).to(torch.float8_e4m3fn).view(torch.uint8).view(T, D)
-        return EncodedHidden(codec, T, D, q.t().contiguous(), scale.contiguous())
+        q, scale = _fp8_quantize(hidden_TD.float().view(T, num_layers, D // num_layers))
+        return EncodedHidden(codec, T, D, q.view(torch.uint8).view(T, D).t().contiguous(), scale.contiguous())
     raise ValueError(f"unknown codec {codec!r}")
 
 
@@ -192,10 +196,8 @@ def fp8_error_terms(hidden_TD: torch.Tensor, doc_lens: list[int], num_layers: in
     """fp8 round-trip error of a batch, on its device (no sync): [sum of per-token relative L2,
     max relative L2, min cosine, tokens]. Quantised exactly as `encode_hidden` does per document."""
     T, D = hidden_TD.shape
-    x = hidden_TD.float().view(T, num_layers, D // num_layers)
-    amax = x.abs().amax(dim=-1, keepdim=True)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    rec = ((x / scale).to(torch.float8_e4m3fn).float() * scale).view(T, D).to(torch.bfloat16).float()
+    q, scale = _fp8_quantize(hidden_TD.float().view(T, num_layers, D // num_layers))
+    rec = (q.float() * scale.unsqueeze(-1)).view(T, D).to(torch.bfloat16).float()
     ref = hidden_TD.float()
     rel = (rec - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-30)
     cos = torch.nn.functional.cosine_similarity(rec, ref, dim=-1)

@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 import torch
 
 from ..errors import CacheError
-from .codec import FP8, decode_hidden, decode_split, decompress_hidden_into, hidden_columns, u8_tensor
+from .codec import decode_hidden, decode_split, decompress_hidden_into, hidden_columns, u8_tensor
 from .schema import META_KEY, column_names
 
 
@@ -150,7 +150,3 @@ class ShardReader:
     def iter_rows(self, with_features: bool = True):
         for i in range(self.num_row_groups):
             yield from self.read_row_group(i, with_features)
-
-
-def fp8_scale_buffer(codec: str, tokens: int, num_layers: int) -> torch.Tensor | None:
-    return torch.empty(tokens, num_layers, dtype=torch.float32) if codec == FP8 else None

@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ..errors import RuntimeFailure, ValidationError
+from ..errors import ValidationError
 from ..faults import fault_point
 from ..io_utils import disk_error, fsync_dir, temp_path_for
 from .schema import MAX_VALUE_BYTES, arrow_schema, column_names, parquet_write_options
@@ -204,11 +204,6 @@ class ShardWriter:
             pass
         self._file.close()
         self.tmp_path.unlink(missing_ok=True)
-
-
-def check_row_budget(num_tokens: int, width: int) -> None:
-    if num_tokens * width * 2 > MAX_VALUE_BYTES:
-        raise RuntimeFailure(f"a {num_tokens}-token document at width {width} exceeds the 2 GiB value limit")
 
 
 def make_row(sample_id: str, doc_index: int, input_ids: np.ndarray, loss_mask: np.ndarray, enc_hidden,
