@@ -29,17 +29,22 @@ from dflash_pipe.config import RunConfig  # noqa: E402
 from dflash_pipe.drafter import DrafterModelConfig, lock_compilation, unlock_compilation  # noqa: E402
 from dflash_pipe.drafter.attention import set_flex_tuning  # noqa: E402
 from dflash_pipe.train.components import build_model, build_optimizer  # noqa: E402
+from dflash_pipe.train.master_weights import MasterWeights  # noqa: E402
 from dflash_pipe.train.loader import TrainBatch  # noqa: E402
 from dflash_pipe.train.metrics import step_flops  # noqa: E402
 from dflash_pipe.train.trainer import DeviceFeed, _train_step  # noqa: E402
 
+# param: dtype of the draft Linear weights during forward/backward (bf16 = fp32 masters in the
+# optimizer, train/master_weights.py; fp32 = fp32 weights cast by autocast at every use).
 VARIANTS = {
-    "eager": dict(compile=False, fused=False, mlp=0),
-    "compiled": dict(compile=True, fused=False, mlp=0),
-    "compiled-fused": dict(compile=True, fused=True, mlp=0),
-    "compiled-fused-mlp2": dict(compile=True, fused=True, mlp=2),
-    "compiled-fused-mlp3": dict(compile=True, fused=True, mlp=3),
-    "compiled-fused-mlp5": dict(compile=True, fused=True, mlp=5),
+    "eager": dict(compile=False, fused=False, mlp=0, param="bf16"),
+    "compiled": dict(compile=True, fused=False, mlp=0, param="bf16"),
+    "compiled-fused": dict(compile=True, fused=True, mlp=0, param="bf16"),
+    "compiled-fused-fp32w": dict(compile=True, fused=True, mlp=0, param="fp32"),
+    "compiled-fused-mlp1": dict(compile=True, fused=True, mlp=1, param="bf16"),
+    "compiled-fused-mlp2": dict(compile=True, fused=True, mlp=2, param="bf16"),
+    "compiled-fused-mlp3": dict(compile=True, fused=True, mlp=3, param="bf16"),
+    "compiled-fused-mlp5": dict(compile=True, fused=True, mlp=5, param="bf16"),
 }
 
 
@@ -88,20 +93,24 @@ def run_variant(name: str, shape: SeedShape, head: BenchHead, batches: list[Trai
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     model = build_model(dcfg, device, 0, v["compile"], v["mlp"])
+    weights = MasterWeights(model, torch.bfloat16 if v["param"] == "bf16" else torch.float32)
     total = warmup + steps
-    opt, sched = build_optimizer(model, cfg, device, total)
+    opt, sched = build_optimizer(weights.masters, cfg, device, total)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16)
     trainable = sum(p.numel() for p in model.parameters())
     flops = step_flops(trainable, head.lm_head_VH.numel(), shape.anchors * shape.block)
     times, compile_s = [], None
     res = {"variant": name, **v}
     feed = DeviceFeed((batches[i % len(batches)] for i in range(total)), device)  # H2D overlapped, as in training
+    probe = PhaseProbe(weights, device)
     try:
         for i in range(total):
             sync(device)
             t0 = time.perf_counter()
             batch, on_device = next(feed)
-            _train_step(model, model, head, opt, sched, batch, dcfg, device, autocast, LOSSLESS,
+            if i == total - 1:
+                probe.arm()  # the last step also reports where its memory peak and optimizer time are
+            _train_step(model, weights, head, opt, sched, batch, dcfg, device, autocast, LOSSLESS,
                         shape.target_layers, 7.0, cfg, on_device)
             sync(device)
             dt = time.perf_counter() - t0
@@ -111,7 +120,7 @@ def run_variant(name: str, shape: SeedShape, head: BenchHead, batches: list[Trai
                     lock_compilation()
             if i >= warmup:
                 times.append(dt)
-        res.update(ok=True, recompiles_under_lock=0)
+        res.update(ok=True, recompiles_under_lock=0, **probe.result())
     except Exception as exc:  # noqa: BLE001 - report and continue with the next variant
         res.update(ok=False, error=f"{type(exc).__name__}: {str(exc)[:400]}")
     finally:
@@ -120,15 +129,71 @@ def run_variant(name: str, shape: SeedShape, head: BenchHead, batches: list[Trai
         ms = 1000 * float(np.median(times))
         res.update(step_ms=ms, step_ms_mean=1000 * float(np.mean(times)), first_step_s=compile_s,
                    tflops=flops / (ms / 1000) / 1e12, mfu=flops / (ms / 1000) / 790e12,
-                   peak_gib=torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else 0.0,
+                   peak_gib=res.get("peak_gib", torch.cuda.max_memory_allocated(device) / 2 ** 30
+                                    if device.type == "cuda" else 0.0),
                    reserved_gib=torch.cuda.max_memory_reserved(device) / 2 ** 30 if device.type == "cuda" else 0.0,
                    trainable_params=trainable,
                    flops_per_step=flops, steps_timed=len(times))
-    del model, opt, sched
+    probe.restore()
+    del model, opt, sched, weights
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return res
+
+
+class PhaseProbe:
+    """Wraps MasterWeights.step for one armed step: peak memory of forward+backward, memory held after
+    backward (all grads alive), peak during the optimizer step, and the optimizer step's GPU time."""
+
+    def __init__(self, weights: MasterWeights, device):
+        self.weights, self.device, self.armed, self.out = weights, device, False, {}
+        self._orig = weights.step
+        weights.step = self._step
+
+    def arm(self) -> None:
+        if self.device.type == "cuda":
+            sync(self.device)
+            self.out["peak_before_probe_gib"] = torch.cuda.max_memory_allocated(self.device) / 2 ** 30
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.armed = True
+
+    def _step(self, opt, grad_clip):
+        if not self.armed:
+            return self._orig(opt, grad_clip)
+        gib = 2 ** 30
+        sync(self.device)
+        self.out["peak_fwd_bwd_gib"] = torch.cuda.max_memory_allocated(self.device) / gib
+        self.out["alloc_after_bwd_gib"] = torch.cuda.memory_allocated(self.device) / gib
+        torch.cuda.reset_peak_memory_stats(self.device)
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        norm = self._orig(opt, grad_clip)
+        b.record()
+        sync(self.device)
+        self.out["optimizer_ms"] = a.elapsed_time(b)
+        self.out["peak_step_gib"] = torch.cuda.max_memory_allocated(self.device) / gib
+        self.armed = False
+        return norm
+
+    def result(self) -> dict:
+        """Includes peak_gib: the run's peak over all steps (the probe resets the counter)."""
+        out = dict(self.out)
+        peaks = [v for k, v in out.items() if k.startswith("peak_")]
+        if peaks and self.device.type == "cuda":
+            out["peak_gib"] = max(peaks + [torch.cuda.max_memory_allocated(self.device) / 2 ** 30])
+        return out
+
+    def restore(self) -> None:
+        self.weights.step = self._orig
+
+
+def best_flex_tiles(path: str) -> tuple[int, int]:
+    """The fastest correct tile variant of a bench/flex_kernel.py --json result."""
+    rows = [r for r in json.loads(Path(path).read_text()) if r.get("ok") and r.get("rel_err_vs_first", 1) < 2e-2]
+    best = min(rows, key=lambda r: r["ms"])
+    qb, kb = (int(x) for x in best["variant"].split("x"))
+    return qb, kb
 
 
 def sync(device) -> None:
@@ -195,6 +260,7 @@ def main() -> None:
     ap.add_argument("--loader-workers", type=int, default=8)
     ap.add_argument("--json", default="")
     ap.add_argument("--flex-block", default="128,128")
+    ap.add_argument("--flex-from", default="", help="take the fastest tiles from a bench/flex_kernel.py --json file")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shape on the CPU (checks the script, no numbers)")
     args = ap.parse_args()
     device = torch.device("cpu" if args.cpu_smoke else "cuda")
@@ -202,8 +268,9 @@ def main() -> None:
     if args.cpu_smoke:
         shape = SeedShape(context=512, anchors=16, block=8, hidden=64, layers=1, heads=4, kv_heads=2, head_dim=16,
                           intermediate=128, vocab=49152 + 16, target_layers=2, mask_token_id=49152 + 3)
-    qb, kb = (int(x) for x in args.flex_block.split(","))
+    qb, kb = best_flex_tiles(args.flex_from) if args.flex_from else (int(x) for x in args.flex_block.split(","))
     set_flex_tuning(qb, kb)
+    print(f"flex tiles {qb}x{kb}", flush=True)
     width = shape.hidden * shape.target_layers
     pool = [encode_hidden(heavy_tailed_features(shape.context, width, s), LOSSLESS, shape.target_layers).planes
             for s in range(3)]
@@ -211,6 +278,8 @@ def main() -> None:
         pool = [p.pin_memory() for p in pool]
     batches = make_batches(shape, max(args.lock_steps, args.steps + args.warmup), pool)
     head = BenchHead(shape, device)
+    lr = loader_rate(shape, args.loader_workers)  # first: it needs no compile, so it always gets measured
+    print(json.dumps({"loader": lr}), flush=True)
     results = []
     names = args.variants.split(",")
     for i, name in enumerate(names):
@@ -219,8 +288,8 @@ def main() -> None:
         results.append(r)
         print(json.dumps(r), flush=True)
         if args.json:
-            Path(args.json).write_text(json.dumps({"variants": results}, indent=2))
-    lr = loader_rate(shape, args.loader_workers)
+            Path(args.json).write_text(json.dumps({"flex_tiles": [qb, kb], "variants": results, "loader": lr},
+                                                  indent=2))
     best = min((r for r in results if r.get("ok")), key=lambda r: r["step_ms"], default=None)
     if best:
         consume = shape.context * width * 2 / (best["step_ms"] / 1000) / 1e9
@@ -228,7 +297,7 @@ def main() -> None:
         lr["decode_over_consumption"] = lr["decode_GBps"] / consume
     print(json.dumps({"loader": lr}), flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps({"variants": results, "loader": lr}, indent=2))
+        Path(args.json).write_text(json.dumps({"flex_tiles": [qb, kb], "variants": results, "loader": lr}, indent=2))
     print(f"\n{'variant':24s} {'ms/step':>8s} {'TFLOP/s':>8s} {'MFU':>6s} {'peak GiB':>9s} {'1st step s':>10s}  status")
     for r in results:
         if r.get("step_ms"):

@@ -126,6 +126,10 @@ class TrainConfig:
     seed: int = opt(0, "Seed for anchors, shuffling and init.")
     precision: str = opt("auto", "'bf16' autocast with fp32 master weights, 'fp32', or 'auto' (bf16 on CUDA).",
                          ("auto", "bf16", "fp32"))
+    param_dtype: str = opt("auto", "Storage of the draft Linear weights during forward/backward: 'bf16' (fp32 master "
+                           "copies live in the optimizer; saves the autocast weight copies, 2 bytes per weight, at "
+                           "identical arithmetic), 'fp32', or 'auto' (bf16 when precision is bf16).",
+                           ("auto", "bf16", "fp32"))
     compile: str = opt("auto", "Compile the draft layers ('auto' = on CUDA).", ("auto", "on", "off"))
     checkpoint_every: int = opt(200, "Steps between checkpoints (0 = only at the end).")
     keep_checkpoints: int = opt(2, "Complete checkpoints to keep.")

@@ -173,7 +173,9 @@ class DFlashDrafter(nn.Module):
                 block_positions_Q: torch.Tensor, attn: AttentionMask) -> torch.Tensor:
         """Final-normed hidden states [N*B, H] of the block tokens (see the module docstring)."""
         self._check_inputs(target_hidden_SF, block_embeds_QH, ctx_positions_S, block_positions_Q, attn)
-        param_dtype = self.fc.weight.dtype
+        # The master-weight dtype: norm weights stay fp32 when the Linear weights are bf16 compute
+        # copies (train/master_weights.py); for an all-fp32 or all-bf16 drafter it is the weight dtype.
+        param_dtype = self.norm.weight.dtype
         autocast_on = torch.is_autocast_enabled(target_hidden_SF.device.type)
         # Under autocast the linears cast their inputs themselves; a bf16 feature matrix is not
         # copied to fp32 (at the seed's size that copy alone is 0.8 GB). Without autocast the

@@ -1,7 +1,7 @@
 """Training checkpoints: safetensors + JSON (no pickle), complete or invisible.
 
 A checkpoint is a directory ``ckpt-<step>`` holding
-    model.safetensors       fp32 master weights (drafter parameter names)
+    model.safetensors       fp32 master weights (drafter parameter names; see master_weights.py)
     optimizer.safetensors   AdamW state tensors, keyed ``<param name>.<state key>``
     state.json              step, epoch, data position, scheduler, configs, cache fingerprint
     COMPLETE                written last
@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 from ..errors import CacheError
 from ..faults import fault_point
 from ..io_utils import disk_error, atomic_write_json, fsync_dir, fsync_path, temp_path_for
+from .master_weights import MasterWeights
 
 MARKER = "COMPLETE"
 PREFIX = "ckpt-"
@@ -66,17 +67,17 @@ def load_optimizer(opt: torch.optim.Optimizer, names: dict[int, str], path: Path
     opt.load_state_dict(sd)
 
 
-def save_checkpoint(out_dir: str | Path, step: int, model: torch.nn.Module, opt: torch.optim.Optimizer,
+def save_checkpoint(out_dir: str | Path, step: int, weights: MasterWeights, opt: torch.optim.Optimizer,
                     state: dict, keep: int = 2) -> Path:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     final = out_dir / f"{PREFIX}{step:08d}"
     tmp = temp_path_for(final)
-    names = {i: n for i, (n, _) in enumerate(model.named_parameters())}
+    names = dict(enumerate(weights.names))  # the optimizer's parameter order
     try:
         tmp.mkdir()
-        weights = {n: p.detach().cpu().contiguous() for n, p in model.state_dict().items()}
-        save_file(weights, str(tmp / "model.safetensors"))
+        tensors = {n: p.detach().cpu().contiguous() for n, p in weights.master_state().items()}
+        save_file(tensors, str(tmp / "model.safetensors"))
         tensors, opt_meta = optimizer_tensors(opt, names)
         save_file(tensors, str(tmp / "optimizer.safetensors"))
         (tmp / "state.json").write_text(json.dumps({**state, "optimizer": opt_meta}, indent=2, sort_keys=True))
@@ -139,13 +140,13 @@ def read_state(path: Path) -> dict:
         raise CacheError(f"{path}/state.json: unreadable ({exc})", "pass --resume never or another checkpoint") from None
 
 
-def load_checkpoint(path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, device: torch.device) -> dict:
+def load_checkpoint(path: Path, weights: MasterWeights, opt: torch.optim.Optimizer, device: torch.device) -> dict:
     state = read_state(path)
-    weights = {}
+    tensors = {}
     with safe_open(str(path / "model.safetensors"), framework="pt", device="cpu") as f:
         for k in f.keys():
-            weights[k] = f.get_tensor(k)
-    model.load_state_dict(weights, strict=True)
-    names = {i: n for i, (n, _) in enumerate(model.named_parameters())}
+            tensors[k] = f.get_tensor(k)
+    weights.load_master_state(tensors)
+    names = dict(enumerate(weights.names))
     load_optimizer(opt, names, path / "optimizer.safetensors", state["optimizer"], device)
     return state

@@ -115,10 +115,20 @@ def build_model(dcfg: DrafterModelConfig, device: torch.device, seed: int, compi
     return model
 
 
-def build_optimizer(model: torch.nn.Module, cfg: RunConfig, device: torch.device, total_steps: int):
+def resolve_param_dtype(cfg: RunConfig, precision: str) -> torch.dtype:
+    """dtype of the draft Linear weights (see master_weights.py); bf16 weights need bf16 autocast."""
+    p = cfg.train.param_dtype
+    if p == "bf16" and precision != "bf16":
+        raise ValidationError(f"--param-dtype bf16 needs bf16 autocast, but precision is {precision}",
+                              "pass --precision bf16, or --param-dtype fp32 / auto")
+    return torch.bfloat16 if (p == "bf16" or (p == "auto" and precision == "bf16")) else torch.float32
+
+
+def build_optimizer(params: list[torch.Tensor], cfg: RunConfig, device: torch.device, total_steps: int):
+    """AdamW over `params` (the fp32 masters) + the warmup/cosine schedule."""
     tr = cfg.train
     kwargs = {"fused": True} if device.type == "cuda" else {}
-    opt = torch.optim.AdamW(model.parameters(), lr=tr.lr, betas=(0.9, 0.95), weight_decay=tr.weight_decay, **kwargs)
+    opt = torch.optim.AdamW(params, lr=tr.lr, betas=(0.9, 0.95), weight_decay=tr.weight_decay, **kwargs)
     warm = max(1, int(round(tr.warmup_frac * total_steps))) if tr.warmup_frac > 0 else 0
 
     def lr_factor(step: int) -> float:

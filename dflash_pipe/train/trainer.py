@@ -25,7 +25,8 @@ from ..errors import RuntimeFailure, ValidationError
 from ..faults import fault_point
 from .checkpoint import find_resume, load_checkpoint, read_state, save_checkpoint
 from .components import (FrozenHead, build_drafter_config, build_model, build_optimizer, cache_identity,
-                         check_against_cache, check_resume_identity)
+                         check_against_cache, check_resume_identity, resolve_param_dtype)
+from .master_weights import MasterWeights
 from .loader import BatchLoader, CacheIndex
 from .metrics import StepLogger, Stopwatch, plot_history, step_flops
 
@@ -69,6 +70,7 @@ def run_train(cfg: RunConfig) -> dict:
                       torch.bfloat16 if precision == "bf16" else torch.float32)
     compile_layers = tr.compile == "on" or (tr.compile == "auto" and device.type == "cuda")
     model = build_model(dcfg, device, tr.seed, compile_layers, tr.checkpoint_mlp_layers)
+    weights = MasterWeights(model, resolve_param_dtype(cfg, precision))  # before DDP and the optimizer
     loader = BatchLoader(index, rank=info.rank, world=info.world, seed=tr.seed, context_tokens=tr.context_tokens,
                          num_anchors=tr.num_anchors, max_anchors_per_doc=tr.max_anchors_per_doc,
                          block_size=dcfg.block_size, shuffle_rows=tr.shuffle_rows, workers=tr.loader_workers,
@@ -81,12 +83,12 @@ def run_train(cfg: RunConfig) -> dict:
     if total <= 0:
         raise ValidationError(f"cache {cfg.train_cache_dir} yields no training batch at --context-tokens "
                               f"{tr.context_tokens} (world size {info.world})", "add data or lower the world size")
-    opt, sched = build_optimizer(model, cfg, device, total)
+    opt, sched = build_optimizer(weights.masters, cfg, device, total)
     step, epoch, step_in_epoch = 0, 0, 0
     resume = find_resume(out_dir, tr.resume)
     if resume is not None:
         check_resume_identity(read_state(resume), spec, resume, dcfg)  # before touching any weights
-        state = load_checkpoint(resume, model, opt, device)
+        state = load_checkpoint(resume, weights, opt, device)
         step, epoch, step_in_epoch = state["step"], state["epoch"], state["step_in_epoch"]
         epoch_steps, total = state["epoch_steps"], state["total_steps"]
         # the optimizer's param groups already carry the lr of `step` (saved after its scheduler step)
@@ -120,7 +122,7 @@ def run_train(cfg: RunConfig) -> dict:
                 if item is None:
                     break
                 batch, on_device = item
-                last = _train_step(ddp, model, head, opt, sched, batch, dcfg, device, autocast, codec, n_layers,
+                last = _train_step(ddp, weights, head, opt, sched, batch, dcfg, device, autocast, codec, n_layers,
                                    gamma, cfg, on_device)
                 if not compilation_locked() and device.type == "cuda":
                     lock_compilation()  # after this process's first step everything is compiled: a
@@ -132,12 +134,12 @@ def run_train(cfg: RunConfig) -> dict:
                     logger.log(step - 1, epoch, last["metrics"], step_s, data_wait, batch.tokens,
                                sched.get_last_lr()[0], last["grad_norm"])
                 if tr.checkpoint_every and step % tr.checkpoint_every == 0 and step != total:
-                    _checkpoint(out_dir, step, epoch, step_in_epoch, model, opt, epoch_steps, total, spec, dcfg,
+                    _checkpoint(out_dir, step, epoch, step_in_epoch, weights, opt, epoch_steps, total, spec, dcfg,
                                 cfg, info)
                 fault_point("train.after_step")
             epoch += 1
             step_in_epoch = 0
-        _checkpoint(out_dir, step, epoch, step_in_epoch, model, opt, epoch_steps, total, spec, dcfg, cfg, info)
+        _checkpoint(out_dir, step, epoch, step_in_epoch, weights, opt, epoch_steps, total, spec, dcfg, cfg, info)
         if info.is_main:
             export_drafter(model, dcfg, out_dir / "export")
             plot_history(out_dir / "metrics.jsonl", out_dir / "training.png")
@@ -150,12 +152,12 @@ def run_train(cfg: RunConfig) -> dict:
     return {"steps": step, "metrics": last.get("metrics", {}), "output_dir": str(out_dir)}
 
 
-def _checkpoint(out_dir, step, epoch, step_in_epoch, model, opt, epoch_steps, total, spec, dcfg, cfg, info):
+def _checkpoint(out_dir, step, epoch, step_in_epoch, weights, opt, epoch_steps, total, spec, dcfg, cfg, info):
     if info.is_main:
         state = {"step": step, "epoch": epoch, "step_in_epoch": step_in_epoch, "epoch_steps": epoch_steps,
                  "total_steps": total, "drafter_config": dcfg.to_dict(), "cache_identity": cache_identity(spec),
                  "cache_fingerprint": spec["fingerprint"], "seed": cfg.train.seed}
-        save_checkpoint(out_dir, step, model, opt, state, keep=cfg.train.keep_checkpoints)
+        save_checkpoint(out_dir, step, weights, opt, state, keep=cfg.train.keep_checkpoints)
     barrier()
 
 
@@ -195,8 +197,8 @@ class DeviceFeed:
         return batch, t
 
 
-def _train_step(ddp, model, head, opt, sched, batch, dcfg, device, autocast, codec, n_layers, gamma, cfg,
-                on_device: dict | None = None) -> dict:
+def _train_step(ddp, weights: MasterWeights, head, opt, sched, batch, dcfg, device, autocast, codec, n_layers,
+                gamma, cfg, on_device: dict | None = None) -> dict:
     tr = cfg.train
     t = on_device if on_device is not None else {k: v.to(device, non_blocking=True)
                                                  for k, v in batch.tensors().items()}
@@ -215,12 +217,10 @@ def _train_step(ddp, model, head, opt, sched, batch, dcfg, device, autocast, cod
         loss, metrics = draft_loss(out, head.lm_head_VH, t["labels_NB"], dcfg.block_size, gamma,
                                    tr.loss_chunk_tokens, kd, fused=tr.fused_loss)
     loss.backward()
-    grad_norm = (torch.nn.utils.clip_grad_norm_(model.parameters(), tr.grad_clip) if tr.grad_clip > 0 else
-                 torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()
-                                                       if p.grad is not None])))
-    opt.step()
+    grad_norm = weights.step(opt, tr.grad_clip)  # clip, AdamW on the fp32 masters, refresh bf16 weights
     sched.step()
     opt.zero_grad(set_to_none=True)
+    weights.model.zero_grad(set_to_none=True)
     if dist.is_initialized():
         packed = torch.cat([torch.atleast_1d(v.detach().to(torch.float64)) for v in metrics.values()])
         dist.all_reduce(packed)
