@@ -62,7 +62,7 @@ class MasterWeights:
     # --- the step ------------------------------------------------------------------------------
     def grad_norm(self) -> torch.Tensor:
         """Total L2 norm of the gradients, from per-tensor fp32 norms (as clip_grad_norm_ computes it)."""
-        norms = [torch.linalg.vector_norm(p.grad.to(torch.float32), 2.0) for p in self.params if p.grad is not None]
+        norms = [torch.linalg.vector_norm(p.grad, 2.0, dtype=torch.float32) for p in self.params if p.grad is not None]
         if not norms:
             return torch.zeros((), device=self.params[0].device)
         return torch.linalg.vector_norm(torch.stack(norms), 2.0)

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The GPU benchmarks of BENCHMARKS.md, one sub-command each, for a bare CUDA machine with no network
+# (the lent H200): installs the carried wheels, runs each step under its own time limit, writes JSON and
+# logs to $OUT (default bench/results/out). Steps run in the order given:
+#   bench/gpu_bench.sh extract flex train gputests
+#     extract   bench/extract_throughput.py: 27B-shaped hybrid, full path vs forward-only (+ profile)
+#     flex      bench/flex_kernel.py: flex_attention tile sizes at the seed's mask
+#     train     bench/train_step.py at the seed's config with the fastest flex tiles from `flex`
+#     gputests  pytest -m gpu
+# Wheels: .whl/gpu holds flash-linear-attention + fla-core 0.6.0 and zstandard (the image has neither);
+# carry it (device `carry: [".whl/gpu"]`). Limits per step: EXTRACT_S, FLEX_S, TRAIN_S, TESTS_S seconds.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-bench/results/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
+if ls .whl/gpu/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/gpu/*.whl || exit 4
+    export PYTHONPATH=/tmp/site:$PWD
+else
+    export PYTHONPATH=$PWD
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/machine.txt"
+python3 -c 'import torch, transformers, triton; print("torch", torch.__version__, "transformers", transformers.__version__, "triton", triton.__version__)' | tee -a "$OUT/machine.txt"
+
+step() {  # name limit command...
+    local name=$1 limit=$2; shift 2
+    echo "=== $name (limit ${limit}s) $(date -u +%T)"
+    local t0=$SECONDS
+    timeout -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "=== $name rc=$rc in $((SECONDS - t0))s"
+    tail -n 25 "$OUT/$name.log"
+}
+
+for what in "$@"; do
+    case $what in
+        extract) step extract "${EXTRACT_S:-240}" python3 bench/extract_throughput.py --batches 16 --warmup 1 \
+                     --workers 8 --shards-per-pass 2 --profile 2 --json "$OUT/extract_throughput.json" ;;
+        flex) step flex "${FLEX_S:-180}" python3 bench/flex_kernel.py --variants 128x128,128x64,64x128,64x64 \
+                  --json "$OUT/flex_kernel.json" ;;
+        train) step train "${TRAIN_S:-330}" python3 bench/train_step.py --variants "${TRAIN_VARIANTS:-compiled-fused}" \
+                   --steps 20 --warmup 2 --lock-steps 50 --loader-workers 8 \
+                   $( [ -s "$OUT/flex_kernel.json" ] && echo --flex-from "$OUT/flex_kernel.json" ) \
+                   --json "$OUT/train_step.json" ;;
+        gputests) step gputests "${TESTS_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider tests ;;
+        *) echo "unknown step $what (extract flex train gputests)"; exit 2 ;;
+    esac
+done
