@@ -201,4 +201,6 @@ def fp8_error_terms(hidden_TD: torch.Tensor, doc_lens: list[int], num_layers: in
     ref = hidden_TD.float()
     rel = (rec - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-30)
     cos = torch.nn.functional.cosine_similarity(rec, ref, dim=-1)
-    return torch.stack([rel.sum(), rel.max(), cos.min(), torch.tensor(float(T), device=rel.device)])
+    # torch.full, not torch.tensor(T, device=...): a host->device copy of a Python scalar would
+    # synchronise the stream, i.e. wait for the forward
+    return torch.stack([rel.sum(), rel.max(), cos.min(), torch.full((), float(T), device=rel.device)])

@@ -6,8 +6,11 @@ Order of work (every rank):
      the frozen ``target_head.safetensors`` (embeddings + lm_head, all stage 2 needs of the target);
   3. each rank takes every world-th shard of the requested subset and skips committed ones;
   4. per shard: stream its conversations, tokenize, pack up to the token budget, forward, hand
-     the features to the host pipeline (copy / compress / write overlapped), commit, sidecar;
-  5. every rank tries to finalize ``manifest.json`` (idempotent; done once all shards exist).
+     the features to the host pipeline (copy / compress / write overlapped); the shard's commit
+     and sidecar run on the pipeline's writer thread while the next shard's forwards run (one
+     pipeline per rank, see host_pipeline.py);
+  5. once all of its commits finished, every rank tries to finalize ``manifest.json``
+     (idempotent; done once all shards exist).
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ from ..dist import DistInfo, barrier, init_process_group, pick_device, set_rank_
 from ..io_utils import remove_stale_temps
 from ..progress import progress_bar
 from .fingerprint import fingerprint_fields, resolve_target_dtype
-from .host_pipeline import DocMeta, HostPipeline
+from .host_pipeline import DocMeta, HostPipeline, ShardHandle
+from .staging import max_batch_bytes
 from .sanity import feature_stats, layer_rms_summary
 
 log = logging.getLogger("dflash_pipe.extract")
@@ -51,6 +55,7 @@ class ShardSummary:
     gpu_blocked_s: float
     writer_idle_s: float
     compress_s: float
+    commit_s: float = 0.0  # commit + sidecar, on the writer thread (overlaps the next shard)
 
 
 @dataclass
@@ -62,6 +67,7 @@ class ExtractSummary:
     tokens: int = 0
     seconds: float = 0.0
     gpu_blocked_s: float = 0.0
+    writer_wait_s: float = 0.0  # main thread waiting at the end for the last writes and commits
     complete: bool = False
     kernel_paths: dict = field(default_factory=dict)
 
@@ -70,8 +76,9 @@ class ExtractSummary:
         if self.seconds <= 0:
             return "n/a"
         share = self.gpu_blocked_s / self.seconds
+        tail = f"; {self.writer_wait_s:.1f}s waiting at the end for the last shard's writes and commit"
         return (f"host side (compression/disk): the target waited {share:.0%} of the time" if share > 0.05 else
-                f"target forward (the host side kept up; the target waited {share:.1%} of the time)")
+                f"target forward (the host side kept up; the target waited {share:.1%} of the time)") + tail
 
 
 def unused_embedding_row(tokenizer, vocab_size: int) -> tuple[int | None, str]:
@@ -164,15 +171,26 @@ def run_extract(cfg: RunConfig) -> ExtractSummary:
         total_docs = _count_docs(cfg, todo)
         bar = progress_bar(total_docs, f"extract rank {info.rank}", unit="doc", enabled=info.is_main)
         t0 = time.perf_counter()
-        for s in todo:
-            shard = _extract_shard(cfg, spec, runner, bundle.tokenizer, s, device, layer_ids, bar)
-            summary.shards_done.append(s)
+        # one pipeline for all of this rank's shards: staging slots allocated once, shard commits
+        # run on its writer thread while the next shard's forwards run here
+        host = HostPipeline(_compress_workers(cfg), ex.queue_batches,
+                            max_batch_bytes(ex.token_budget, width, len(layer_ids), ex.codec, ex.topk),
+                            device, layer_ids, ex.codec, ex.sanity_check)
+        try:
+            for s in todo:
+                _extract_shard(cfg, spec, runner, bundle.tokenizer, host, s, device, layer_ids, bar, info.rank)
+            summary.writer_wait_s = host.close()  # every shard committed once this returns
+        except BaseException:
+            host.abort()
+            raise
+        finally:
+            bar.close()
+        for h in host.shards:
+            shard: ShardSummary = h.result
+            summary.shards_done.append(shard.index)
             summary.tokens += shard.tokens
             summary.gpu_blocked_s += shard.gpu_blocked_s
-            log.info("rank %d: shard %d committed: %d docs, %d tokens in %.1fs", info.rank, s, shard.docs,
-                     shard.tokens, shard.seconds)
         summary.seconds = time.perf_counter() - t0
-        bar.close()
     barrier()
     fault_point("extract.before_manifest")
     summary.complete = try_finalize(cache_dir, spec) is not None
@@ -194,8 +212,14 @@ def _compress_workers(cfg: RunConfig) -> int:
     return max(1, per_rank // 2)
 
 
-def _extract_shard(cfg: RunConfig, spec: dict, runner, tokenizer, shard: int, device: torch.device,
-                   layer_ids: list[int], bar) -> ShardSummary:
+def _extract_shard(cfg: RunConfig, spec: dict, runner, tokenizer, host: HostPipeline, shard: int,
+                   device: torch.device, layer_ids: list[int], bar, rank: int) -> ShardHandle:
+    """Forward one shard's documents into `host` and queue its end (main thread).
+
+    Returns as soon as the last batch is submitted: the commit and the sidecar run later on the
+    writer thread (`finalize` below), while the caller already starts the next shard. The handle's
+    `result` (a ShardSummary) is set once that commit finished.
+    """
     ex, d = cfg.extract, cfg.data
     num_layers = len(layer_ids)
     reader_stats, tok_stats = DataStats(), DataStats()
@@ -204,14 +228,9 @@ def _extract_shard(cfg: RunConfig, spec: dict, runner, tokenizer, shard: int, de
     width = spec["features"]["width"]
     writer = ShardWriter(ex.cache_dir, shard_name(shard, ex.num_shards), shard, ex.codec, ex.topk,
                          shard_meta(ex.codec, ex.topk, width, num_layers, spec["fingerprint"]), ex.row_group_mb << 20)
-    host = HostPipeline(writer, _compress_workers(cfg), ex.queue_batches, device, layer_ids, ex.codec,
-                        ex.sanity_check)
-    fp8_acc: list[torch.Tensor] = []
-    t0 = time.perf_counter()
-    tokens = 0
+    handle = host.begin_shard(writer, shard)
 
     def run_pack(pack):
-        nonlocal tokens
         lens = [s.num_tokens for _, s in pack]
         ids = torch.from_numpy(np.concatenate([s.input_ids for _, s in pack]).astype(np.int64))
         if device.type == "cuda":
@@ -219,45 +238,50 @@ def _extract_shard(cfg: RunConfig, spec: dict, runner, tokenizer, shard: int, de
         fault_point("extract.forward")
         out = runner.run(ids, lens)
         stats = feature_stats(out.hidden_TD, lens, num_layers)
-        if ex.codec == FP8:
-            fp8_acc.append(fp8_error_terms(out.hidden_TD, lens, num_layers))
+        fp8 = fp8_error_terms(out.hidden_TD, lens, num_layers) if ex.codec == FP8 else None
         docs = [DocMeta(s.sample_id, idx, s.input_ids, s.loss_mask) for idx, s in pack]
-        host.submit(docs, out.hidden_TD, lens, num_layers, out.topk_ids_TK, out.topk_logprobs_TK, stats)
-        tokens += sum(lens)
+        host.submit(docs, out.hidden_TD, lens, num_layers, out.topk_ids_TK, out.topk_logprobs_TK, stats, fp8)
         bar.update(len(pack), tokens=sum(lens))
 
-    try:
-        pack, pack_tokens = [], 0
-        for idx, conv in iter_shard(convs, shard, ex.num_shards):
-            sample = ctok(conv, tok_stats, d.strict)
-            if sample is None:
-                continue
-            if pack and pack_tokens + sample.num_tokens > ex.token_budget:
-                run_pack(pack)
-                pack, pack_tokens = [], 0
-            pack.append((idx, sample))
-            pack_tokens += sample.num_tokens
-        if pack:
+    pack, pack_tokens = [], 0
+    for idx, conv in iter_shard(convs, shard, ex.num_shards):
+        sample = ctok(conv, tok_stats, d.strict)
+        if sample is None:
+            continue
+        if pack and pack_tokens + sample.num_tokens > ex.token_budget:
             run_pack(pack)
-        timers = host.close()
+            pack, pack_tokens = [], 0
+        pack.append((idx, sample))
+        pack_tokens += sample.num_tokens
+    if pack:
+        run_pack(pack)
+
+    def finalize(h: ShardHandle) -> ShardSummary:
+        """Writer thread, after the shard's last row: commit, then the sidecar (the main thread no
+        longer touches this shard's reader/tokenizer stats)."""
+        tc = time.perf_counter()
         info = writer.commit()
-    except BaseException:
-        host.abort()
-        writer.abort()
-        raise
-    rms = {}
-    if timers.stats_rows:
-        lens = [n for n, _ in timers.stats_rows]
-        rms = layer_rms_summary(torch.stack([s for _, s in timers.stats_rows]), lens, layer_ids)
-    seconds = time.perf_counter() - t0
-    stats = {"data_reader": reader_stats.to_dict(), "data_tokenizer": tok_stats.to_dict(), "feature_rms": rms,
-             "timing": {"seconds": seconds, "gpu_blocked_s": timers.gpu_blocked_s,
-                        "writer_idle_s": timers.writer_idle_s, "compress_s": timers.compress_s}}
-    if fp8_acc:
-        acc = torch.stack(fp8_acc).cpu()  # one sync per shard, not per document
-        stats["fp8_error"] = {"rel_l2_sum": float(acc[:, 0].sum()), "rel_l2_max": float(acc[:, 1].max()),
-                              "cos_min": float(acc[:, 2].min()), "tokens": int(acc[:, 3].sum())}
-    fault_point("extract.before_sidecar")
-    write_sidecar(ex.cache_dir, spec, info, stats)
-    return ShardSummary(shard, info.rows, info.tokens, seconds, timers.gpu_blocked_s, timers.writer_idle_s,
-                        timers.compress_s)
+        timers = h.timers
+        commit_s = time.perf_counter() - tc
+        seconds = time.perf_counter() - h.started
+        rms = {}
+        if timers.stats_rows:
+            lens = [n for n, _ in timers.stats_rows]
+            rms = layer_rms_summary(torch.stack([s for _, s in timers.stats_rows]), lens, layer_ids)
+        stats = {"data_reader": reader_stats.to_dict(), "data_tokenizer": tok_stats.to_dict(), "feature_rms": rms,
+                 "timing": {"seconds": seconds, "gpu_blocked_s": timers.gpu_blocked_s,
+                            "writer_idle_s": timers.writer_idle_s, "compress_s": timers.compress_s,
+                            "commit_s": commit_s}}
+        if timers.fp8_terms:
+            acc = torch.stack(timers.fp8_terms)  # host copies, one per batch (came with the batch's D2H)
+            stats["fp8_error"] = {"rel_l2_sum": float(acc[:, 0].sum()), "rel_l2_max": float(acc[:, 1].max()),
+                                  "cos_min": float(acc[:, 2].min()), "tokens": int(acc[:, 3].sum())}
+        fault_point("extract.before_sidecar")
+        write_sidecar(ex.cache_dir, spec, info, stats)
+        log.info("rank %d: shard %d committed: %d docs, %d tokens in %.1fs", rank, shard, info.rows, info.tokens,
+                 seconds)
+        return ShardSummary(shard, info.rows, info.tokens, seconds, timers.gpu_blocked_s, timers.writer_idle_s,
+                            timers.compress_s, commit_s)
+
+    host.end_shard(finalize)
+    return handle
