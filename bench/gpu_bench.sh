@@ -37,7 +37,7 @@ step() {  # name limit command...
 
 for what in "$@"; do
     case $what in
-        extract) step extract "${EXTRACT_S:-240}" python3 bench/extract_throughput.py --batches 16 --warmup 1 \
+        extract) step extract "${EXTRACT_S:-300}" python3 bench/extract_throughput.py --batches 16 --warmup 1 \
                      --workers 8 --shards-per-pass 2 --profile 2 --json "$OUT/extract_throughput.json" ;;
         flex) step flex "${FLEX_S:-180}" python3 bench/flex_kernel.py --variants 128x128,128x64,64x128,64x64 \
                   --json "$OUT/flex_kernel.json" ;;
