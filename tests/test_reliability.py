@@ -163,3 +163,18 @@ def test_remote_code_needs_the_explicit_flag(tmp_path):
         load_target(str(d), device="cpu", dtype="float32")
     assert "remote code ran" not in str(err.value)
     assert not isinstance(err.value, SystemExit)
+
+
+def test_disk_full_while_opening_a_shard_leaves_no_temp_file(tmp_path, monkeypatch):
+    """ENOSPC on the Parquet header write (the shard writer's constructor) removes the temp file."""
+    from dflash_pipe.cache import make_spec, shard_name
+    from dflash_pipe.cache.codec import LOSSLESS
+    from dflash_pipe.cache.schema import shard_meta
+    from dflash_pipe.cache import writer as writer_mod
+
+    _enospc_after(monkeypatch, writer_mod._HashingFile, "write", 0)
+    spec = make_spec({"t": 1}, {}, {}, 1, {})
+    with pytest.raises(RuntimeFailure, match="disk full"):
+        writer_mod.ShardWriter(tmp_path, shard_name(0, 1), 0, LOSSLESS, 0, shard_meta(LOSSLESS, 0, 8, 1,
+                               spec["fingerprint"]))
+    assert os.listdir(tmp_path) == []

@@ -128,11 +128,17 @@ class ShardWriter:
         self._pending_bytes = 0
         self.rows = self.tokens = self.supervised = self.row_groups = self.raw_bytes = 0
         self._doc_hash = hashlib.sha256()
+        self._file = None
         try:
             self._file = _HashingFile(self.tmp_path)
             self._writer = pq.ParquetWriter(self._file, self.schema, **parquet_write_options(self.columns))
-        except OSError as exc:
-            raise disk_error(exc, self.tmp_path, "creating") from exc
+        except BaseException as exc:  # e.g. ENOSPC on the header write: leave no temp file behind
+            if self._file is not None:
+                self._file.close()
+            self.tmp_path.unlink(missing_ok=True)
+            if isinstance(exc, OSError):
+                raise disk_error(exc, self.tmp_path, "creating") from exc
+            raise
 
     def add(self, row: EncodedRow) -> None:
         for col, v in row.hidden.items():
