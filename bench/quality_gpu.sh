@@ -1,0 +1,370 @@
+#!/usr/bin/env bash
+# Issue-5 quality report on one lent H200, in two or three consecutive device calls (each one shell command
+# of at most 600 s; the machine stays warm 30 s after a call returns and only then keeps /tmp/quality).
+#
+# Before the calls, on this machine:  scripts/prepare_gpu_carry.sh   (writes .gpucarry/, prints the sizes)
+#
+#   call A (fresh machine; copies GGUF parts 0-1 + prompt data to /tmp/quality/carry, ~2 s):
+#     carry   [".gpucarry/p0", ".gpucarry/p1", ".gpucarry/data"]                        (56.5 MiB with the tree)
+#     command bash bench/quality_gpu.sh stash
+#   call B (within 30 s of A returning; reassembles + sha256-checks the GGUF, installs the wheels, runs stages):
+#     carry   [".gpucarry/p2", ".gpucarry/p3", ".gpucarry/whl"]                         (51.4 MiB with the tree)
+#     command bash bench/quality_gpu.sh run
+#   call C (within 30 s of B returning, only if B exited 75 = stopped at the deadline with work left):
+#     carry   []
+#     command bash bench/quality_gpu.sh run
+#   (repeat C while it exits 75; `bash bench/quality_gpu.sh status` prints what is done without running anything)
+#
+# Exit codes: 0 report complete; 75 stopped cleanly at the deadline, work left (printed; run again within
+# 30 s); 3 carry missing (machine went cold: start again at call A); other = a stage failed (log tails in $OUT).
+#
+# Stages (each marks completion in /tmp/quality/done/<job>; a rerun skips finished jobs, and the pipeline's
+# own resume continues unfinished ones: regenerate skips written ids, extract skips committed shards,
+# train --resume auto continues from the last checkpoint):
+#   regen           SmolLM2 answers QUALITY_N_PROMPTS ShareGPT first turns itself (greedy, batched HF generate)
+#   extract-lossless, extract-fp8                       two processes at once
+#   train-lossless,   train-fp8                         two processes at once, each as soon as its cache is done
+#   eval-{lossless,fp8}-{mtbench,humaneval}            four processes (DFlash + prompt lookup + target-only)
+#   report          bench/quality_report.py -> $OUT (every call, with whatever is finished)
+# Deadline (QUALITY_DEADLINE_S, default 540 s from the script's start): a resumable job is started only with at
+# least its minimum useful time left and runs under `timeout -s INT` until the deadline minus a reserve; an
+# eval job (not resumable) is started only if its estimate fits (one estimated above a whole call starts at the
+# beginning of a call, its best chance, with a warning).
+# $OUT (at most 8 files) is refreshed every 30 s and at the end: status.txt, logs_tail.txt, summary.json,
+# summary.md, quality.png, results.tar.gz (eval reports + PNGs, metrics.jsonl, configs, full logs).
+#
+# Timing assumptions (H200 numbers are estimates, not measurements; the logs and summary.md record the real ones):
+#   * Basis: HF eager SmolLM2-135M is launch-bound on an H200. Counted on the CPU with a TorchDispatchMode: ~1,100
+#     kernel-launching aten ops per target forward (30 layers), ~1,500 per drafter train step (3 layers, bf16
+#     autocast, 8 loss chunks, AdamW). Framework overhead alone (same 30-layer graph at hidden 64, CPU): 7.3 ms
+#     per forward = 6.7 us/op on the 2-core dev box; + ~3-5 us per CUDA launch => ~12-15 ms per target forward
+#     on the GPU, nearly flat in batch size up to ~1k rows (batch 1024 x ~400-token KV: ~10 GB of KV reads and
+#     DynamicCache cat copies per step, ~4-8 ms, overlapped with the launches).
+#     Measured CPU costs (real model, fp32, 1 thread: 82 ms per decode step at batch 1, HF generate ~200 ms/step
+#     at batch 8) are compute-bound and bound nothing on the GPU.
+#   * regen: 8000 prompts -> ~6,700 kept (prompt <= 256 tokens: 84 % of ShareGPT first turns) in 8 batches of
+#     1024, each 256 steps x ~15-25 ms = 4-6 s => ~40-60 s, plus ~20 s imports + GGUF conversion (once).
+#   * extract: ~6,700 docs x ~330 tokens ~ 2.2 M tokens = 12.7 GB of raw bf16 features per cache; host zstd
+#     ~400 MB/s per thread x 6 threads per process => ~10-30 s each (both at once), plus ~15 s start-up.
+#   * train: 3-layer drafter (12.3 M trainable), eager + SDPA with the dense mask, context 4096, 256 anchors x 16:
+#     ~1,500 launches ~ 15 ms host + ~10 ms GPU (dense-mask attention ~8 ms) per step, loader ~4 ms/step on 6
+#     threads; two trainers time-slice one GPU => ~20-26 ms/step, 8000 steps ~ 160-210 s + ~15 s start-up.
+#   * eval, per prompt of T = 256 tokens: target-only T forwards + DFlash T/tau verify forwards (+ drafter) +
+#     lookup T/tau forwards ~ 2.5 T forwards x 15 ms ~ 10 s, x 1.3 for four processes sharing the GPU =>
+#     20 prompts per set ~ 250 s + 30 s start-up (QUALITY_EVAL_STEP_S, QUALITY_EVAL_CONC feed this estimate).
+#   => call B: setup ~10 s, regen ~80 s, extract ~45 s, train ~215 s, exits 75 after ~350 s (the evals,
+#      estimated at 290 s, do not fit in what is left); call C: evals + report ~300 s, exits 0. Device time
+#      ~11 min + machine start; a stage that runs long is resumed by the next call (repeat C).
+#
+# Knobs (environment; defaults are the GPU run): QUALITY_DIR (/tmp/quality), QUALITY_DEADLINE_S (540),
+# QUALITY_RESERVE_S (30), QUALITY_DEVICE (cuda), QUALITY_MANIFEST (manifests/quality-smollm2-gpu.toml),
+# QUALITY_N_PROMPTS (8000), QUALITY_GEN_TOKENS (256), QUALITY_GEN_BATCH (1024), QUALITY_TRAIN_STEPS (8000),
+# QUALITY_EVAL_PROMPTS (20), QUALITY_EVAL_TOKENS (256), QUALITY_EVAL_JOBS (4 = drafter x set, 2 = per drafter),
+# QUALITY_EVAL_STEP_S (0.015), QUALITY_EVAL_CONC (1.3), QUALITY_{REGEN,EXTRACT,TRAIN,EVAL}_FLAGS (extra flags),
+# QUALITY_CARRY_SRC (.gpucarry: where the carried paths are), QUALITY_GGUF (use this GGUF, skip the parts),
+# QUALITY_MODEL_CACHE ($QUALITY_DIR/models), OUT ($QUALITY_DIR/out when unset), DFLASH_PYTHON (python3).
+#
+# CPU smoke test at toy size (what was run before the first GPU use; ~6 min on 2 cores):
+#   export QUALITY_DIR=/tmp/qsmoke OUT=/tmp/qsmoke-out QUALITY_DEVICE=cpu QUALITY_N_PROMPTS=24 QUALITY_GEN_TOKENS=32 \
+#     QUALITY_GEN_BATCH=8 QUALITY_TRAIN_STEPS=40 QUALITY_EVAL_PROMPTS=2 QUALITY_EVAL_TOKENS=16 QUALITY_EVAL_STEP_S=0.1 \
+#     QUALITY_EVAL_CONC=2 QUALITY_EXTRACT_FLAGS="--compress-workers 1 --num-shards 4" \
+#     QUALITY_TRAIN_FLAGS="--context-tokens 1024 --num-anchors 32 --drafter-num-layers 1 --checkpoint-every 10"
+#   QUALITY_CARRY_SRC=/tmp/carryA bash bench/quality_gpu.sh stash                # copies of p0, p1, data
+#   QUALITY_CARRY_SRC=/tmp/carryB QUALITY_DEADLINE_S=200 bash bench/quality_gpu.sh run   # p2, p3, whl: exits 75
+#   QUALITY_CARRY_SRC=/nonexistent bash bench/quality_gpu.sh run                    # resumes, exits 0
+set -uo pipefail
+cd "$(dirname "$0")/.."
+REPO=$PWD
+T0=$(date +%s)
+MODE=${1:-run}
+Q=${QUALITY_DIR:-/tmp/quality}
+OUT=${OUT:-$Q/out}
+PY=${DFLASH_PYTHON:-python3}
+SRC=${QUALITY_CARRY_SRC:-.gpucarry}
+CARRY=$Q/carry
+DEADLINE=$((T0 + ${QUALITY_DEADLINE_S:-540}))
+RESERVE=${QUALITY_RESERVE_S:-30}
+DEVICE=${QUALITY_DEVICE:-cuda}
+M=${QUALITY_MANIFEST:-manifests/quality-smollm2-gpu.toml}
+N_PROMPTS=${QUALITY_N_PROMPTS:-8000}
+GEN_TOKENS=${QUALITY_GEN_TOKENS:-256}
+GEN_BATCH=${QUALITY_GEN_BATCH:-1024}
+TRAIN_STEPS=${QUALITY_TRAIN_STEPS:-8000}
+EVAL_PROMPTS=${QUALITY_EVAL_PROMPTS:-20}
+EVAL_TOKENS=${QUALITY_EVAL_TOKENS:-256}
+EVAL_JOBS=${QUALITY_EVAL_JOBS:-4}
+EVAL_STEP_S=${QUALITY_EVAL_STEP_S:-0.015}
+EVAL_CONC=${QUALITY_EVAL_CONC:-1.3}
+MODELS=${QUALITY_MODEL_CACHE:-$Q/models}
+read -r -a REGEN_FLAGS <<< "${QUALITY_REGEN_FLAGS:-}"
+read -r -a EXTRACT_FLAGS <<< "${QUALITY_EXTRACT_FLAGS:-}"
+read -r -a TRAIN_FLAGS <<< "${QUALITY_TRAIN_FLAGS:-}"
+read -r -a EVAL_FLAGS <<< "${QUALITY_EVAL_FLAGS:-}"
+CODECS=(lossless fp8)
+SETS=(mtbench humaneval)
+# minimum useful seconds for a resumable job (start-up + some progress worth keeping)
+declare -A MIN_S=([regen]=60 [extract]=45 [train]=60)
+mkdir -p "$Q/logs" "$Q/done" "$OUT"
+CALL=$(( $(cat "$Q/calls" 2>/dev/null || echo 0) + 1 ))
+
+say() { echo "[quality +$(( $(date +%s) - T0 ))s] $*" | tee -a "$Q/logs/driver.log"; }
+left() { echo $(( DEADLINE - $(date +%s) )); }
+is_done() { [ -f "$Q/done/$1" ]; }
+fail() { say "ERROR: $*"; finish 1; }
+
+# ------------------------------------------------------------------------------------------- stash (call A)
+stash() {
+    mkdir -p "$CARRY/data"
+    local n=0
+    for i in 0 1 2 3; do
+        local f=$SRC/p$i/smollm2.gguf.part-$i
+        if [ -f "$f" ] && [ ! -f "$Q/smollm2.gguf" ]; then cp "$f" "$CARRY/"; n=$((n + 1)); fi
+    done
+    if [ -d "$SRC/data" ] && [ ! -f "$CARRY/data/sharegpt_first_turns.jsonl" ]; then
+        cp -r "$SRC/data/." "$CARRY/data/"
+        if [ -f "$CARRY/data/sharegpt_first_turns.jsonl.gz" ]; then
+            gzip -dc "$CARRY/data/sharegpt_first_turns.jsonl.gz" > "$CARRY/data/sharegpt_first_turns.jsonl.tmp" &&
+                mv "$CARRY/data/sharegpt_first_turns.jsonl.tmp" "$CARRY/data/sharegpt_first_turns.jsonl"
+        fi
+    fi
+    say "stash: $n GGUF part(s) and $(ls "$CARRY/data" 2>/dev/null | wc -l) data entries in $CARRY"
+    ls -la "$CARRY" "$CARRY/data" | tee "$OUT/status.txt"
+}
+
+# ------------------------------------------------------------------------------------------- setup
+setup() {
+    stash >/dev/null                         # parts / data carried in this call, if any
+    local need=(data/gguf.sha256 data/sharegpt_first_turns.jsonl data/prompts/mt_bench_question.jsonl
+                data/prompts/HumanEval.jsonl.gz)
+    for f in "${need[@]}"; do
+        [ -f "$CARRY/$f" ] || { say "carry missing: $CARRY/$f (machine went cold? start again at call A)"; finish 3; }
+    done
+    if [ -n "${QUALITY_GGUF:-}" ]; then
+        export DFLASH_SMOLLM2_GGUF=$QUALITY_GGUF
+    else
+        export DFLASH_SMOLLM2_GGUF=$Q/smollm2.gguf
+        if [ ! -f "$Q/smollm2.gguf" ]; then
+            for i in 0 1 2 3; do
+                [ -f "$CARRY/smollm2.gguf.part-$i" ] || { say "GGUF part $i missing in $CARRY (call A stashes 0-1, call B carries 2-3)"; finish 3; }
+            done
+            cat "$CARRY"/smollm2.gguf.part-{0,1,2,3} > "$Q/smollm2.gguf.tmp"
+            if ! (cd "$Q" && sed 's/  .*/  smollm2.gguf.tmp/' "$CARRY/data/gguf.sha256" | sha256sum -c --quiet -); then
+                rm -f "$Q/smollm2.gguf.tmp"; fail "reassembled GGUF fails its sha256 (parts from two different prepares?)"
+            fi
+            mv "$Q/smollm2.gguf.tmp" "$Q/smollm2.gguf"
+            say "setup: GGUF reassembled and sha256-checked ($(du -m "$Q/smollm2.gguf" | cut -f1) MB)"
+        fi
+    fi
+    # wheels only for modules this python lacks (the GPU image has neither zstandard nor gguf)
+    mkdir -p "$Q/site"
+    export PYTHONPATH=$Q/site:$REPO${PYTHONPATH:+:$PYTHONPATH}
+    for mod in zstandard gguf; do
+        "$PY" -c "import $mod" 2>/dev/null && continue
+        local whl; whl=$(ls "$SRC/whl/$mod"-*.whl "$CARRY/whl/$mod"-*.whl 2>/dev/null | head -1)
+        [ -n "$whl" ] || { say "no wheel for $mod in $SRC/whl (call B carries .gpucarry/whl)"; finish 3; }
+        "$PY" -m pip install -q --no-index --no-deps --target "$Q/site" "$whl" >> "$Q/logs/setup.log" 2>&1 ||
+            "$PY" -m zipfile -e "$whl" "$Q/site" >> "$Q/logs/setup.log" 2>&1 ||    # no pip: a wheel is a zip
+            fail "cannot install $whl (logs/setup.log)"
+        "$PY" -c "import $mod" 2>> "$Q/logs/setup.log" || fail "$mod does not import after installing $whl (logs/setup.log)"
+        mkdir -p "$CARRY/whl" && cp -n "$whl" "$CARRY/whl/" 2>/dev/null
+        say "setup: installed $(basename "$whl")"
+    done
+    export DFLASH_PROMPTS_DIR=$CARRY/data/prompts
+    export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 MPLBACKEND=Agg TOKENIZERS_PARALLELISM=false
+    export DFLASH_LOG=${DFLASH_LOG:-WARNING}
+    echo "$CALL" > "$Q/calls"
+}
+
+# ------------------------------------------------------------------------------------------- jobs
+JOBS=(regen)
+for c in "${CODECS[@]}"; do JOBS+=("extract-$c"); done
+for c in "${CODECS[@]}"; do JOBS+=("train-$c"); done
+for c in "${CODECS[@]}"; do
+    if [ "$EVAL_JOBS" = 2 ]; then JOBS+=("eval-$c-all"); else for s in "${SETS[@]}"; do JOBS+=("eval-$c-$s"); done; fi
+done
+
+deps() {   # job -> jobs it needs
+    case $1 in
+        regen) ;;
+        extract-*) echo regen ;;
+        train-*) echo "extract-${1#train-}" ;;
+        eval-*) local c=${1#eval-}; echo "train-${c%%-*}" ;;
+    esac
+}
+kind() { case $1 in regen) echo regen ;; extract-*) echo extract ;; train-*) echo train ;; eval-*) echo eval ;; esac; }
+
+eval_estimate() {   # seconds one eval job needs
+    local sets=1; [ "${1##*-}" = all ] && sets=${#SETS[@]}
+    awk -v p="$EVAL_PROMPTS" -v t="$EVAL_TOKENS" -v s="$sets" -v st="$EVAL_STEP_S" -v c="$EVAL_CONC" \
+        'BEGIN { printf "%d", 30 + p * s * t * 2.5 * st * c }'
+}
+
+job_cmd() {   # the command of a job (array JOB_CMD)
+    local j=$1 c s
+    local common=(-m "$M" --target-model-cache-dir "$MODELS")
+    case $j in
+        regen)
+            JOB_CMD=("$PY" -m dflash_pipe regenerate "${common[@]}" --source "$CARRY/data/sharegpt_first_turns.jsonl"
+                     --skip-samples 0 --max-samples "$N_PROMPTS" -o "$Q/regenerated.jsonl" --max-turns 1
+                     --max-new-tokens "$GEN_TOKENS" --batch-size "$GEN_BATCH" --device "$DEVICE" "${REGEN_FLAGS[@]}") ;;
+        extract-*)
+            c=${j#extract-}
+            JOB_CMD=("$PY" -m dflash_pipe extract "${common[@]}" --data-source "$Q/regenerated.jsonl" --codec "$c"
+                     --cache-dir "$Q/cache-$c" --device "$DEVICE" "${EXTRACT_FLAGS[@]}") ;;
+        train-*)
+            c=${j#train-}
+            JOB_CMD=("$PY" -m dflash_pipe train -m "$M" --cache-dir "$Q/cache-$c" --output-dir "$Q/train-$c"
+                     --max-steps "$TRAIN_STEPS" --resume auto --device "$DEVICE" "${TRAIN_FLAGS[@]}") ;;
+        eval-*)
+            c=${j#eval-}; s=${c#*-}; c=${c%%-*}
+            [ "$s" = all ] && s=$(IFS=,; echo "${SETS[*]}")
+            JOB_CMD=("$PY" -m dflash_pipe eval "${common[@]}" --train-output-dir "$Q/train-$c" --prompts "$s"
+                     --max-prompts "$EVAL_PROMPTS" --max-new-tokens "$EVAL_TOKENS" --output-dir "$Q/$j"
+                     --device "$DEVICE" "${EVAL_FLAGS[@]}") ;;
+    esac
+}
+
+job_ok() {   # the job's output really exists
+    case $1 in
+        regen) [ -s "$Q/regenerated.jsonl" ] ;;
+        extract-*) [ -f "$Q/cache-${1#extract-}/manifest.json" ] ;;
+        train-*) [ -f "$Q/train-${1#train-}/export/config.json" ] ;;
+        eval-*) [ -f "$Q/$1/eval_report.json" ] ;;
+    esac
+}
+
+job_progress() {   # one line: how far an unfinished job got
+    local j=$1
+    case $j in
+        regen) "$PY" - "$Q/regenerated.jsonl.progress.json" "$N_PROMPTS" <<'PY' 2>/dev/null || echo "not started" ;;
+import json, sys
+s = json.load(open(sys.argv[1]))
+print(f"{s['rows_written'] + len(s['skipped'])}/{sys.argv[2]} prompts done ({s['rows_written']} written, "
+      f"{len(s['skipped'])} skipped), {s['generated_tokens']:,} tokens in {s['seconds']:.0f} s")
+PY
+        extract-*) echo "$(ls "$Q/cache-${j#extract-}" 2>/dev/null | grep -c '^shard-.*\.json$') shards committed" ;;
+        train-*) local d=$Q/train-${j#train-} last
+                 last=$(tail -n 1 "$d/metrics.jsonl" 2>/dev/null | sed -n 's/.*"step": \([0-9]*\).*/\1/p')
+                 echo "step $(( ${last:--1} + 1 ))/$TRAIN_STEPS logged, checkpoints: $(cd "$d" 2>/dev/null && ls -d ckpt-* 2>/dev/null | tr '\n' ' ')" ;;
+        eval-*) echo "not resumable: reruns whole (estimate $(eval_estimate "$j") s)" ;;
+    esac
+}
+
+declare -A PID STARTED RC
+RUNNING=()
+launch() {   # job budget_s
+    local j=$1 budget=$2
+    job_cmd "$j"
+    echo "=== call $CALL $(date -u +%FT%TZ) budget ${budget}s: ${JOB_CMD[*]}" >> "$Q/logs/$j.log"
+    timeout --signal=INT --kill-after=20 "$budget" "${JOB_CMD[@]}" >> "$Q/logs/$j.log" 2>&1 &
+    PID[$j]=$!; STARTED[$j]=$(date +%s); RUNNING+=("$j")
+    say "start $j (budget ${budget}s, pid ${PID[$j]})"
+}
+
+reap() {   # collect finished jobs; sets RC[job]
+    local still=() j rc
+    for j in "${RUNNING[@]}"; do
+        if kill -0 "${PID[$j]}" 2>/dev/null; then still+=("$j"); continue; fi
+        wait "${PID[$j]}"; rc=$?
+        RC[$j]=$rc
+        local dt=$(( $(date +%s) - STARTED[$j] ))
+        echo "$(( $(cat "$Q/done/$j.seconds" 2>/dev/null || echo 0) + dt ))" > "$Q/done/$j.seconds"
+        if [ "$rc" = 0 ] && job_ok "$j"; then
+            date -u +%FT%TZ > "$Q/done/$j"; say "done  $j in ${dt}s"
+        elif [ "$rc" = 124 ] || [ "$rc" = 130 ] || [ "$rc" = 137 ]; then
+            say "stopped $j at the deadline after ${dt}s (rc $rc): $(job_progress "$j")"
+        else
+            say "FAILED $j (rc $rc) after ${dt}s; tail of logs/$j.log:"; tail -n 15 "$Q/logs/$j.log" | sed 's/^/    /'
+        fi
+    done
+    RUNNING=("${still[@]}")
+}
+
+can_start() {   # job -> prints the budget if it may start now, else nothing
+    local j=$1 l k; l=$(( $(left) - RESERVE )); k=$(kind "$j")
+    if [ "$k" = eval ]; then
+        local est full; est=$(eval_estimate "$j"); full=$(( ${QUALITY_DEADLINE_S:-540} - RESERVE ))
+        if [ "$l" -ge "$est" ]; then echo "$l"
+        elif [ "$est" -gt "$full" ] && [ $(( $(date +%s) - T0 )) -lt 60 ]; then
+            say "warning: $j is estimated at ${est}s, more than a whole call; starting it anyway (lower QUALITY_EVAL_PROMPTS)"
+            echo "$l"
+        fi
+    elif [ "$l" -ge "${MIN_S[$k]}" ]; then echo "$l"; fi
+}
+
+snapshot() {   # small files to $OUT (called every 30 s in the background and at the end)
+    {
+        echo "# quality_gpu.sh status, call $CALL, $(date -u +%FT%TZ), +$(( $(date +%s) - T0 ))s of ${QUALITY_DEADLINE_S:-540}s"
+        for j in "${JOBS[@]}"; do
+            if is_done "$j"; then echo "done     $j ($(cat "$Q/done/$j.seconds" 2>/dev/null)s)"
+            else echo "pending  $j: $(job_progress "$j")"; fi
+        done
+    } > "$OUT/status.txt.tmp" 2>/dev/null && mv "$OUT/status.txt.tmp" "$OUT/status.txt"
+    {
+        for f in "$Q"/logs/driver.log "$Q"/logs/*.log; do
+            [ -f "$f" ] || continue
+            echo "===== ${f#$Q/} (last 25 lines)"; tail -n 25 "$f" | cut -c1-400
+        done
+    } > "$OUT/logs_tail.txt.tmp" 2>/dev/null && mv "$OUT/logs_tail.txt.tmp" "$OUT/logs_tail.txt"
+}
+
+SNAP=""
+finish() {   # rc
+    local rc=$1 j
+    for j in "${RUNNING[@]}"; do kill -INT "${PID[$j]}" 2>/dev/null; done
+    for j in "${RUNNING[@]}"; do wait "${PID[$j]}" 2>/dev/null; done
+    [ -n "$SNAP" ] && kill "$SNAP" 2>/dev/null && wait "$SNAP" 2>/dev/null
+    if [ -d "$Q/logs" ] && [ "$MODE" = run ]; then
+        timeout 40 "$PY" bench/quality_report.py --dir "$Q" --out "$OUT" >> "$Q/logs/report.log" 2>&1 ||
+            say "report: bench/quality_report.py failed (logs/report.log)"
+        tail -n 60 "$OUT/summary.md" 2>/dev/null
+    fi
+    snapshot
+    local leftover=()
+    for j in "${JOBS[@]}"; do is_done "$j" || leftover+=("$j"); done
+    cat "$OUT/status.txt"
+    if [ "$rc" = 0 ] && [ ${#leftover[@]} -gt 0 ]; then
+        rc=75
+        say "LEFT: ${leftover[*]}; run 'bash bench/quality_gpu.sh run' again within 30 s (carry nothing)"
+    elif [ "$rc" = 0 ]; then
+        say "COMPLETE: report in \$OUT (summary.md, summary.json, quality.png, results.tar.gz)"
+    fi
+    exit "$rc"
+}
+trap 'say "interrupted"; finish 130' INT TERM
+
+case $MODE in
+    stash) stash; exit 0 ;;
+    status) snapshot; cat "$OUT/status.txt"; exit 0 ;;
+    run) ;;
+    *) echo "usage: bench/quality_gpu.sh stash|run|status" >&2; exit 2 ;;
+esac
+
+setup
+say "call $CALL: deadline ${QUALITY_DEADLINE_S:-540}s, device $DEVICE, $N_PROMPTS prompts x $GEN_TOKENS tokens," \
+    "$TRAIN_STEPS train steps, eval $EVAL_PROMPTS prompts x $EVAL_TOKENS tokens in $EVAL_JOBS jobs"
+( trap 'kill "$s" 2>/dev/null; exit 0' TERM; while :; do sleep 30 & s=$!; wait "$s"; snapshot; done ) >/dev/null 2>&1 &
+SNAP=$!
+failed=0
+while :; do
+    reap
+    for j in "${!RC[@]}"; do
+        case ${RC[$j]} in 0|124|130|137|deferred) ;; *) failed=1 ;; esac
+    done
+    [ "$failed" = 1 ] && { say "a job failed: stopping"; finish 1; }
+    started=0
+    for j in "${JOBS[@]}"; do
+        is_done "$j" && continue
+        [[ " ${RUNNING[*]} " == *" $j "* ]] && continue
+        [ -n "${RC[$j]:-}" ] && continue                 # stopped at the deadline in this call
+        ok=1; for d in $(deps "$j"); do is_done "$d" || ok=0; done
+        [ "$ok" = 1 ] || continue
+        budget=$(can_start "$j")
+        if [ -n "$budget" ]; then launch "$j" "$budget"; started=1
+        else say "not starting $j: $(( $(left) - RESERVE ))s left before the reserve, needs $([ "$(kind "$j")" = eval ] && eval_estimate "$j" || echo "${MIN_S[$(kind "$j")]}")s"
+             RC[$j]=deferred; fi
+    done
+    [ ${#RUNNING[@]} -eq 0 ] && [ "$started" = 0 ] && break
+    sleep 2
+done
+finish 0
