@@ -50,9 +50,17 @@ class TrainBatch:
     num_docs: int
     tokens: int  # real (non-padding) context tokens
     anchors_available: int  # anchors eligible before capping at num_anchors
+    release_fn: object = None  # returns the plane buffers to the loader's pool (see release())
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {k: v for k, v in self.__dict__.items() if isinstance(v, torch.Tensor)}
+
+    def release(self) -> None:
+        """The consumer is done with the host buffers (their copy to the GPU has completed): the
+        loader may reuse them. Optional: an unreleased batch is simply garbage-collected."""
+        fn, self.release_fn = self.release_fn, None
+        if fn is not None:
+            fn()
 
 
 def block_targets(input_ids_S: np.ndarray, masks: list[np.ndarray], offsets: list[int], num_anchors: int,
@@ -141,31 +149,66 @@ class CacheIndex:
 
 
 class RowGroupCache:
-    """A few recently read row groups (consecutive batches draw from the same ones)."""
+    """A few recently read row groups (consecutive batches draw from the same ones). Called from the
+    decode workers: a row group being read by one worker is waited for, not read twice."""
 
     def __init__(self, index: CacheIndex, capacity: int = 8):
         self.index, self.capacity = index, capacity
         self._items: OrderedDict = OrderedDict()
+        self._reading: dict[tuple[int, int], threading.Event] = {}
         self._lock = threading.Lock()
 
     def rows(self, shard: int, rg: int):
         key = (shard, rg)
+        while True:
+            with self._lock:
+                if key in self._items:
+                    self._items.move_to_end(key)
+                    return self._items[key]
+                wait = self._reading.get(key)
+                if wait is None:
+                    self._reading[key] = threading.Event()
+                    break
+            wait.wait()  # another worker reads it; if that read failed, try ourselves
+        try:
+            rows = self.index.reader(shard).read_row_group(rg)
+            with self._lock:
+                self._items[key] = rows
+                while len(self._items) > self.capacity:
+                    self._items.popitem(last=False)
+            return rows
+        finally:
+            with self._lock:
+                self._reading.pop(key).set()
+
+
+class PlanePool:
+    """Reusable (pinned) plane buffers of one batch shape. A fresh 420 MB pinned, zeroed buffer per
+    batch costs more than decoding into it; a reused one only needs its padding tail zeroed."""
+
+    def __init__(self, shape: tuple, dtype: torch.dtype, pin: bool):
+        self.shape, self.dtype, self.pin = shape, dtype, pin
+        self._free: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+        self.allocated = 0
+
+    def take(self) -> tuple[torch.Tensor, bool]:
+        """(buffer, fresh): fresh buffers are zeroed; reused ones hold the previous batch."""
         with self._lock:
-            if key in self._items:
-                self._items.move_to_end(key)
-                return self._items[key]
-        rows = self.index.reader(shard).read_row_group(rg)
+            if self._free:
+                return self._free.pop(), False
+            self.allocated += 1
+        return torch.zeros(self.shape, dtype=self.dtype, pin_memory=self.pin), True
+
+    def give(self, buf: torch.Tensor) -> None:
         with self._lock:
-            self._items[key] = rows
-            while len(self._items) > self.capacity:
-                self._items.popitem(last=False)
-        return rows
+            self._free.append(buf)
 
 
 class BatchLoader:
     def __init__(self, index: CacheIndex, *, rank: int, world: int, seed: int, context_tokens: int,
                  num_anchors: int, max_anchors_per_doc: int, block_size: int, shuffle_rows: int,
-                 workers: int, want_topk: bool, pin_memory: bool, follow_poll_s: float = 2.0, prefetch: int = 2):
+                 workers: int, want_topk: bool, pin_memory: bool, follow_poll_s: float = 2.0, prefetch: int = 3):
         self.index = index
         self.rank, self.world, self.seed = rank, world, seed
         self.S, self.N, self.B = context_tokens, num_anchors, block_size
@@ -176,12 +219,18 @@ class BatchLoader:
         self.poll_s = follow_poll_s
         self.prefetch = max(1, prefetch)
         self.pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="dflash-decode")
-        self.producer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-batch")
+        # `prefetch` batches are assembled at once (each batch's rng is derived from its step, so the
+        # result does not depend on the order): a batch of a few long documents alone would keep only
+        # a few decode workers busy
+        self.producer = ThreadPoolExecutor(max_workers=self.prefetch, thread_name_prefix="dflash-batch")
+        self._stat_lock = threading.Lock()
         self.rg_cache = RowGroupCache(index)
         self.codec = index.features["codec"]
         self.width = index.features["width"]
         self.num_layers = index.features["num_layers"]
         self.decode_s = 0.0
+        self.plane_pool = PlanePool(planes_shape(self.codec, self.width, self.S), torch.uint8, pin_memory)
+        self.scale_pool = PlanePool((self.S, self.num_layers), torch.float32, pin_memory) if self.codec == FP8 else None
 
     # ------------------------------------------------------------------ schedule
     def schedule(self, epoch: int, follow_first_epoch: bool) -> EpochSchedule:
@@ -227,14 +276,13 @@ class BatchLoader:
             if step >= sched.steps and not sched.final:
                 sched = self.schedule(epoch, follow_first_epoch)
 
-    def _empty(self, shape, dtype):
-        return torch.zeros(shape, dtype=dtype, pin_memory=self.pin)
-
     def assemble(self, docs: list[DocRef], epoch: int, step: int) -> TrainBatch:
+        """One batch: each decode worker reads its document's row group (cached, deduplicated) and
+        decodes the planes straight into the batch buffer; this thread then builds ids and anchors."""
         t0 = time.perf_counter()
         S, N, B = self.S, self.N, self.B
-        planes = self._empty(planes_shape(self.codec, self.width, S), torch.uint8)
-        scale = self._empty((S, self.num_layers), torch.float32) if self.codec == FP8 else None
+        planes, fresh = self.plane_pool.take()
+        scale, fresh_scale = self.scale_pool.take() if self.scale_pool else (None, True)
         input_ids = np.zeros(S, np.int64)
         ctx_doc = np.full(S, -1, np.int32)
         ctx_pos = np.zeros(S, np.int64)
@@ -242,14 +290,17 @@ class BatchLoader:
         tk_ids = np.zeros((S, topk), np.int32) if self.want_topk else None
         tk_lp = np.full((S, topk), -np.inf, np.float16) if self.want_topk else None
         rng = batch_rng(self.seed, epoch, self.rank, step)
-        rows, offsets, off = [], [], 0
+        offsets, off = [], 0
         for d in docs:
-            row = self.rg_cache.rows(d.shard, d.row_group)[d.row]
-            rows.append(row)
             offsets.append(off)
             off += d.num_tokens
-        futures = [self.pool.submit(self._decode_doc, row, d.num_tokens, o, planes, scale, tk_ids, tk_lp)
-                   for row, d, o in zip(rows, docs, offsets)]
+        if not fresh:  # padding context must be zero (masked keys still enter the attention matmul)
+            planes[..., off:] = 0
+        if scale is not None and not fresh_scale:
+            scale[off:] = 0
+        futures = [self.pool.submit(self._decode_doc, d, o, planes, scale, tk_ids, tk_lp)
+                   for d, o in zip(docs, offsets)]
+        rows = [f.result() for f in futures]  # re-raises a worker's CacheError here
         for j, (row, d, o) in enumerate(zip(rows, docs, offsets)):
             T = d.num_tokens
             input_ids[o:o + T] = row.input_ids[:T].numpy()
@@ -258,16 +309,24 @@ class BatchLoader:
         masks = [row.loss_mask[:d.num_tokens].numpy() for row, d in zip(rows, docs)]
         anchor_index, lab, bdoc, valid, available = block_targets(input_ids, masks, offsets, N, B,
                                                                   self.max_per_doc, rng)
-        for f in futures:
-            f.result()
-        self.decode_s += time.perf_counter() - t0
+        with self._stat_lock:
+            self.decode_s += time.perf_counter() - t0
         t = torch.from_numpy
+
+        def release(planes=planes, scale=scale):
+            self.plane_pool.give(planes)
+            if scale is not None:
+                self.scale_pool.give(scale)
+
         return TrainBatch(epoch, step, planes, scale, t(input_ids), t(ctx_doc), t(ctx_pos), t(anchor_index),
                           t(bdoc), t(valid), t(lab), t(input_ids[anchor_index]),
                           None if tk_ids is None else t(tk_ids), None if tk_lp is None else t(tk_lp),
-                          len(docs), off, available)
+                          len(docs), off, available, release)
 
-    def _decode_doc(self, row, T: int, offset: int, planes, scale, tk_ids, tk_lp) -> None:
+    def _decode_doc(self, d: DocRef, offset: int, planes, scale, tk_ids, tk_lp):
+        """Read (or reuse) the document's row group, decode its planes into columns [offset, offset+T)."""
+        row = self.rg_cache.rows(d.shard, d.row_group)[d.row]
+        T = d.num_tokens
         if T == row.num_tokens:
             row.decode_into(planes, scale, offset)
         else:  # document cut to the context budget: decode whole, copy the head
@@ -281,6 +340,7 @@ class BatchLoader:
             ids, lps = row.teacher_topk()
             tk_ids[offset:offset + T] = ids[:T].numpy()
             tk_lp[offset:offset + T] = lps[:T].numpy()
+        return row
 
     def close(self) -> None:
         self.producer.shutdown(wait=True, cancel_futures=True)

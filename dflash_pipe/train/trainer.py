@@ -168,6 +168,7 @@ class DeviceFeed:
     def __init__(self, batches, device: torch.device):
         self.batches, self.device = batches, device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.handed: list = []  # (batch, copy event) handed out, host buffers not yet released
         self.pending = self._start()
 
     def _start(self):
@@ -193,6 +194,13 @@ class DeviceFeed:
             torch.cuda.current_stream(self.device).wait_event(event)
             for v in t.values():
                 v.record_stream(torch.cuda.current_stream(self.device))
+        # the previous batch's host buffers go back to the loader: on CPU its step has finished, on
+        # the GPU its copy has (the event is long complete by now; synchronize() only makes it certain)
+        for old, old_event in self.handed:
+            if old_event is not None:
+                old_event.synchronize()
+            old.release()
+        self.handed = [(batch, event)]
         self.pending = self._start()
         return batch, t
 
