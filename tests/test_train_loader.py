@@ -68,17 +68,20 @@ def test_follow_schedule_is_prefix_stable_as_shards_arrive():
             assert full.per_rank[r][:len(part.per_rank[r])] == part.per_rank[r]
 
 
+@pytest.mark.parametrize("release", [False, True])  # True: buffers come back and are reused
 @pytest.mark.parametrize("codec", ["lossless", "fp8"])
-def test_loader_batches_equal_per_document_decode(tmp_path, codec):
+def test_loader_batches_equal_per_document_decode(tmp_path, codec, release):
     W, NL = 24, 2
     docs = make_docs(14, W, seed=3, min_len=3, max_len=30)
     write_cache(tmp_path, docs, W, NL, codec=codec, num_shards=2, row_group_bytes=3000)
     by_id = {d["doc_index"]: d for d in docs}
     index = CacheIndex(tmp_path)
     loader = BatchLoader(index, rank=0, world=1, seed=0, context_tokens=64, num_anchors=12, max_anchors_per_doc=4,
-                         block_size=4, shuffle_rows=3, workers=2, want_topk=True, pin_memory=False)
-    seen = set()
+                         block_size=4, shuffle_rows=3, workers=2, want_topk=True, pin_memory=False,
+                         prefetch=1 if release else 3)  # 3: batches assembled concurrently
+    seen, batches = set(), 0
     for batch in loader.iterate(epoch=0, start_step=0):
+        batches += 1
         hidden = planes_to_hidden(codec, batch.planes, batch.scale, NL)
         assert hidden.shape == (64, W) and batch.labels_NB.shape == (12, 4)
         for j in range(batch.num_docs):
@@ -106,5 +109,12 @@ def test_loader_batches_equal_per_document_decode(tmp_path, codec):
         assert (batch.ctx_doc_S[batch.tokens:] == -1).all()
         pad = ~batch.block_valid_N
         assert (batch.labels_NB[pad] == IGNORE).all() and (batch.block_doc_N[pad] == -1).all()
+        assert (hidden[batch.tokens:] == 0).all()  # padding context is zero, also in a reused buffer
+        if release:
+            batch.release()
     assert seen == set(by_id)  # world 1, final data: nothing dropped
+    if release:
+        assert loader.plane_pool.allocated <= loader.prefetch + 1 < batches
+    else:
+        assert loader.plane_pool.allocated == batches
     loader.close()
