@@ -139,6 +139,11 @@ class TrainConfig:
     shuffle_rows: int = opt(256, "Shuffle buffer, in documents (seeded by seed and epoch).")
     follow: bool = opt(False, "Consume shards while extraction is still writing; epoch 0 ends when it finishes.")
     follow_poll_s: float = opt(2.0, "Seconds between looks for new shards in --follow mode.")
+    val_cache_dir: str = opt("", "A second cache (same target, layers and tokenizer; documents the training cache "
+                             "does not hold) on which loss, accuracy and simulated tau are measured without "
+                             "gradients every --val-every steps and at the end; empty = no validation.")
+    val_every: int = opt(500, "Steps between validation passes (with --val-cache-dir).")
+    val_batches: int = opt(8, "Batches per validation pass (each rank takes its share of the validation cache).")
     device: str = opt("auto", "'auto', 'cpu', 'cuda' (under torchrun: the local rank's GPU).")
 
 
@@ -335,6 +340,7 @@ def normalize(cfg: RunConfig) -> RunConfig:
         (0 <= tr.warmup_frac < 1, "--warmup-frac must be in [0, 1)"),
         (0 <= tr.kd_weight <= 1, "--kd-weight must be in [0, 1]"),
         (tr.loss_chunk_tokens >= 1, "--loss-chunk-tokens must be >= 1"),
+        (tr.val_every >= 1 and tr.val_batches >= 1, "--val-every and --val-batches must be >= 1"),
         (tr.epochs >= 1 or tr.max_steps > 0, "--epochs must be >= 1 (or set --max-steps)"),
     ]
     for ok, message in checks:

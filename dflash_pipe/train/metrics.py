@@ -57,8 +57,10 @@ class StepLogger:
         """On resume: drop history lines of steps that will be redone."""
         if not self.enabled or not self.history_path.exists():
             return
-        keep = [ln for ln in self.history_path.read_text().splitlines() if ln and json.loads(ln)["step"] <= after_step]
-        self.history_path.write_text("".join(k + "\n" for k in keep))
+        for path in (self.history_path, self.out_dir / "val_metrics.jsonl"):
+            if path.exists():
+                keep = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] <= after_step]
+                path.write_text("".join(k + "\n" for k in keep))
 
     def log(self, step: int, epoch: int, metrics: dict, step_s: float, data_wait_s: float, tokens: int,
             lr: float, grad_norm: float) -> dict:
@@ -90,6 +92,21 @@ class StepLogger:
             for k, v in rec.items():
                 if isinstance(v, (int, float)) and k not in ("step", "epoch") and math.isfinite(v):
                     self.tb.add_scalar(f"train/{k}", v, step)
+        return rec
+
+    def log_validation(self, step: int, metrics: dict) -> dict:
+        """One validation pass: a log line, `val_metrics.jsonl`, TensorBoard `val/*`."""
+        rec = {"step": step, **metrics}
+        if not self.enabled or not metrics:
+            return rec
+        print(f"val  {step + 1}/{self.total} loss {metrics['val_loss']:.4f} acc {metrics['val_acc']:.3f} "
+              f"tau {metrics['val_tau']:.2f}", flush=True)
+        with open(self.out_dir / "val_metrics.jsonl", "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        if self.tb is not None:
+            for k, v in metrics.items():
+                if isinstance(v, (int, float)) and math.isfinite(v):
+                    self.tb.add_scalar(f"val/{k[4:]}", v, step)
         return rec
 
     def close(self) -> None:

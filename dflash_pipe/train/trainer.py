@@ -16,17 +16,16 @@ import torch.distributed as dist
 
 from ..config import RunConfig, write_resolved
 from ..dist import DistInfo, barrier, destroy, init_process_group, pick_device, set_rank_cache_dirs
-from ..drafter.attention import flex_tuning
 from ..drafter.attention import compilation_locked
-from ..drafter import (AttentionMask, block_positions, default_gamma, draft_loss, export_drafter,
-                       gather_kd_targets, lock_compilation, summarize_metrics, unlock_compilation)
-from ..cache.codec import planes_to_hidden
+from ..drafter import (default_gamma, draft_loss, export_drafter, lock_compilation, summarize_metrics,
+                       unlock_compilation)
 from ..errors import RuntimeFailure, ValidationError
 from ..faults import fault_point
 from .checkpoint import find_resume, load_checkpoint, read_state, save_checkpoint
 from .components import (FrozenHead, build_drafter_config, build_model, build_optimizer, cache_identity,
                          check_against_cache, check_resume_identity, resolve_param_dtype)
 from .master_weights import MasterWeights
+from .validation import Validator, draft_inputs, kd_targets
 from .loader import BatchLoader, CacheIndex
 from .metrics import StepLogger, Stopwatch, plot_history, step_flops
 
@@ -104,6 +103,8 @@ def run_train(cfg: RunConfig) -> dict:
     logger.truncate_history(step - 1)
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16" else nullcontext())
     codec, n_layers = spec["features"]["codec"], spec["features"]["num_layers"]
+    validator = (Validator(cfg, spec, dcfg, head, device, info.rank, info.world, autocast, gamma)
+                 if tr.val_cache_dir else None)
     if info.is_main:
         print(f"train: drafter {dcfg.num_layers} layers, {trainable / 1e6:.1f}M trainable params, attention "
               f"{dcfg.attention}, {precision}, compile={compile_layers}, world {info.world}, {total} steps "
@@ -133,6 +134,8 @@ def run_train(cfg: RunConfig) -> dict:
                 if step % tr.log_every == 0 or step == total:
                     logger.log(step - 1, epoch, last["metrics"], step_s, data_wait, batch.tokens,
                                sched.get_last_lr()[0], last["grad_norm"])
+                if validator is not None and step % tr.val_every == 0 and step != total:
+                    logger.log_validation(step - 1, validator.run(model))
                 if tr.checkpoint_every and step % tr.checkpoint_every == 0 and step != total:
                     _checkpoint(out_dir, step, epoch, step_in_epoch, weights, opt, epoch_steps, total, spec, dcfg,
                                 cfg, info)
@@ -140,6 +143,8 @@ def run_train(cfg: RunConfig) -> dict:
             epoch += 1
             step_in_epoch = 0
         _checkpoint(out_dir, step, epoch, step_in_epoch, weights, opt, epoch_steps, total, spec, dcfg, cfg, info)
+        if validator is not None:
+            last["val"] = logger.log_validation(step - 1, validator.run(model))
         if info.is_main:
             export_drafter(model, dcfg, out_dir / "export")
             plot_history(out_dir / "metrics.jsonl", out_dir / "training.png")
@@ -147,9 +152,11 @@ def run_train(cfg: RunConfig) -> dict:
     finally:
         unlock_compilation()
         loader.close()
+        if validator is not None:
+            validator.close()
         logger.close()
         destroy()
-    return {"steps": step, "metrics": last.get("metrics", {}), "output_dir": str(out_dir)}
+    return {"steps": step, "metrics": last.get("metrics", {}), "val": last.get("val", {}), "output_dir": str(out_dir)}
 
 
 def _checkpoint(out_dir, step, epoch, step_in_epoch, weights, opt, epoch_steps, total, spec, dcfg, cfg, info):
@@ -210,18 +217,10 @@ def _train_step(ddp, weights: MasterWeights, head, opt, sched, batch, dcfg, devi
     tr = cfg.train
     t = on_device if on_device is not None else {k: v.to(device, non_blocking=True)
                                                  for k, v in batch.tensors().items()}
-    hidden = planes_to_hidden(codec, t.pop("planes"), t.pop("scale", None), n_layers)  # planes freed early
-    mask = AttentionMask(t["ctx_doc_S"], t["anchor_index_N"], t["block_doc_N"], t["block_valid_N"], dcfg.block_size)
-    if dcfg.attention == "flex":
-        mask.block_mask(flex_block=flex_tuning()["block"])  # built outside the compiled layers, cached
-    bpos = block_positions(t["ctx_pos_S"], t["anchor_index_N"], dcfg.block_size)
-    embeds = head.block_embeds(batch.anchor_tokens_N, dcfg.mask_token_id, dcfg.block_size, torch.float32)
-    kd = None
-    if tr.kd_weight > 0 and "topk_ids_SK" in t:
-        kd = gather_kd_targets(t["topk_ids_SK"], t["topk_logprobs_SK"], t["anchor_index_N"], dcfg.block_size,
-                               tr.kd_weight)
+    kd = kd_targets(t, dcfg, tr.kd_weight)
+    inputs = draft_inputs(t, batch, head, dcfg, codec, n_layers)  # planes -> bf16 features, mask, embeddings
     with autocast:
-        out = ddp(hidden, embeds, t["ctx_pos_S"], bpos, mask)
+        out = ddp(*inputs)
         loss, metrics = draft_loss(out, head.lm_head_VH, t["labels_NB"], dcfg.block_size, gamma,
                                    tr.loss_chunk_tokens, kd, fused=tr.fused_loss)
     loss.backward()

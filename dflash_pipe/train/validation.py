@@ -1,0 +1,123 @@
+"""Held-out validation: the drafter's loss, per-position accuracy and simulated tau on a second cache.
+
+The simulated tau that training logs is measured on the batches it trains on; after several passes
+over a small cache it mostly measures memorisation (the session-2 quality run: 5.3 on the training
+stream, 1.8 in real speculative decoding). A validation cache, extracted from documents the training
+cache does not hold (e.g. `dflash-pipe extract --skip-samples N` over the same source), gives the
+number that predicts acceptance. Its batches have the training shapes, so the compiled layers are
+reused (a no-grad pass compiles its own graphs once, with the recompile lock lifted just for it).
+Every rank validates its share; the sums are all-reduced, so uneven shares cannot hang.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..cache.codec import planes_to_hidden
+from ..drafter import AttentionMask, block_positions, draft_loss, gather_kd_targets, summarize_metrics
+from ..drafter.attention import compilation_unlocked, flex_tuning
+from ..errors import ValidationError
+from .loader import BatchLoader, CacheIndex
+
+
+def draft_inputs(t: dict, batch, head, dcfg, codec: str, n_layers: int):
+    """Device tensors of one batch -> (features, block embeddings, ctx positions, block positions, mask).
+    Pops the planes so their memory can go as soon as the bf16 features exist."""
+    hidden = planes_to_hidden(codec, t.pop("planes"), t.pop("scale", None), n_layers)
+    mask = AttentionMask(t["ctx_doc_S"], t["anchor_index_N"], t["block_doc_N"], t["block_valid_N"], dcfg.block_size)
+    if dcfg.attention == "flex":
+        mask.block_mask(flex_block=flex_tuning()["block"])  # built outside the compiled layers, cached
+    bpos = block_positions(t["ctx_pos_S"], t["anchor_index_N"], dcfg.block_size)
+    embeds = head.block_embeds(batch.anchor_tokens_N, dcfg.mask_token_id, dcfg.block_size, torch.float32)
+    return hidden, embeds, t["ctx_pos_S"], bpos, mask
+
+
+def kd_targets(t: dict, dcfg, kd_weight: float):
+    if kd_weight > 0 and "topk_ids_SK" in t:
+        return gather_kd_targets(t["topk_ids_SK"], t["topk_logprobs_SK"], t["anchor_index_N"], dcfg.block_size,
+                                 kd_weight)
+    return None
+
+
+def _check_compatible(val_spec: dict, train_spec: dict, val_dir: str) -> None:
+    """Same target, tokenizer and features; the documents may (and should) differ."""
+    from .components import cache_identity
+
+    a, b = cache_identity(val_spec), cache_identity(train_spec)
+    diff = {k: (a[k], b[k]) for k in b if a.get(k) != b[k]}
+    fa, fb = val_spec["features"], train_spec["features"]
+    for k in ("width", "num_layers"):  # the codec may differ (a lossless validation cache for an fp8 run)
+        if fa.get(k) != fb.get(k):
+            diff[k] = (fa.get(k), fb.get(k))
+    if val_spec["target"].get("vocab_size") != train_spec["target"].get("vocab_size"):
+        diff["vocab_size"] = (val_spec["target"].get("vocab_size"), train_spec["target"].get("vocab_size"))
+    if diff:
+        lines = "; ".join(f"{k}: validation {x!r} vs training {y!r}" for k, (x, y) in diff.items())
+        raise ValidationError(f"--val-cache-dir {val_dir} does not fit the training cache: {lines}",
+                              "extract the validation cache with the same target, layers and tokenizer")
+
+
+_SCALARS = ("loss_sum", "ce_sum", "kd_sum", "weight_sum", "tau_sum", "num_blocks")
+_PER_SLOT = ("correct_per_slot", "valid_per_slot")
+
+
+class Validator:
+    def __init__(self, cfg, train_spec: dict, dcfg, head, device: torch.device, rank: int, world: int,
+                 autocast, gamma: float):
+        tr = cfg.train
+        self.index = CacheIndex(tr.val_cache_dir)
+        _check_compatible(self.index.spec, train_spec, tr.val_cache_dir)
+        self.loader = BatchLoader(self.index, rank=rank, world=world, seed=tr.seed, context_tokens=tr.context_tokens,
+                                  num_anchors=tr.num_anchors, max_anchors_per_doc=tr.max_anchors_per_doc,
+                                  block_size=dcfg.block_size, shuffle_rows=1, workers=max(1, tr.loader_workers // 2),
+                                  want_topk=tr.kd_weight > 0, pin_memory=device.type == "cuda")
+        self.cfg, self.dcfg, self.head, self.device = cfg, dcfg, head, device
+        self.autocast, self.gamma = autocast, gamma
+        feats = self.index.spec["features"]
+        self.codec, self.n_layers = feats["codec"], feats["num_layers"]
+        self.path = Path(tr.val_cache_dir)
+
+    @torch.no_grad()
+    def run(self, model: torch.nn.Module) -> dict[str, float]:
+        """One pass over the first `val_batches` validation batches (the same ones every time)."""
+        tr = self.cfg.train
+        sums: dict[str, torch.Tensor] = {}
+        was_training = model.training
+        model.eval()
+        try:
+            with compilation_unlocked():
+                for i, batch in enumerate(self.loader.iterate(0, 0)):
+                    if i >= tr.val_batches:
+                        break
+                    t = {k: v.to(self.device, non_blocking=True) for k, v in batch.tensors().items()}
+                    kd = kd_targets(t, self.dcfg, tr.kd_weight)
+                    args = draft_inputs(t, batch, self.head, self.dcfg, self.codec, self.n_layers)
+                    with self.autocast:
+                        out = model(*args)
+                        _, metrics = draft_loss(out, self.head.lm_head_VH, t["labels_NB"], self.dcfg.block_size,
+                                                self.gamma, tr.loss_chunk_tokens, kd, fused=tr.fused_loss)
+                    for k, v in metrics.items():
+                        v = torch.atleast_1d(v.detach().to(torch.float64))
+                        sums[k] = sums[k] + v if k in sums else v
+        finally:
+            model.train(was_training)
+        if dist.is_initialized():  # fixed layout, so a rank with no validation batch still joins
+            B = self.dcfg.block_size
+            layout = [(k, 1) for k in _SCALARS] + [(k, B) for k in _PER_SLOT]
+            packed = torch.cat([sums.get(k, torch.zeros(m, dtype=torch.float64, device=self.device)).reshape(m)
+                                for k, m in layout])
+            dist.all_reduce(packed)
+            sums, i = {}, 0
+            for k, m in layout:
+                sums[k] = packed[i:i + m]
+                i += m
+        if not sums or float(sums["num_blocks"].sum()) == 0:
+            return {}
+        out = summarize_metrics({k: (v.cpu() if k in _PER_SLOT else v.reshape(()).cpu()) for k, v in sums.items()})
+        return {f"val_{k}": v for k, v in out.items()}
+
+    def close(self) -> None:
+        self.loader.close()

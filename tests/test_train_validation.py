@@ -1,0 +1,97 @@
+"""Validation on a held-out cache (train/validation.py): it leaves training untouched, measures the
+weights it claims to (recomputed independently from the final checkpoint), and refuses a cache that
+does not fit."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dflash_pipe.config import RunConfig, normalize
+from dflash_pipe.drafter import AttentionMask, DFlashDrafter, block_positions, default_gamma, draft_loss, summarize_metrics
+from dflash_pipe.errors import ValidationError
+from dflash_pipe.train.components import FrozenHead, build_drafter_config
+from dflash_pipe.train.loader import BatchLoader, CacheIndex
+from dflash_pipe.train.trainer import run_train
+from tests.cache_helpers import write_train_cache
+
+
+def _cfg(tmp_path, cache, out, val=None) -> RunConfig:
+    cfg = RunConfig()
+    cfg.train.cache_dir, cfg.train.output_dir = str(cache), str(out)
+    cfg.drafter.num_layers, cfg.drafter.block_size = 1, 4
+    cfg.train.context_tokens, cfg.train.num_anchors, cfg.train.epochs = 96, 8, 2
+    cfg.train.checkpoint_every, cfg.train.keep_checkpoints = 0, 1
+    if val:
+        cfg.train.val_cache_dir, cfg.train.val_every, cfg.train.val_batches = str(val), 2, 2
+    return normalize(cfg)
+
+
+def _history(path):
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln]
+
+
+def _reference_val(cfg: RunConfig, out) -> dict:
+    """The final weights (fp32 checkpoint) on the first val_batches validation batches, written out
+    step by step here instead of through the trainer's helpers."""
+    from safetensors.torch import load_file
+
+    index = CacheIndex(cfg.train.val_cache_dir)
+    spec = CacheIndex(cfg.train.cache_dir).spec
+    dcfg = build_drafter_config(cfg, spec, torch.device("cpu"))
+    model = DFlashDrafter(dcfg)
+    ckpt = sorted(p for p in out.iterdir() if p.name.startswith("ckpt-"))[-1]
+    model.load_state_dict(load_file(str(ckpt / "model.safetensors")))
+    head = FrozenHead(out.parent / "cache", "target_head.safetensors", torch.device("cpu"), torch.float32)
+    loader = BatchLoader(index, rank=0, world=1, seed=cfg.train.seed, context_tokens=96, num_anchors=8,
+                         max_anchors_per_doc=cfg.train.max_anchors_per_doc, block_size=4, shuffle_rows=1, workers=1,
+                         want_topk=False, pin_memory=False)
+    sums = {}
+    with torch.no_grad():
+        for i, b in enumerate(loader.iterate(0, 0)):
+            if i >= cfg.train.val_batches:
+                break
+            W = index.spec["features"]["width"]
+            lo, hi = b.planes[0].to(torch.int32), b.planes[1].to(torch.int32)
+            hidden = ((hi << 8) | lo).to(torch.int16).view(torch.bfloat16).t().reshape(96, W).float()
+            mask = AttentionMask(b.ctx_doc_S, b.anchor_index_N, b.block_doc_N, b.block_valid_N, 4)
+            emb = head.embed_VH[b.anchor_tokens_N]
+            blocks = torch.cat([emb[:, None], head.embed_VH[dcfg.mask_token_id].expand(8, 3, -1)], 1).reshape(32, -1)
+            out_h = model(hidden, blocks, b.ctx_pos_S, block_positions(b.ctx_pos_S, b.anchor_index_N, 4), mask)
+            _, m = draft_loss(out_h, head.lm_head_VH, b.labels_NB, 4, cfg.train.gamma or default_gamma(4),
+                              cfg.train.loss_chunk_tokens, None, fused=cfg.train.fused_loss)
+            for k, v in m.items():
+                sums[k] = sums[k] + v.double() if k in sums else v.double()
+    loader.close()
+    return {f"val_{k}": v for k, v in summarize_metrics(sums).items()}
+
+
+def test_validation_leaves_training_unchanged_and_measures_the_final_weights(tmp_path):
+    cache, val = tmp_path / "cache", tmp_path / "val"
+    write_train_cache(cache, num_docs=16, seed=2)
+    write_train_cache(val, num_docs=10, seed=5)  # other documents; same target shape
+    plain = run_train(_cfg(tmp_path, cache, tmp_path / "plain"))
+    cfg = _cfg(tmp_path, cache, tmp_path / "out", val)
+    result = run_train(cfg)
+    a, b = _history(tmp_path / "plain" / "metrics.jsonl"), _history(tmp_path / "out" / "metrics.jsonl")
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]  # validation changed nothing in training
+    assert plain["steps"] == result["steps"]
+    vals = _history(tmp_path / "out" / "val_metrics.jsonl")
+    steps = result["steps"]
+    assert [r["step"] for r in vals] == [s - 1 for s in range(2, steps, 2)] + [steps - 1]
+    ref = _reference_val(cfg, tmp_path / "out")
+    got = vals[-1]
+    assert got == {"step": steps - 1, **result["val"]}
+    for k in ("val_loss", "val_acc", "val_tau", "val_acc_1"):
+        assert got[k] == pytest.approx(ref[k], rel=1e-6, abs=1e-9), k
+    assert got["val_tau"] >= 1.0
+
+
+def test_validation_cache_of_another_shape_is_refused(tmp_path):
+    cache, val = tmp_path / "cache", tmp_path / "val"
+    write_train_cache(cache, num_docs=8, seed=2)
+    write_train_cache(val, num_docs=6, seed=5, hidden=48)
+    with pytest.raises(ValidationError, match="val-cache-dir.*hidden_size"):
+        run_train(_cfg(tmp_path, cache, tmp_path / "out", val))
