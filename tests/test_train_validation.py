@@ -95,3 +95,30 @@ def test_validation_cache_of_another_shape_is_refused(tmp_path):
     write_train_cache(val, num_docs=6, seed=5, hidden=48)
     with pytest.raises(ValidationError, match="val-cache-dir.*hidden_size"):
         run_train(_cfg(tmp_path, cache, tmp_path / "out", val))
+
+
+@pytest.mark.slow
+def test_two_ranks_validate_when_one_rank_has_no_validation_batch(tmp_path):
+    """--val-batches 1: rank 0 validates the one batch, rank 1 has none and must still join the
+    all-reduce (a missing collective would hang: the timeout fails the test)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    cache, val = tmp_path / "cache", tmp_path / "val"
+    write_train_cache(cache, num_docs=16, seed=2)
+    write_train_cache(val, num_docs=6, seed=5, num_shards=1, row_group_bytes=1 << 30)
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "dflash_pipe",
+           "train", "--cache-dir", str(cache), "--output-dir", str(tmp_path / "out"), "--drafter-num-layers", "1",
+           "--drafter-block-size", "4", "--context-tokens", "96", "--num-anchors", "8", "--epochs", "2",
+           "--checkpoint-every", "0", "--loader-workers", "1", "--val-cache-dir", str(val), "--val-every", "2",
+           "--val-batches", "1"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = len(_history(tmp_path / "out" / "metrics.jsonl"))
+    vals = _history(tmp_path / "out" / "val_metrics.jsonl")
+    assert [r["step"] for r in vals] == [s - 1 for s in range(2, steps, 2)] + [steps - 1]
+    assert all(r["val_tau"] >= 1.0 and r["val_loss"] > 0 for r in vals)

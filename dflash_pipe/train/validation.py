@@ -6,7 +6,8 @@ stream, 1.8 in real speculative decoding). A validation cache, extracted from do
 cache does not hold (e.g. `dflash-pipe extract --skip-samples N` over the same source), gives the
 number that predicts acceptance. Its batches have the training shapes, so the compiled layers are
 reused (a no-grad pass compiles its own graphs once, with the recompile lock lifted just for it).
-Every rank validates its share; the sums are all-reduced, so uneven shares cannot hang.
+Rank r takes every world-th of the first `val_batches` batches; the sums are all-reduced with a
+fixed layout, so a rank with no validation batch still joins and nothing can hang.
 """
 
 from __future__ import annotations
@@ -70,7 +71,10 @@ class Validator:
         tr = cfg.train
         self.index = CacheIndex(tr.val_cache_dir)
         _check_compatible(self.index.spec, train_spec, tr.val_cache_dir)
-        self.loader = BatchLoader(self.index, rank=rank, world=world, seed=tr.seed, context_tokens=tr.context_tokens,
+        # one schedule for all ranks (world 1): the first `val_batches` batches are the validation set,
+        # and rank r takes every world-th of them, so no document is dropped to even out the ranks
+        self.rank, self.world = rank, world
+        self.loader = BatchLoader(self.index, rank=0, world=1, seed=tr.seed, context_tokens=tr.context_tokens,
                                   num_anchors=tr.num_anchors, max_anchors_per_doc=tr.max_anchors_per_doc,
                                   block_size=dcfg.block_size, shuffle_rows=1, workers=max(1, tr.loader_workers // 2),
                                   want_topk=tr.kd_weight > 0, pin_memory=device.type == "cuda")
@@ -89,9 +93,9 @@ class Validator:
         model.eval()
         try:
             with compilation_unlocked():
-                for i, batch in enumerate(self.loader.iterate(0, 0)):
-                    if i >= tr.val_batches:
-                        break
+                sched = self.loader.schedule(0, follow_first_epoch=False)
+                for g in range(self.rank, min(tr.val_batches, sched.steps), self.world):
+                    batch = self.loader.assemble(sched.batch(0, g), 0, g)
                     t = {k: v.to(self.device, non_blocking=True) for k, v in batch.tensors().items()}
                     kd = kd_targets(t, self.dcfg, tr.kd_weight)
                     args = draft_inputs(t, batch, self.head, self.dcfg, self.codec, self.n_layers)
