@@ -118,3 +118,29 @@ def test_loader_batches_equal_per_document_decode(tmp_path, codec, release):
     else:
         assert loader.plane_pool.allocated == batches
     loader.close()
+
+
+def test_row_groups_read_from_many_threads_equal_serial_reads(tmp_path):
+    """Decode workers read row groups of one shard concurrently: each thread gets its own Parquet handle
+    (one handle read from two threads crashed pyarrow), and every read equals the serial one."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dflash_pipe.train.loader import RowGroupCache
+
+    W, NL = 24, 2
+    write_cache(tmp_path, make_docs(40, W, seed=9, min_len=3, max_len=30), W, NL, num_shards=1, row_group_bytes=600)
+    index = CacheIndex(tmp_path)
+    index.refresh()
+    groups = len(index.lengths[0])
+    assert groups >= 10
+    serial = {rg: [r.hidden() for r in index.reader(0).read_row_group(rg)] for rg in range(groups)}
+    cache = RowGroupCache(index, capacity=1)  # forces re-reads
+
+    def read(job):
+        rg = job % groups
+        return rg, [r.hidden() for r in cache.rows(0, rg)]
+
+    with ThreadPoolExecutor(8) as pool:
+        for rg, rows in pool.map(read, range(groups * 12)):
+            assert len(rows) == len(serial[rg]) and all(torch.equal(a, b) for a, b in zip(rows, serial[rg]))
+    assert len({k[1] for k in index._readers}) > 1  # several threads, several handles

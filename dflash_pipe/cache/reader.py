@@ -14,6 +14,7 @@ the mapped inode alive), so the mapping stays valid while a trainer reads it.
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,6 +85,7 @@ class ShardReader:
     def __init__(self, path: str | Path, expect_fingerprint: str | None = None):
         self.path = Path(path)
         self.name = self.path.name
+        self._lock = threading.Lock()
         try:
             self.file = pq.ParquetFile(self.path, page_checksum_verification=True, memory_map=True)
         except FileNotFoundError:
@@ -120,6 +122,10 @@ class ShardReader:
         return self.file.metadata.row_group(i).num_rows
 
     def _read(self, i: int, columns: list[str]) -> pa.Table:
+        with self._lock:  # one ParquetFile handle is not safe to read from two threads at once
+            return self._read_unlocked(i, columns)
+
+    def _read_unlocked(self, i: int, columns: list[str]) -> pa.Table:
         try:
             return self.file.read_row_group(i, columns=columns, use_threads=False)
         except (OSError, pa.ArrowException) as first:

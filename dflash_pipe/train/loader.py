@@ -105,7 +105,7 @@ class CacheIndex:
         self.lengths: dict[int, list[list[int]]] = {}
         self.paths: dict[int, Path] = {}
         self.final = False
-        self._readers: dict[int, ShardReader] = {}
+        self._readers: dict[tuple[int, int], ShardReader] = {}
         self._lock = threading.Lock()
 
     def refresh(self) -> bool:
@@ -142,10 +142,14 @@ class CacheIndex:
         return out
 
     def reader(self, shard: int) -> ShardReader:
+        """A reader of `shard` for the calling thread: a pyarrow ParquetFile must not be read from two
+        threads at once (concurrent read_row_group calls on one handle crash), and the decode workers
+        read row groups in parallel. Opening one costs a footer read; there are workers x shards of them."""
+        key = (shard, threading.get_ident())
         with self._lock:
-            if shard not in self._readers:
-                self._readers[shard] = ShardReader(self.paths[shard], expect_fingerprint=self.spec["fingerprint"])
-            return self._readers[shard]
+            if key not in self._readers:
+                self._readers[key] = ShardReader(self.paths[shard], expect_fingerprint=self.spec["fingerprint"])
+            return self._readers[key]
 
 
 class RowGroupCache:
