@@ -96,3 +96,45 @@ def test_run_eval_refuses_missing_or_foreign_drafter(llama, tmp_path):
     export_drafter(drafter, dcfg, tmp_path / "foreign")
     with pytest.raises(ValidationError, match="hidden_size: drafter 32 vs target 64"):
         run_eval(_cfg(tmp_path, drafter=str(tmp_path / "foreign")), bundle=llama)
+
+
+def _untimed(x):
+    """The report without wall-clock fields (they differ between any two runs)."""
+    timing = ("wall_s", "draft_s", "tokens_per_s", "speedup")
+    if isinstance(x, dict):
+        return {k: _untimed(v) for k, v in x.items() if k not in timing}
+    if isinstance(x, list):
+        return [_untimed(v) for v in x]
+    return x
+
+
+def test_interrupted_eval_resumes_to_the_uninterrupted_report(llama, tmp_path, monkeypatch):
+    import dflash_pipe.eval.runner as runner
+    from dflash_pipe.eval.progress_log import PROGRESS_FILE
+
+    drafter, dcfg = tiny_drafter(block_size=4)
+    export_drafter(drafter, dcfg, tmp_path / "train" / "export")
+    full = run_eval(_cfg(tmp_path, output_dir=str(tmp_path / "full")), bundle=llama)
+    part_cfg = _cfg(tmp_path, output_dir=str(tmp_path / "part"))
+    real, calls = runner.greedy_generate, {"n": 0}
+
+    def counting(*a, fail_at=None, **k):
+        calls["n"] += 1
+        if calls["n"] == fail_at:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    # call 1 is the warm-up, calls 2-3 the two MT-Bench prompts, call 4 the first HumanEval prompt
+    monkeypatch.setattr(runner, "greedy_generate", lambda *a, **k: counting(*a, fail_at=4, **k))
+    with pytest.raises(KeyboardInterrupt):
+        run_eval(part_cfg, bundle=llama)
+    progress = tmp_path / "part" / PROGRESS_FILE
+    assert len(progress.read_text().splitlines()) == 2
+    calls["n"] = 0
+    monkeypatch.setattr(runner, "greedy_generate", counting)
+    resumed = run_eval(part_cfg, bundle=llama)
+    assert calls["n"] == 1 + 2  # a warm-up and the two HumanEval prompts; MT-Bench came from the file
+    assert _untimed(resumed["sets"]) == _untimed(full["sets"])
+    assert not progress.exists()  # removed once the report is written
+    rows = lambda d: [_untimed(json.loads(ln)) for ln in (d / "eval_prompts.jsonl").read_text().splitlines()]  # noqa: E731
+    assert rows(tmp_path / "part") == rows(tmp_path / "full")

@@ -9,7 +9,8 @@ each kind runs first so one-time costs (CUDA context, kernel selection) stay out
 Outputs (cfg.eval.output_dir, default <train.output_dir>/eval): eval_report.json,
 eval_report.md, acceptance.png, eval_prompts.jsonl (one line per prompt and method) and
 resolved_config.toml. The Markdown table is also printed, with the training-time simulated tau
-from <train.output_dir>/metrics.jsonl when that file exists.
+from <train.output_dir>/metrics.jsonl when that file exists. An interrupted eval resumes: finished
+prompts are kept in eval_progress.jsonl until the report is written (progress_log.py).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from ..progress import progress_bar
 from ..target import load_target
 from ..target.loading import TargetBundle
 from .ngram import NgramProposer
+from .progress_log import EvalProgress, run_key
 from .report import acceptance_markdown, markdown_table, method_summary, plot_acceptance, training_tau
 from .specdecode import (DFlashProposer, SpecResult, eos_token_ids, make_dflash_verifier, speculative_generate,
                          sync_fn)
@@ -134,6 +136,9 @@ def run_eval(cfg: RunConfig, *, bundle: TargetBundle | None = None) -> dict:
     records: list[dict] = []
     warmed = False
     sync = sync_fn(device)
+    progress = EvalProgress(out_dir, run_key(export, bundle.identity, ev.max_new_tokens, B, ev.prompts))
+    if progress.done:
+        print(f"eval: resuming, {len(progress.done)} prompts already done ({progress.path})", flush=True)
     try:
         for set_name, prompts in sets.items():
             encoded = [(p, encode_prompt(tok, p.messages)) for p in prompts]
@@ -141,21 +146,29 @@ def run_eval(cfg: RunConfig, *, bundle: TargetBundle | None = None) -> dict:
             if len(kept) < len(encoded):
                 log.warning("%s: skipped %d prompts longer than %d tokens", set_name, len(encoded) - len(kept),
                             max_prompt)
-            if kept and not warmed:
+            if not warmed and any(progress.get(set_name, p.id) is None for p, _ in kept):
                 _warm_up(model, kept[0][1], eos, dflash_verifier, plain_verifier, dflash, ngram, B)
                 warmed = True
             refs, ref_wall, res = [], [], {"dflash": [], "ngram": []}
             bar = progress_bar(len(kept), f"eval {set_name}", "prompt")
             for prompt, ids in kept:
-                t0 = time.perf_counter()
-                ref = greedy_generate(model, ids, ev.max_new_tokens, eos)
-                sync()
+                done = progress.get(set_name, prompt.id)
+                if done is not None:
+                    ref, wall, results = done
+                else:
+                    t0 = time.perf_counter()
+                    ref = greedy_generate(model, ids, ev.max_new_tokens, eos)
+                    sync()
+                    wall = time.perf_counter() - t0
+                    results = {name: speculative_generate(verifier, proposer, ids, block_size=B,
+                                                          max_new_tokens=ev.max_new_tokens, eos_ids=eos)
+                               for name, verifier, proposer in (("dflash", dflash_verifier, dflash),
+                                                                ("ngram", plain_verifier, ngram))}
+                    progress.add(set_name, prompt.id, ref, wall, results)
                 refs.append(ref)
-                ref_wall.append(time.perf_counter() - t0)
-                records.append(_record(set_name, prompt, "target", None, ref, ref_wall[-1], ref))
-                for name, verifier, proposer in (("dflash", dflash_verifier, dflash), ("ngram", plain_verifier, ngram)):
-                    r = speculative_generate(verifier, proposer, ids, block_size=B, max_new_tokens=ev.max_new_tokens,
-                                             eos_ids=eos)
+                ref_wall.append(wall)
+                records.append(_record(set_name, prompt, "target", None, ref, wall, ref))
+                for name, r in results.items():
                     res[name].append(r)
                     records.append(_record(set_name, prompt, name, r, r.tokens, r.wall_s, ref))
                 bar.update(1, tokens=len(ref))
@@ -173,6 +186,7 @@ def run_eval(cfg: RunConfig, *, bundle: TargetBundle | None = None) -> dict:
         plain_verifier.close()
     report["training"] = training_tau(Path(cfg.train.output_dir))
     _write(report, records, out_dir, cfg)
+    progress.finish()  # the report holds everything now; a later rerun measures afresh
     return report
 
 

@@ -1,0 +1,69 @@
+"""Resumable eval: every finished prompt is appended (and fsynced) to ``eval_progress.jsonl``.
+
+A rerun of the same eval (same drafter files, target weights and dtype, token budget and block
+size: the run key) takes the finished prompts from the file instead of decoding them again, so
+an eval stopped by Ctrl-C, a timeout or a lost machine continues where it was. The file is
+removed once the report has been written, so a later rerun measures afresh. A line cut by a kill
+is ignored; a file written under another run key is replaced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from .specdecode import SpecResult
+
+PROGRESS_FILE = "eval_progress.jsonl"
+
+
+def run_key(export_dir: Path, identity: dict, max_new_tokens: int, block_size: int, prompts: str) -> str:
+    h = hashlib.sha256()
+    for name in ("config.json", "model.safetensors"):
+        p = Path(export_dir) / name
+        st = p.stat() if p.exists() else None
+        h.update(f"{name}:{st.st_size if st else -1}:{st.st_mtime_ns if st else -1}\n".encode())
+    h.update(json.dumps({k: identity.get(k) for k in ("model", "weights_fingerprint", "dtype")}, sort_keys=True,
+                        default=str).encode())
+    h.update(f"{max_new_tokens}:{block_size}:{prompts}".encode())
+    return h.hexdigest()[:16]
+
+
+class EvalProgress:
+    def __init__(self, out_dir: Path, key: str):
+        self.path = Path(out_dir) / PROGRESS_FILE
+        self.key = key
+        self.done: dict[tuple[str, str], dict] = {}
+        if self.path.exists():
+            for line in self.path.read_text(encoding="utf-8").splitlines():
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # cut by a kill
+                if rec.get("key") == key:
+                    self.done[(rec["set"], rec["id"])] = rec
+            if not self.done:
+                self.path.unlink()  # another run's progress
+
+    def get(self, set_name: str, prompt_id: str):
+        """(reference tokens, reference wall s, {method: SpecResult}) of a finished prompt, or None."""
+        rec = self.done.get((set_name, prompt_id))
+        if rec is None:
+            return None
+        return rec["ref"], rec["ref_wall"], {m: SpecResult(**r) for m, r in rec["results"].items()}
+
+    def add(self, set_name: str, prompt_id: str, ref: list[int], ref_wall: float,
+            results: dict[str, SpecResult]) -> None:
+        rec = {"key": self.key, "set": set_name, "id": prompt_id, "ref": ref, "ref_wall": ref_wall,
+               "results": {m: dataclasses.asdict(r) for m, r in results.items()}}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(rec) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def finish(self) -> None:
+        self.path.unlink(missing_ok=True)
