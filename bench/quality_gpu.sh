@@ -27,9 +27,8 @@
 #   eval-{lossless,fp8}-{mtbench,humaneval}            four processes (DFlash + prompt lookup + target-only)
 #   report          bench/quality_report.py -> $OUT (every call, with whatever is finished)
 # Deadline (QUALITY_DEADLINE_S, default 540 s from the script's start): a resumable job is started only with at
-# least its minimum useful time left and runs under `timeout -s INT` until the deadline minus a reserve; an
-# eval job (not resumable) is started only if its estimate fits (one estimated above a whole call starts at the
-# beginning of a call, its best chance, with a warning).
+# least its minimum useful time left and runs under `timeout -s INT` until the deadline minus a reserve. Every
+# job is resumable: eval keeps its finished prompts in <eval dir>/eval_progress.jsonl until its report exists.
 # $OUT (at most 8 files) is refreshed every 30 s and at the end: status.txt, logs_tail.txt, summary.json,
 # summary.md, quality.png, results.tar.gz (eval reports + PNGs, metrics.jsonl, configs, full logs).
 #
@@ -103,7 +102,7 @@ read -r -a EVAL_FLAGS <<< "${QUALITY_EVAL_FLAGS:-}"
 CODECS=(lossless fp8)
 SETS=(mtbench humaneval)
 # minimum useful seconds for a resumable job (start-up + some progress worth keeping)
-declare -A MIN_S=([regen]=60 [extract]=45 [train]=60)
+declare -A MIN_S=([regen]=60 [extract]=45 [train]=60 [eval]=60)
 mkdir -p "$Q/logs" "$Q/done" "$OUT"
 CALL=$(( $(cat "$Q/calls" 2>/dev/null || echo 0) + 1 ))
 
@@ -246,7 +245,7 @@ PY
         train-*) local d=$Q/train-${j#train-} last
                  last=$(tail -n 1 "$d/metrics.jsonl" 2>/dev/null | sed -n 's/.*"step": \([0-9]*\).*/\1/p')
                  echo "step $(( ${last:--1} + 1 ))/$TRAIN_STEPS logged, checkpoints: $(cd "$d" 2>/dev/null && ls -d ckpt-* 2>/dev/null | tr '\n' ' ')" ;;
-        eval-*) echo "not resumable: reruns whole (estimate $(eval_estimate "$j") s)" ;;
+        eval-*) echo "$(wc -l < "$Q/$j/eval_progress.jsonl" 2>/dev/null || echo 0) prompts done (estimate $(eval_estimate "$j") s for all)" ;;
     esac
 }
 
@@ -282,14 +281,8 @@ reap() {   # collect finished jobs; sets RC[job]
 
 can_start() {   # job -> prints the budget if it may start now, else nothing
     local j=$1 l k; l=$(( $(left) - RESERVE )); k=$(kind "$j")
-    if [ "$k" = eval ]; then
-        local est full; est=$(eval_estimate "$j"); full=$(( ${QUALITY_DEADLINE_S:-540} - RESERVE ))
-        if [ "$l" -ge "$est" ]; then echo "$l"
-        elif [ "$est" -gt "$full" ] && [ $(( $(date +%s) - T0 )) -lt 60 ]; then
-            say "warning: $j is estimated at ${est}s, more than a whole call; starting it anyway (lower QUALITY_EVAL_PROMPTS)"
-            echo "$l"
-        fi
-    elif [ "$l" -ge "${MIN_S[$k]}" ]; then echo "$l"; fi
+    # every kind is resumable (eval keeps finished prompts in eval_progress.jsonl)
+    if [ "$l" -ge "${MIN_S[$k]}" ]; then echo "$l"; fi
 }
 
 snapshot() {   # small files to $OUT (called every 30 s in the background and at the end)
@@ -361,7 +354,7 @@ while :; do
         [ "$ok" = 1 ] || continue
         budget=$(can_start "$j")
         if [ -n "$budget" ]; then launch "$j" "$budget"; started=1
-        else say "not starting $j: $(( $(left) - RESERVE ))s left before the reserve, needs $([ "$(kind "$j")" = eval ] && eval_estimate "$j" || echo "${MIN_S[$(kind "$j")]}")s"
+        else say "not starting $j: $(( $(left) - RESERVE ))s left before the reserve, needs ${MIN_S[$(kind "$j")]}s"
              RC[$j]=deferred; fi
     done
     [ ${#RUNNING[@]} -eq 0 ] && [ "$started" = 0 ] && break
