@@ -18,9 +18,13 @@ import argparse
 import io
 import json
 import math
+import sys
 import tarfile
 import tomllib
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from dflash_pipe.io_utils import read_jsonl  # noqa: E402
 
 CODECS = ("lossless", "fp8")
 SETS = ("mtbench", "humaneval")
@@ -52,14 +56,7 @@ def training_curve(train_dir: Path) -> dict | None:
     path = train_dir / "metrics.jsonl"
     if not path.is_file():
         return None
-    recs = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            r = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(r, dict) and isinstance(r.get("tau"), (int, float)):
-            recs.append(r)
+    recs = [r for r in read_jsonl(path) if isinstance(r.get("tau"), (int, float))]
     if not recs:
         return None
     try:

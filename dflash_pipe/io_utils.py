@@ -92,6 +92,20 @@ def sha256_file(path: str | Path, chunk: int = 8 << 20) -> str:
     return h.hexdigest()
 
 
+def read_jsonl(path: str | Path) -> list[dict]:
+    """The records of a JSONL file appended to by a process that may have been killed: a cut or
+    non-object line is skipped, not an error."""
+    out = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(rec, dict):
+            out.append(rec)
+    return out
+
+
 def sha256_json(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 

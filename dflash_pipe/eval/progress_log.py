@@ -15,6 +15,7 @@ import json
 import os
 from pathlib import Path
 
+from ..io_utils import read_jsonl
 from .specdecode import SpecResult
 
 PROGRESS_FILE = "eval_progress.jsonl"
@@ -38,11 +39,7 @@ class EvalProgress:
         self.key = key
         self.done: dict[tuple[str, str], dict] = {}
         if self.path.exists():
-            for line in self.path.read_text(encoding="utf-8").splitlines():
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # cut by a kill
+            for rec in read_jsonl(self.path):  # a line cut by a kill is skipped
                 if rec.get("key") == key:
                     self.done[(rec["set"], rec["id"])] = rec
             if not self.done:

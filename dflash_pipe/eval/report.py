@@ -13,10 +13,10 @@ Per prompt set and method:
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
+from ..io_utils import read_jsonl
 from .specdecode import SpecResult
 
 METHODS = ("dflash", "ngram")
@@ -54,14 +54,8 @@ def training_tau(train_dir: Path) -> dict | None:
     path = Path(train_dir) / "metrics.jsonl"
     if not path.is_file():
         return None
-    taus = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue                          # a line cut by a killed run
-        if isinstance(rec, dict) and isinstance(rec.get("tau"), (int, float)) and math.isfinite(rec["tau"]):
-            taus.append(float(rec["tau"]))
+    taus = [float(rec["tau"]) for rec in read_jsonl(path)
+            if isinstance(rec.get("tau"), (int, float)) and math.isfinite(rec["tau"])]
     if not taus:
         return None
     tail = taus[-max(1, len(taus) // 10):]

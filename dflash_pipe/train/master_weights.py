@@ -35,8 +35,6 @@ class MasterWeights:
 
     def __init__(self, model: torch.nn.Module, compute_dtype: torch.dtype = torch.float32,
                  chunk_elems: int = CHUNK_ELEMS):
-        self.model = model
-        self.compute_dtype = compute_dtype
         self.chunk_elems = chunk_elems
         self.names: list[str] = []
         self.params: list[torch.nn.Parameter] = []

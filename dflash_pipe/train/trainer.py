@@ -175,7 +175,7 @@ class DeviceFeed:
     def __init__(self, batches, device: torch.device):
         self.batches, self.device = batches, device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.handed: list = []  # (batch, copy event) handed out, host buffers not yet released
+        self.previous = None  # (batch, copy event) handed out last; its host buffers are not released yet
         self.pending = self._start()
 
     def _start(self):
@@ -203,11 +203,12 @@ class DeviceFeed:
                 v.record_stream(torch.cuda.current_stream(self.device))
         # the previous batch's host buffers go back to the loader: on CPU its step has finished, on
         # the GPU its copy has (the event is long complete by now; synchronize() only makes it certain)
-        for old, old_event in self.handed:
+        if self.previous is not None:
+            old, old_event = self.previous
             if old_event is not None:
                 old_event.synchronize()
             old.release()
-        self.handed = [(batch, event)]
+        self.previous = (batch, event)
         self.pending = self._start()
         return batch, t
 
@@ -226,8 +227,7 @@ def _train_step(ddp, weights: MasterWeights, head, opt, sched, batch, dcfg, devi
     loss.backward()
     grad_norm = weights.step(opt, tr.grad_clip)  # clip, AdamW on the fp32 masters, refresh bf16 weights
     sched.step()
-    opt.zero_grad(set_to_none=True)
-    weights.model.zero_grad(set_to_none=True)
+    opt.zero_grad(set_to_none=True)  # weights.step already dropped the bf16 compute grads
     if dist.is_initialized():
         packed = torch.cat([torch.atleast_1d(v.detach().to(torch.float64)) for v in metrics.values()])
         dist.all_reduce(packed)

@@ -12,8 +12,6 @@ fixed layout, so a rank with no validation batch still joins and nothing can han
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 import torch.distributed as dist
 
@@ -43,18 +41,14 @@ def kd_targets(t: dict, dcfg, kd_weight: float):
     return None
 
 
-def _check_compatible(val_spec: dict, train_spec: dict, val_dir: str) -> None:
-    """Same target, tokenizer and features; the documents may (and should) differ."""
-    from .components import cache_identity
+def _check_compatible(val_spec: dict, train_spec: dict, dcfg, val_dir: str) -> None:
+    """The drafter fits the validation cache (as any cache it trains on) and both caches come from the
+    same target and tokenizer; documents and codec may differ."""
+    from .components import cache_identity, check_against_cache
 
+    check_against_cache(dcfg, val_spec, f"--val-cache-dir {val_dir}: the drafter")
     a, b = cache_identity(val_spec), cache_identity(train_spec)
     diff = {k: (a[k], b[k]) for k in b if a.get(k) != b[k]}
-    fa, fb = val_spec["features"], train_spec["features"]
-    for k in ("width", "num_layers"):  # the codec may differ (a lossless validation cache for an fp8 run)
-        if fa.get(k) != fb.get(k):
-            diff[k] = (fa.get(k), fb.get(k))
-    if val_spec["target"].get("vocab_size") != train_spec["target"].get("vocab_size"):
-        diff["vocab_size"] = (val_spec["target"].get("vocab_size"), train_spec["target"].get("vocab_size"))
     if diff:
         lines = "; ".join(f"{k}: validation {x!r} vs training {y!r}" for k, (x, y) in diff.items())
         raise ValidationError(f"--val-cache-dir {val_dir} does not fit the training cache: {lines}",
@@ -70,7 +64,7 @@ class Validator:
                  autocast, gamma: float):
         tr = cfg.train
         self.index = CacheIndex(tr.val_cache_dir)
-        _check_compatible(self.index.spec, train_spec, tr.val_cache_dir)
+        _check_compatible(self.index.spec, train_spec, dcfg, tr.val_cache_dir)
         # one schedule for all ranks (world 1): the first `val_batches` batches are the validation set,
         # and rank r takes every world-th of them, so no document is dropped to even out the ranks
         self.rank, self.world = rank, world
@@ -82,7 +76,6 @@ class Validator:
         self.autocast, self.gamma = autocast, gamma
         feats = self.index.spec["features"]
         self.codec, self.n_layers = feats["codec"], feats["num_layers"]
-        self.path = Path(tr.val_cache_dir)
 
     @torch.no_grad()
     def run(self, model: torch.nn.Module) -> dict[str, float]:
@@ -96,7 +89,8 @@ class Validator:
                 sched = self.loader.schedule(0, follow_first_epoch=False)
                 for g in range(self.rank, min(tr.val_batches, sched.steps), self.world):
                     batch = self.loader.assemble(sched.batch(0, g), 0, g)
-                    t = {k: v.to(self.device, non_blocking=True) for k, v in batch.tensors().items()}
+                    t = {k: v.to(self.device) for k, v in batch.tensors().items()}  # blocking: rare, and
+                    # the host buffers can go back to the pool once the step below has run
                     kd = kd_targets(t, self.dcfg, tr.kd_weight)
                     args = draft_inputs(t, batch, self.head, self.dcfg, self.codec, self.n_layers)
                     with self.autocast:
@@ -106,6 +100,7 @@ class Validator:
                     for k, v in metrics.items():
                         v = torch.atleast_1d(v.detach().to(torch.float64))
                         sums[k] = sums[k] + v if k in sums else v
+                    batch.release()
         finally:
             model.train(was_training)
         if dist.is_initialized():  # fixed layout, so a rank with no validation batch still joins
