@@ -1,11 +1,15 @@
-"""flex_attention tile-size benchmark for the DFlash mask at the seed's shape (GPU).
+"""flex_attention tile / kernel-option sweep for the DFlash mask at the seed's shape (GPU).
 
 One attention call (32 query heads / 8 KV heads, head_dim 128, bf16), Q = 512 blocks x 16 = 8192,
-KV = 8192 context + 8192 block tokens, mask from real-structure packed documents. Forward +
-backward time (median of CUDA-event timings), peak memory, and the useful TFLOP/s counted on
-the visible (q, kv) pairs only. Each variant's output is checked against the default's.
+KV = 8192 context + 8192 block tokens, mask from real-structure packed documents. Per variant:
+forward + backward time (median of CUDA-event timings), peak extra memory, useful TFLOP/s counted
+on the visible (q, kv) pairs only, and the output's and gradients' relative error against the
+first variant. Variants name a BlockMask tile, Triton kernel options and the mask_mod form:
+"ranges" (what training uses: per-block [doc start, anchor) bounds) or "gather" (the rule as
+written, a per-entry document gather; session-1's kernel). Each result line is printed as soon
+as it is measured, so a run cut short by its time limit still reports what it finished.
 
-    python bench/flex_kernel.py --variants 128x128,128x64,64x128,64x64 --json out.json
+    python bench/flex_kernel.py --variants all --json out.json
 """
 
 from __future__ import annotations
@@ -16,22 +20,41 @@ import sys
 from pathlib import Path
 
 import torch
+from torch.nn.attention.flex_attention import create_block_mask
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.seed_shape import SeedShape, structure_batches  # noqa: E402
 from dflash_pipe.drafter.attention import flex_attend, set_flex_tuning  # noqa: E402
-from dflash_pipe.drafter.masks import AttentionMask  # noqa: E402
+from dflash_pipe.drafter.masks import AttentionMask, _visible  # noqa: E402
+
+_BWD_64 = {"BLOCK_M1": 64, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 64}
+# name -> (BlockMask tile (q, kv), kernel_options or None for flex's defaults, mask_mod form)
+VARIANTS: dict[str, tuple[tuple[int, int], dict | None, str]] = {
+    "gather-128": ((128, 128), None, "gather"),
+    "ranges-128": ((128, 128), None, "ranges"),
+    "ranges-128-safe": ((128, 128), {"ROWS_GUARANTEED_SAFE": True}, "ranges"),
+    "ranges-128-fwd128": ((128, 128), {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2}, "ranges"),
+    "ranges-128-bwd64": ((128, 128), dict(_BWD_64, num_warps=4, num_stages=3), "ranges"),
+    "ranges-64": ((64, 64), dict(_BWD_64, BLOCK_M=64, BLOCK_N=64), "ranges"),
+    "ranges-128x64": ((128, 64), {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_M1": 64, "BLOCK_N1": 64,
+                                  "BLOCK_M2": 128, "BLOCK_N2": 64}, "ranges"),
+    "ranges-64x128": ((64, 128), {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_M1": 64, "BLOCK_N1": 128,
+                                  "BLOCK_M2": 64, "BLOCK_N2": 64}, "ranges"),
+}
 
 
-def time_fwd_bwd(q, k, v, mask, reps: int) -> float:
+def time_fwd_bwd(run, q, k, v, reps: int) -> tuple[float, list[torch.Tensor]]:
+    grad_out = torch.randn(q.shape, device=q.device, dtype=q.dtype, generator=torch.Generator(q.device).manual_seed(1))
+
     def once():
-        out = flex_attend(q, k, v, mask)
+        out = run()
         out.backward(grad_out)
+        grads = [q.grad, k.grad, v.grad]
         q.grad = k.grad = v.grad = None
+        return grads
 
-    grad_out = torch.randn_like(q)
     for _ in range(3):
-        once()
+        grads = once()
     times = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -41,15 +64,35 @@ def time_fwd_bwd(q, k, v, mask, reps: int) -> float:
         torch.cuda.synchronize()
         times.append(a.elapsed_time(b))
     times.sort()
-    return times[len(times) // 2]
+    return times[len(times) // 2], grads
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def gather_block_mask(mask: AttentionMask, tile: tuple[int, int]):
+    """A BlockMask from the per-entry rule (`_visible`), compiled like training's builder."""
+    ctx_doc, anchor, bdoc, valid, S, B = (mask.ctx_doc, mask.anchor_index, mask.block_doc, mask.block_valid,
+                                          mask.ctx_len, mask.block_size)
+
+    def mod(b, h, q_idx, kv_idx):
+        return _visible(q_idx // B, kv_idx, ctx_doc, anchor, bdoc, valid, S, B)
+
+    return torch.compile(create_block_mask)(mod, None, None, mask.q_len, mask.kv_len, device=mask.device,
+                                            BLOCK_SIZE=tile)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--variants", default="128x128,128x64,64x128,64x64")
+    ap.add_argument("--variants", default="all", help=f"comma list or 'all' of: {', '.join(VARIANTS)}")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--json", default="")
     args = ap.parse_args()
+    for knob in ("recompile_limit", "cache_size_limit"):  # one compile per variant; keep them all compiled
+        if hasattr(torch._dynamo.config, knob):
+            setattr(torch._dynamo.config, knob, 64)
+    names = list(VARIANTS) if args.variants == "all" else args.variants.split(",")
     shape = SeedShape()
     dev = torch.device("cuda")
     b = structure_batches(shape, 1, seed=3)[0]
@@ -60,44 +103,46 @@ def main() -> None:
     k = torch.randn(1, shape.kv_heads, S + Q, shape.head_dim, device=dev, dtype=torch.bfloat16, generator=g,
                     requires_grad=True)
     v = torch.randn_like(k, requires_grad=True)
-    dense = AttentionMask(t(b["ctx_doc"]), t(b["anchor_index"]), t(b["block_doc"]), t(b["block_valid"]),
-                          shape.block).dense_bool()
-    useful = int(dense.sum())
-    del dense
+    mask_of = lambda: AttentionMask(t(b["ctx_doc"]), t(b["anchor_index"]), t(b["block_doc"]),  # noqa: E731
+                                    t(b["block_valid"]), shape.block)
+    useful = int(mask_of().dense_bool().sum())
     flops = 3.5 * 4 * shape.heads * useful * shape.head_dim  # fwd 2 GEMMs (x2 flops), bwd ~2.5x fwd
     ref = None
     results = []
-    for name in args.variants.split(","):
-        qb, kb = (int(x) for x in name.split("x"))
-        res = {"variant": name}
+    for name in names:
+        tile, opts, form = VARIANTS[name]
+        res = {"variant": name, "block": list(tile), "kernel_options": opts, "mask_mod": form}
         try:
-            set_flex_tuning(qb, kb)
-            mask = AttentionMask(t(b["ctx_doc"]), t(b["anchor_index"]), t(b["block_doc"]), t(b["block_valid"]),
-                                 shape.block)
-            out = flex_attend(q, k, v, mask).detach()
-            if ref is None:
-                ref = out
-            err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+            set_flex_tuning(*tile, kernel_options=opts)
+            mask = mask_of()
+            if form == "gather":
+                mask._block_mask = gather_block_mask(mask, tile)
+            run = lambda: flex_attend(q, k, v, mask)  # noqa: E731
             torch.cuda.reset_peak_memory_stats(dev)
             base = torch.cuda.memory_allocated(dev)
-            ms = time_fwd_bwd(q, k, v, mask, args.reps)
-            res.update(ok=True, ms=ms, rel_err_vs_first=err, useful_tflops=flops / (ms / 1000) / 1e12,
+            ms, grads = time_fwd_bwd(run, q, k, v, args.reps)
+            out = run().detach()
+            if ref is None:
+                ref = (out, grads)
+            res.update(ok=True, ms=ms, useful_tflops=flops / (ms / 1000) / 1e12,
                        peak_extra_gib=(torch.cuda.max_memory_allocated(dev) - base) / 2 ** 30,
-                       density=useful / (Q * (S + Q)))
+                       density=useful / (Q * (S + Q)), rel_err_vs_first=rel(out, ref[0]),
+                       grad_rel_err_vs_first=max(rel(a, r) for a, r in zip(grads, ref[1])))
         except Exception as exc:  # noqa: BLE001
             res.update(ok=False, error=f"{type(exc).__name__}: {str(exc)[:300]}")
         results.append(res)
         print(json.dumps(res), flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=2))
     set_flex_tuning()
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
-    print(f"\n{'tiles QxKV':12s} {'fwd+bwd ms':>10s} {'useful TFLOP/s':>15s} {'peak +GiB':>10s} {'rel err':>8s}")
+    print(f"\n{'variant':20s} {'fwd+bwd ms':>10s} {'useful TFLOP/s':>15s} {'peak +GiB':>10s} {'out err':>8s} "
+          f"{'grad err':>8s}")
     for r in results:
         if r["ok"]:
-            print(f"{r['variant']:12s} {r['ms']:10.2f} {r['useful_tflops']:15.1f} {r['peak_extra_gib']:10.2f} "
-                  f"{r['rel_err_vs_first']:8.1e}")
+            print(f"{r['variant']:20s} {r['ms']:10.2f} {r['useful_tflops']:15.1f} {r['peak_extra_gib']:10.2f} "
+                  f"{r['rel_err_vs_first']:8.1e} {r['grad_rel_err_vs_first']:8.1e}")
         else:
-            print(f"{r['variant']:12s} failed: {r['error'][:90]}")
+            print(f"{r['variant']:20s} failed: {r['error'][:90]}")
 
 
 if __name__ == "__main__":

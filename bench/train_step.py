@@ -111,7 +111,7 @@ def run_variant(name: str, shape: SeedShape, head: BenchHead, batches: list[Trai
             if i == total - 1:
                 probe.arm()  # the last step also reports where its memory peak and optimizer time are
             _train_step(model, weights, head, opt, sched, batch, dcfg, device, autocast, LOSSLESS,
-                        shape.target_layers, 7.0, cfg, on_device)
+                        shape.target_layers, 7.0, cfg, on_device, after_backward=feed.prefetch)
             sync(device)
             dt = time.perf_counter() - t0
             if i == 0:
@@ -188,12 +188,15 @@ class PhaseProbe:
         self.weights.step = self._orig
 
 
-def best_flex_tiles(path: str) -> tuple[int, int]:
-    """The fastest correct tile variant of a bench/flex_kernel.py --json result."""
-    rows = [r for r in json.loads(Path(path).read_text()) if r.get("ok") and r.get("rel_err_vs_first", 1) < 2e-2]
+def best_flex_variant(path: str) -> tuple[int, int, dict | None]:
+    """(q tile, kv tile, kernel_options) of the fastest correct "ranges" variant of a bench/flex_kernel.py result."""
+    rows = [r for r in json.loads(Path(path).read_text())
+            if r.get("ok") and r.get("mask_mod") == "ranges" and r.get("rel_err_vs_first", 1) < 2e-2
+            and r.get("grad_rel_err_vs_first", 1) < 2e-2]
+    if not rows:
+        return 128, 128, None
     best = min(rows, key=lambda r: r["ms"])
-    qb, kb = (int(x) for x in best["variant"].split("x"))
-    return qb, kb
+    return int(best["block"][0]), int(best["block"][1]), best.get("kernel_options")
 
 
 def sync(device) -> None:
@@ -280,9 +283,12 @@ def main() -> None:
     if args.cpu_smoke:
         shape = SeedShape(context=512, anchors=16, block=8, hidden=64, layers=1, heads=4, kv_heads=2, head_dim=16,
                           intermediate=128, vocab=49152 + 16, target_layers=2, mask_token_id=49152 + 3)
-    qb, kb = best_flex_tiles(args.flex_from) if args.flex_from else (int(x) for x in args.flex_block.split(","))
-    set_flex_tuning(qb, kb)
-    print(f"flex tiles {qb}x{kb}", flush=True)
+    if args.flex_from:
+        qb, kb, kernel_options = best_flex_variant(args.flex_from)
+    else:
+        (qb, kb), kernel_options = (int(x) for x in args.flex_block.split(",")), None
+    set_flex_tuning(qb, kb, kernel_options)
+    print(f"flex tiles {qb}x{kb} kernel_options {kernel_options}", flush=True)
     width = shape.hidden * shape.target_layers
     pool = [encode_hidden(heavy_tailed_features(shape.context, width, s), LOSSLESS, shape.target_layers).planes
             for s in range(3)]
@@ -300,7 +306,7 @@ def main() -> None:
         results.append(r)
         print(json.dumps(r), flush=True)
         if args.json:
-            Path(args.json).write_text(json.dumps({"flex_tiles": [qb, kb], "variants": results, "loader": lr},
+            Path(args.json).write_text(json.dumps({"flex_tiles": [qb, kb], "flex_kernel_options": kernel_options, "variants": results, "loader": lr},
                                                   indent=2))
     best = min((r for r in results if r.get("ok")), key=lambda r: r["step_ms"], default=None)
     if best:
@@ -309,7 +315,7 @@ def main() -> None:
         lr["decode_over_consumption"] = lr["decode_GBps"] / consume
     print(json.dumps({"loader": lr}), flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps({"flex_tiles": [qb, kb], "variants": results, "loader": lr}, indent=2))
+        Path(args.json).write_text(json.dumps({"flex_tiles": [qb, kb], "flex_kernel_options": kernel_options, "variants": results, "loader": lr}, indent=2))
     print(f"\n{'variant':24s} {'ms/step':>8s} {'TFLOP/s':>8s} {'MFU':>6s} {'peak GiB':>9s} {'1st step s':>10s}  status")
     for r in results:
         if r.get("step_ms"):

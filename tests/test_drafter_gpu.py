@@ -1,7 +1,7 @@
 """CUDA checks of the drafter's flex path (run with `pytest -m gpu tests/test_drafter_gpu.py`).
 
 * compiled flex forward/backward == SDPA forward/backward (bf16, vs an fp32 SDPA reference);
-* the compiled BlockMask builder == the eager one;
+* the compiled BlockMask builder == the eager one == one built from the rule's per-entry form;
 * whole drafter, flex vs sdpa, forward and parameter gradients under bf16 autocast;
 * the recompile lock: a new row of the same shape runs, a new shape raises RuntimeFailure;
 * at the seed's shape the compiled flex forward+backward stays far below the dense fallback's memory.
@@ -13,9 +13,10 @@ import time
 
 import pytest
 import torch
+from torch.nn.attention.flex_attention import create_block_mask
 
 from dflash_pipe.drafter.attention import attend, lock_compilation, unlock_compilation
-from dflash_pipe.drafter.masks import AttentionMask, _build_block_mask
+from dflash_pipe.drafter.masks import AttentionMask, _build_block_mask, _visible
 from dflash_pipe.drafter.model import DFlashDrafter
 from dflash_pipe.errors import RuntimeFailure
 from tests.test_drafter_support import random_packed_row, randomize_, tiny_config
@@ -88,10 +89,18 @@ def test_compiled_block_mask_equals_eager():
     row = row_of(seed=1)
     mask = mask_of(row)
     compiled = mask.block_mask(compiled=True)
-    eager = _build_block_mask(mask.ctx_doc, mask.anchor_index, mask.block_doc, mask.block_valid, row.block_size, 128)
-    assert torch.equal(compiled.to_dense(), eager.to_dense())
-    assert torch.equal(compiled.full_kv_num_blocks, eager.full_kv_num_blocks)
-    assert torch.equal(compiled.kv_num_blocks, eager.kv_num_blocks)
+    eager = _build_block_mask(mask.ctx_lo, mask.ctx_hi, mask.ctx_len, row.block_size, 128)
+    # and the rule as written (per-entry document gather), independent of the interval form
+    bs, S = row.block_size, mask.ctx_len
+
+    def gather_mod(b, h, q_idx, kv_idx):
+        return _visible(q_idx // bs, kv_idx, mask.ctx_doc, mask.anchor_index, mask.block_doc, mask.block_valid, S, bs)
+
+    rule = create_block_mask(gather_mod, None, None, mask.q_len, mask.kv_len, device=mask.device, BLOCK_SIZE=128)
+    for other in (eager, rule):
+        assert torch.equal(compiled.to_dense(), other.to_dense())
+        assert torch.equal(compiled.full_kv_num_blocks, other.full_kv_num_blocks)
+        assert torch.equal(compiled.kv_num_blocks, other.kv_num_blocks)
 
 
 def test_drafter_flex_equals_sdpa_under_bf16_autocast():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_pipe.drafter.masks import AttentionMask, block_positions
+from dflash_pipe.drafter.masks import AttentionMask, _visible, _visible_ranges, block_positions
 from dflash_pipe.errors import ValidationError
 from tests.test_drafter_support import random_packed_row
 
@@ -120,3 +120,32 @@ def test_bad_inputs_are_refused():
     wrong_doc[0] = 2
     with pytest.raises(ValidationError, match="document of its anchor"):
         AttentionMask(row.ctx_doc, row.anchor_index, wrong_doc, row.block_valid, 4)
+
+
+@pytest.mark.parametrize("kw", ROWS)
+def test_interval_form_equals_the_per_entry_rule(kw):
+    """flex's mask_mod uses [doc start, anchor) per block; on packed rows it equals the rule as written."""
+    row = random_packed_row(**kw)
+    m = make_mask(row)
+    blocks = torch.arange(m.num_blocks)[:, None]
+    kv = torch.arange(m.kv_len)[None, :]
+    ranges = _visible_ranges(blocks, kv, m.ctx_lo, m.ctx_hi, m.ctx_len, m.block_size)
+    rule = _visible(blocks, kv, m.ctx_doc, m.anchor_index, m.block_doc, m.block_valid, m.ctx_len, m.block_size)
+    assert torch.equal(ranges, rule)
+    for j in range(m.num_blocks):  # the bounds themselves, by hand
+        if bool(row.block_valid[j]):
+            doc = int(row.block_doc[j])
+            assert int(m.ctx_lo[j]) == (row.ctx_doc == doc).nonzero()[0].item()
+            assert int(m.ctx_hi[j]) == int(row.anchor_index[j])
+        else:
+            assert int(m.ctx_lo[j]) == int(m.ctx_hi[j]) == 0
+
+
+def test_non_contiguous_documents_are_refused():
+    """The interval form needs each document to be one run; a row that interleaves two is refused."""
+    doc = torch.tensor([0, 0, 1, 1, 0, 0, -1, -1], dtype=torch.int32)
+    anchors, block_doc, valid = torch.tensor([5]), torch.tensor([0], dtype=torch.int32), torch.tensor([True])
+    with pytest.raises(ValidationError, match="contiguous"):
+        AttentionMask(doc, anchors, block_doc, valid, 2)
+    ok = torch.tensor([0, 0, 0, 0, 1, 1, -1, -1], dtype=torch.int32)
+    AttentionMask(ok, torch.tensor([3]), block_doc, valid, 2)

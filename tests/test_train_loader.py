@@ -144,3 +144,41 @@ def test_row_groups_read_from_many_threads_equal_serial_reads(tmp_path):
         for rg, rows in pool.map(read, range(groups * 12)):
             assert len(rows) == len(serial[rg]) and all(torch.equal(a, b) for a, b in zip(rows, serial[rg]))
     assert len({k[1] for k in index._readers}) > 1  # several threads, several handles
+
+
+class _FakeBatch:
+    def __init__(self, i):
+        self.i, self.released = i, False
+
+    def tensors(self):
+        return {"x": torch.full((3,), float(self.i))}
+
+    def release(self):
+        self.released = True
+
+
+@pytest.mark.parametrize("pattern", ["never", "always", "alternate"])
+def test_device_feed_hands_out_every_batch_once_in_order_whether_prefetched_or_not(pattern):
+    """The trainer prefetches after backward; a batch that was not prefetched is started by next()."""
+    from dflash_pipe.train.trainer import DeviceFeed
+
+    made = [_FakeBatch(i) for i in range(5)]
+    pulled = []
+
+    def source():
+        for b in made:
+            pulled.append(b.i)
+            yield b
+
+    feed = DeviceFeed(source(), torch.device("cpu"))
+    got = []
+    for k, (batch, t) in enumerate(feed):
+        assert pulled == list(range(k + 1))  # nothing is read ahead before prefetch() is asked for
+        got.append(int(t["x"][0]))
+        if pattern == "always" or (pattern == "alternate" and k % 2 == 0):
+            feed.prefetch()
+            feed.prefetch()  # idempotent: never skips a batch
+            assert pulled == list(range(min(k + 2, 5)))
+    assert got == [0, 1, 2, 3, 4]
+    assert [b.released for b in made] == [True] * 4 + [False]  # the last one is still handed out
+    assert feed.take_wait_s() >= 0.0 and feed.take_wait_s() == 0.0

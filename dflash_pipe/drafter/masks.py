@@ -18,9 +18,14 @@ context entries have doc = -1 and are seen by nobody.
 Documents are packed, so `anchor_index` is the anchor's index in the packed context, not its
 position inside its document; `doc` keeps blocks from attending to another document's tokens.
 
-The rule depends on the query only through its block index, so `_visible(block, kv, ...)` is
-written once and evaluated (a) per (q, kv) scalar pair inside flex_attention's `mask_mod`, and
-(b) on an [N, KV] grid, then repeated B times along the rows, for the dense SDPA mask.
+The rule depends on the query only through its block index. It is written twice:
+  * `_visible(block, kv, ...)`, the rule as stated above (per-entry document gather), evaluated on an
+    [N, KV] grid and repeated B times along the rows: the dense SDPA mask and the reference;
+  * `_visible_ranges(block, kv, lo, hi, ...)`, the form flex_attention's `mask_mod` uses. Packed
+    documents are contiguous runs of the context, so "same document and before the anchor" is the
+    interval [start of the block's document, anchor). Two per-block bounds replace the per-entry
+    gather and four comparisons; the tests prove both forms equal, and `check_contents` refuses a
+    row whose documents are not contiguous.
 """
 
 from __future__ import annotations
@@ -49,20 +54,44 @@ def _visible(block_idx, kv_idx, ctx_doc, anchor_index, block_doc, block_valid, c
     return sees_context | own_block
 
 
-def _build_block_mask(ctx_doc, anchor_index, block_doc, block_valid, block_size: int, flex_block) -> BlockMask:
+def context_ranges(ctx_doc, anchor_index, block_doc, block_valid) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per block, the context interval [lo, hi) it sees: its document's first entry up to its anchor.
+
+    Padding blocks get the empty interval [0, 0). Computed on the tensors' device without a host sync.
+    Equal to `_visible`'s context part only when every document is one contiguous run (packing).
+    """
     ctx_len = ctx_doc.shape[0]
-    q_len = anchor_index.shape[0] * block_size
+    doc = ctx_doc.to(torch.int64)
+    slot = torch.where((doc >= 0) & (doc < ctx_len), doc, ctx_len)  # padding / foreign ids -> spare slot
+    first = torch.full((ctx_len + 1,), ctx_len, dtype=torch.int64, device=ctx_doc.device)
+    first.scatter_reduce_(0, slot, torch.arange(ctx_len, device=ctx_doc.device), reduce="amin")
+    lo = first[block_doc.to(torch.int64).clamp(0, ctx_len)]
+    zero = torch.zeros_like(lo)
+    valid = block_valid.to(torch.bool)
+    return torch.where(valid, lo, zero), torch.where(valid, anchor_index.to(torch.int64), zero)
+
+
+def _visible_ranges(block_idx, kv_idx, ctx_lo, ctx_hi, ctx_len: int, block_size: int):
+    """`_visible` for contiguous documents: context interval [lo, hi) of the block, or its own block."""
+    blk = torch.clamp(block_idx, 0, ctx_lo.shape[0] - 1)
+    own_start = ctx_len + blk * block_size
+    return ((kv_idx >= ctx_lo[blk]) & (kv_idx < ctx_hi[blk])) | ((kv_idx >= own_start) &
+                                                                 (kv_idx < own_start + block_size))
+
+
+def _build_block_mask(ctx_lo, ctx_hi, ctx_len: int, block_size: int, flex_block) -> BlockMask:
+    q_len = ctx_lo.shape[0] * block_size
 
     def mask_mod(b, h, q_idx, kv_idx):
-        return _visible(q_idx // block_size, kv_idx, ctx_doc, anchor_index, block_doc, block_valid, ctx_len, block_size)
+        return _visible_ranges(q_idx // block_size, kv_idx, ctx_lo, ctx_hi, ctx_len, block_size)
 
-    return create_block_mask(mask_mod, None, None, q_len, ctx_len + q_len, device=ctx_doc.device,
+    return create_block_mask(mask_mod, None, None, q_len, ctx_len + q_len, device=ctx_lo.device,
                              BLOCK_SIZE=flex_block)
 
 
 # Building a BlockMask eagerly at the seed's size costs seconds and GBs (SPEC §6); compiled it is
 # milliseconds. The mask_mod closure is created *inside* the compiled function, so dynamo guards only
-# on the shapes/devices of the four index tensors and on the two ints: one compilation per device and
+# on the shapes/devices of the two bound tensors and on the ints: one compilation per device and
 # (S, N, B), reused for every step with fresh data.
 COMPILED_BUILD_BLOCK_MASK = torch.compile(_build_block_mask, dynamic=False)
 
@@ -95,6 +124,7 @@ class AttentionMask:
         self.block_doc = block_doc_N.to(torch.int32)
         self.block_valid = block_valid_N.to(torch.bool)
         self.block_size = int(block_size)
+        self.ctx_lo, self.ctx_hi = context_ranges(self.ctx_doc, self.anchor_index, self.block_doc, self.block_valid)
         self._block_mask: BlockMask | None = None
         self._dense: torch.Tensor | None = None
         if self.ctx_doc.device.type == "cpu":  # cheap here; on CUDA it would force a sync
@@ -133,6 +163,12 @@ class AttentionMask:
             docs_at_anchor = self.ctx_doc[a]
             if not torch.equal(docs_at_anchor, self.block_doc[valid]):
                 raise ValidationError("AttentionMask: a block's document differs from the document of its anchor token")
+        doc = self.ctx_doc
+        real = doc[doc >= 0]
+        runs = int((real[1:] != real[:-1]).sum()) + 1 if real.numel() else 0
+        if real.numel() and (runs != int(torch.unique(real).numel()) or int(real.max()) >= self.ctx_len):
+            raise ValidationError("AttentionMask: the context's documents are not contiguous runs with ids below the "
+                                  "context length (packing writes each document as one run)")
 
     def to(self, device: torch.device | str) -> "AttentionMask":
         return AttentionMask(self.ctx_doc.to(device), self.anchor_index.to(device), self.block_doc.to(device),
@@ -142,11 +178,10 @@ class AttentionMask:
     @property
     def mask_mod(self):
         """flex_attention mask_mod(b, h, q_idx, kv_idx) over this row's index tensors."""
-        ctx_doc, anchor, block_doc, valid = self.ctx_doc, self.anchor_index, self.block_doc, self.block_valid
-        ctx_len, bs = self.ctx_len, self.block_size
+        lo, hi, ctx_len, bs = self.ctx_lo, self.ctx_hi, self.ctx_len, self.block_size
 
         def mask_mod(b, h, q_idx, kv_idx):
-            return _visible(q_idx // bs, kv_idx, ctx_doc, anchor, block_doc, valid, ctx_len, bs)
+            return _visible_ranges(q_idx // bs, kv_idx, lo, hi, ctx_len, bs)
 
         return mask_mod
 
@@ -158,11 +193,11 @@ class AttentionMask:
                 from .attention import reraise_recompile
 
                 with reraise_recompile("building the flex BlockMask"):
-                    self._block_mask = COMPILED_BUILD_BLOCK_MASK(self.ctx_doc, self.anchor_index, self.block_doc,
-                                                                 self.block_valid, self.block_size, flex_block)
+                    self._block_mask = COMPILED_BUILD_BLOCK_MASK(self.ctx_lo, self.ctx_hi, self.ctx_len,
+                                                                 self.block_size, flex_block)
             else:
-                self._block_mask = _build_block_mask(self.ctx_doc, self.anchor_index, self.block_doc,
-                                                     self.block_valid, self.block_size, flex_block)
+                self._block_mask = _build_block_mask(self.ctx_lo, self.ctx_hi, self.ctx_len, self.block_size,
+                                                     flex_block)
         return self._block_mask
 
     def dense_bool(self) -> torch.Tensor:
