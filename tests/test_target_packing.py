@@ -15,7 +15,7 @@ import torch
 
 from dflash_pipe.errors import RuntimeFailure, UsageError, ValidationError
 from dflash_pipe.target import TargetRunner, load_target, standalone_features
-from dflash_pipe.target.packing import block_causal_mask, make_packed_row, packed_position_ids
+from dflash_pipe.target.packing import FLA_CHUNK, block_causal_mask, make_packed_row, packed_position_ids, stage_row
 
 DOCS = [
     "The first document is about cats and the way they sleep for most of the day.",
@@ -142,6 +142,28 @@ def test_block_causal_mask_matches_loops():
     assert torch.equal(eager == 0, dense) and bool((eager[~dense] == torch.finfo(torch.float32).min).all())
     assert packed_position_ids(row, torch.device("cpu"))[0].tolist() == pos_in_doc
     assert block_causal_mask(make_packed_row([5], 5), torch.device("cpu"), "sdpa", torch.float32) is None
+
+
+def test_stage_row_matches_loops():
+    """One staged buffer = positions, document ids, cu_seqlens and FLA's chunk indices (doc, chunk in doc)."""
+    lens = [1, 63, 64, 65, 130, 3]
+    row = make_packed_row(lens, sum(lens))
+    staged = stage_row(row, torch.device("cpu"), FLA_CHUNK)
+    pos = [p for n in lens for p in range(n)]
+    doc = [d for d, n in enumerate(lens) for _ in range(n)]
+    chunks = [[d, c] for d, n in enumerate(lens) for c in range(-(-n // FLA_CHUNK))]
+    assert staged.positions.shape == (1, sum(lens)) and staged.positions[0].tolist() == pos
+    assert staged.doc_ids.tolist() == doc
+    assert staged.cu_seqlens.tolist() == [0, 1, 64, 128, 193, 323, 326]
+    assert staged.chunk_indices.tolist() == chunks
+    assert all(t.dtype == torch.int64 for t in (staged.positions, staged.doc_ids, staged.cu_seqlens))
+    for t in (staged.positions, staged.doc_ids, staged.cu_seqlens, staged.chunk_indices):
+        base = staged.host.untyped_storage().data_ptr()          # one buffer (a CUDA one is 512 B aligned)
+        assert t.untyped_storage().data_ptr() == base
+        assert t.is_contiguous() and (t.data_ptr() - base) % 128 == 0   # segments on 128 B boundaries
+    mask = block_causal_mask(row, torch.device("cpu"), "sdpa", torch.float32, staged.doc_ids)
+    assert torch.equal(mask, block_causal_mask(row, torch.device("cpu"), "sdpa", torch.float32))
+    assert stage_row(row, torch.device("cpu")).chunk_indices is None
 
 
 def test_kernel_choice_on_cpu(bundle, caplog):

@@ -1,4 +1,8 @@
-"""Top-k next-token log-probs: equal to a float64 log_softmax reference, independent of chunking."""
+"""Top-k next-token log-probs: equal to a float64 log_softmax reference, independent of chunking.
+
+bf16 logits are checked up to the order of exactly tied values (tests/topk_helpers.py), also
+through the inductor-compiled logsumexp on the CPU (the path CUDA takes by default).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,8 @@ import torch
 
 from dflash_pipe.target import TargetRunner, load_target
 from dflash_pipe.target.runner_utils import chunked_topk_logprobs
+from dflash_pipe.target.topk import row_logsumexp
+from tests.topk_helpers import assert_valid_topk, fp16_close, tied_bf16_logits
 
 TEXT = ["Once upon a time there was a small language model that wanted to draft tokens.",
         "It packed documents into rows, and every row had to be exact."]
@@ -18,11 +24,7 @@ def bundle(tmp_path_factory):
                        model_cache_dir=tmp_path_factory.getbasetemp() / "dflash-model-cache")
 
 
-def _fp16_close(got_fp16: torch.Tensor, ref_f64: torch.Tensor) -> None:
-    """Within one fp16 rounding step of the float64 value (what an fp16 store can promise)."""
-    err = (got_fp16.double() - ref_f64).abs()
-    ulp = torch.finfo(torch.float16).eps * ref_f64.abs().clamp_min(2 ** -14)
-    assert bool((err <= ulp).all()), float((err / ulp).max())
+_fp16_close = fp16_close
 
 
 def test_topk_matches_float64_log_softmax(bundle):
@@ -68,3 +70,47 @@ def test_runner_logits_chunk_invariant(bundle):
             outs.append(runner.run(ids, [ids.numel()]))
     assert torch.equal(outs[0].topk_ids_TK, outs[1].topk_ids_TK)
     torch.testing.assert_close(outs[0].topk_logprobs_TK, outs[1].topk_logprobs_TK, rtol=0, atol=1e-3)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_bf16_logits_with_ties_and_short_tail(compiled):
+    """bf16 blocks straight into top-k (no fp32 copy): 37 rows in chunks of 16 (tail of 5)."""
+    k = 8
+    logits = tied_bf16_logits(37, 3000, k)
+    with torch.inference_mode():
+        ids, lp = chunked_topk_logprobs(logits, torch.nn.Identity(), k, chunk=16, compiled=compiled)
+        whole_ids, whole_lp = chunked_topk_logprobs(logits, torch.nn.Identity(), k, chunk=4096, compiled=compiled)
+    assert_valid_topk(ids, lp, logits, k)
+    assert_valid_topk(whole_ids, whole_lp, logits, k)
+    torch.testing.assert_close(lp, whole_lp, rtol=0, atol=0)
+    assert bool((lp[0] == lp[0, 0]).all()) and bool((lp[1] == lp[1, 0]).all())   # the crafted tie rows
+    assert abs(float(lp[0, 0]) + torch.log(torch.tensor(3000.0)).item()) < 1e-2
+
+
+def test_bf16_head_with_softcap():
+    """Softcap is applied to the bf16 logits (in bf16, like the HF forward), then normalised."""
+    torch.manual_seed(1)
+    head = torch.nn.Linear(32, 500, bias=False, dtype=torch.bfloat16)
+    hidden = torch.randn(37, 32, dtype=torch.bfloat16) * 4
+    cap = 5.0
+    with torch.inference_mode():
+        ids, lp = chunked_topk_logprobs(hidden, head, 8, chunk=16, softcap=cap)
+        plain_ids, plain_lp = chunked_topk_logprobs(hidden, head, 8, chunk=16)
+        logits = head(hidden)
+    assert_valid_topk(ids, lp, torch.tanh(logits / cap) * cap, 8)
+    assert_valid_topk(plain_ids, plain_lp, logits, 8)
+    assert float((lp.float() - plain_lp.float()).abs().max()) > 0.1     # the cap did something
+
+
+def test_compiled_logsumexp_equals_float64():
+    """The compiled fp32-accumulating reduction (dynamic rows) vs float64, on bf16 and fp32 inputs with -inf."""
+    g = torch.Generator().manual_seed(2)
+    for rows, dtype in ((37, torch.bfloat16), (5, torch.bfloat16), (6, torch.float32)):
+        x = (torch.randn(rows, 3000, generator=g) * 4).to(dtype)
+        x[:, ::7] = float("-inf")
+        x[0, 5] = 60.0
+        want = torch.logsumexp(x.double(), dim=-1, keepdim=True)
+        for compiled in (True, False):
+            got = row_logsumexp(x, compiled=compiled)
+            assert got.dtype == torch.float32 and got.shape == (rows, 1)
+            torch.testing.assert_close(got.double(), want, rtol=2e-7, atol=2e-6)

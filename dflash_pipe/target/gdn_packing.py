@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 from ..errors import RuntimeFailure
 from .kernels import FlaOps
-from .packing import PackedRow
+from .packing import FLA_CHUNK, DeviceRow, PackedRow
 from .runner_utils import decoder_layers
 
 log = logging.getLogger("dflash_pipe.target")
@@ -82,6 +82,7 @@ class PackedGDN:
         self.fla_ops = fla_ops
         self.row: PackedRow | None = None
         self._cu_device: torch.Tensor | None = None
+        self._chunk_indices: torch.Tensor | None = None
         self.modules = find_gdn_modules(model)
         for idx, mod in self.modules:
             if getattr(mod, "_dflash_packed", None) is not None:
@@ -111,14 +112,20 @@ class PackedGDN:
             del mod._dflash_original_forward, mod._dflash_had_instance_forward, mod._dflash_packed
 
     @contextlib.contextmanager
-    def packing(self, row: PackedRow, device: torch.device) -> Iterator[None]:
+    def packing(self, row: PackedRow, staged: DeviceRow | None = None) -> Iterator[None]:
+        """Packed forwards of `row` inside the context. The fla path needs `staged` (packing.stage_row
+        with chunk_size=FLA_CHUNK): cu_seqlens and FLA's chunk indices already on the device, so
+        neither we nor FLA copy them per call (FLA would: a blocking H2D copy of its chunk indices)."""
+        if self.path == "fla" and (staged is None or staged.chunk_indices is None):
+            raise ValueError("the fla packed path needs the row staged with chunk_size=FLA_CHUNK")
         self.row = row
-        self._cu_device = row.cu_seqlens_cpu.to(device) if self.path == "fla" else None
+        if self.path == "fla":
+            self._cu_device, self._chunk_indices = staged.cu_seqlens, staged.chunk_indices
         try:
             yield
         finally:
             self.row = None
-            self._cu_device = None
+            self._cu_device = self._chunk_indices = None
 
 
 def _packed_forward(self, hidden_states: torch.Tensor, *args, **kwargs):
@@ -146,6 +153,14 @@ def _packed_forward(self, hidden_states: torch.Tensor, *args, **kwargs):
 def _fla_varlen_forward(mod, hidden_states: torch.Tensor, packer: PackedGDN) -> torch.Tensor:
     ops = packer.fla_ops
     cu, cu_cpu = packer._cu_device, packer.row.cu_seqlens_cpu
+    # Precomputed chunk indices (FLA 0.6.0 takes them): otherwise FLA builds them on the host from
+    # cu_seqlens_cpu and sends them with a blocking copy (one stream sync per forward).
+    # Both ops chunk by FLA_CHUNK tokens (causal_conv1d's triton path has no chunk_size argument;
+    # its default is 64; chunk_gated_delta_rule is told explicitly).
+    varlen, gdr_chunk = {"cu_seqlens": cu, "cu_seqlens_cpu": cu_cpu}, {}
+    if ops.takes_chunk_indices:
+        varlen["chunk_indices"] = packer._chunk_indices
+        gdr_chunk["chunk_size"] = FLA_CHUNK
     batch, seq_len, _ = hidden_states.shape
 
     mixed_qkv = mod.in_proj_qkv(hidden_states)                               # [1, T, 2*Kd + Vd]
@@ -155,8 +170,7 @@ def _fla_varlen_forward(mod, hidden_states: torch.Tensor, packer: PackedGDN) -> 
 
     conv_weight = mod.conv1d.weight.squeeze(1)                                # [C, W]
     mixed_qkv, _ = ops.causal_conv1d(x=mixed_qkv, weight=conv_weight, bias=mod.conv1d.bias,
-                                     activation=getattr(mod, "activation", "silu"),
-                                     cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)
+                                     activation=getattr(mod, "activation", "silu"), **varlen)
     query, key, value = torch.split(mixed_qkv, [mod.key_dim, mod.key_dim, mod.value_dim], dim=-1)
     query = query.reshape(batch, seq_len, -1, mod.head_k_dim)
     key = key.reshape(batch, seq_len, -1, mod.head_k_dim)
@@ -171,6 +185,6 @@ def _fla_varlen_forward(mod, hidden_states: torch.Tensor, packer: PackedGDN) -> 
 
     core, _ = ops.chunk_gated_delta_rule(query, key, value, g=g, beta=beta, initial_state=None,
                                          output_final_state=False, use_qk_l2norm_in_kernel=True,
-                                         cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)
+                                         **gdr_chunk, **varlen)
     core = mod.norm(core.reshape(-1, mod.head_v_dim), z.reshape(-1, mod.head_v_dim))
     return mod.out_proj(core.reshape(batch, seq_len, -1))

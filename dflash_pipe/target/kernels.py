@@ -23,6 +23,13 @@ FLA facts (flash-linear-attention 0.6.0, package `fla`):
       cu_seqlens=None, cu_seqlens_cpu=None, ...) -> (y [B,T,D], final_state); lives in
       fla.modules.causal_conv1d (0.6.0) and fla.modules.convolution (older releases, and an
       alias in 0.6.0).
+  Both also take `chunk_indices` ([n_chunks, 2] (sequence, chunk) pairs for 64-token chunks).
+  Without it they build it on the host from cu_seqlens_cpu (or .tolist() cu_seqlens) and copy
+  it with a blocking `.to(cu_seqlens)`: one cudaStreamSynchronize per forward (cached across
+  layers by identity of the cu_seqlens tensor). The runner passes it precomputed.
+  Other host reads left in 0.6.0's forward: none on our path (intra-card CP, which would split
+  sequences on the host, is off unless FLA_INTRACARD_CP=1; the FlashQLA backend is used only
+  when the `flash_qla` package is installed, and ignores chunk_indices).
 """
 
 from __future__ import annotations
@@ -50,6 +57,14 @@ class FlaOps:
     chunk_gated_delta_rule: Callable
     causal_conv1d: Callable
     version: str
+    takes_chunk_indices: bool = False     # both ops accept precomputed chunk_indices (0.6.0 does)
+
+
+def _has_param(fn: Callable, name: str) -> bool:
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def import_fla() -> FlaOps:
@@ -68,7 +83,8 @@ def import_fla() -> FlaOps:
     if not callable(conv):
         raise RuntimeFailure("fla.modules.causal_conv1d.causal_conv1d is not a function in this FLA release",
                              FLA_INSTALL_HINT)
-    return FlaOps(gdr.chunk_gated_delta_rule, conv, getattr(fla, "__version__", "unknown"))
+    takes = all(_has_param(f, "chunk_indices") for f in (gdr.chunk_gated_delta_rule, conv))
+    return FlaOps(gdr.chunk_gated_delta_rule, conv, getattr(fla, "__version__", "unknown"), takes)
 
 
 def _resolved_implementation(fn: Callable) -> Callable | None:

@@ -11,6 +11,12 @@ itself; we do not rely on the heuristic. The runner always passes the mask expli
 `create_recurrent_attention_mask` ignores, so linear-attention layers get no mask):
 boolean (True = attend) for SDPA, additive float (0 / finfo.min) for eager. A single
 document gets no mask, so SDPA takes its plain causal path exactly as a standalone forward.
+
+No host sync: on CUDA, `stage_row` builds every index tensor of a row (positions, document
+ids, cu_seqlens, FLA's chunk indices) on the host, in ONE pinned buffer, and sends it with a
+single non_blocking copy; the runner keeps the pinned buffer until the next row. A pageable
+`.to(device)` is a cudaMemcpy + cudaStreamSynchronize that drains the GPU queue (the H200
+profile showed four per batch before this).
 """
 
 from __future__ import annotations
@@ -28,6 +34,10 @@ class PackedRow:
     doc_lens: tuple[int, ...]
     total: int
     cu_seqlens_cpu: torch.Tensor       # int64 [n_docs + 1], on the CPU (FLA's host-side copy)
+
+    @property
+    def lens_cpu(self) -> torch.Tensor:
+        return self.cu_seqlens_cpu[1:] - self.cu_seqlens_cpu[:-1]
 
     @property
     def num_docs(self) -> int:
@@ -52,22 +62,80 @@ def make_packed_row(doc_lens: Sequence[int], num_tokens: int) -> PackedRow:
     return PackedRow(lens, num_tokens, cu)
 
 
+# FLA's token chunk for causal_conv1d and chunk_gated_delta_rule (0.6.0 defaults; gdn_packing passes it).
+FLA_CHUNK = 64
+_ALIGN = 16          # int64 elements (128 B) between the segments of the staged buffer: aligned pointers
+
+
+def _host_positions(row: PackedRow) -> torch.Tensor:
+    return torch.arange(row.total) - torch.repeat_interleave(row.cu_seqlens_cpu[:-1], row.lens_cpu)
+
+
+def _host_doc_ids(row: PackedRow) -> torch.Tensor:
+    return torch.repeat_interleave(torch.arange(row.num_docs), row.lens_cpu)
+
+
+def host_chunk_indices(row: PackedRow, chunk_size: int) -> torch.Tensor:
+    """[n_chunks, 2] int64 (document, chunk within the document): FLA's `prepare_chunk_indices`."""
+    counts = (row.lens_cpu + chunk_size - 1) // chunk_size
+    seg = torch.repeat_interleave(torch.arange(row.num_docs), counts)
+    first = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+    return torch.stack([seg, torch.arange(seg.numel()) - first], 1)
+
+
+@dataclass(frozen=True)
+class DeviceRow:
+    """A packed row's index tensors on the device: views of one buffer, sent by one non-blocking copy."""
+    positions: torch.Tensor                  # [1, T] int64, restarting at 0 in every document
+    doc_ids: torch.Tensor                    # [T] int64
+    cu_seqlens: torch.Tensor                 # [n_docs + 1] int64
+    chunk_indices: torch.Tensor | None       # [n_chunks, 2] int64 for FLA (None unless asked for)
+    host: torch.Tensor                       # the host source (pinned on CUDA): keep it until the copy ran
+
+
+def stage_row(row: PackedRow, device: torch.device, chunk_size: int | None = None) -> DeviceRow:
+    """Build the row's index tensors on the host and copy them to `device` without a host sync.
+
+    On CUDA the host buffer is pinned and the copy is non_blocking (stream-ordered, so every
+    kernel launched after it sees the data). The caller must keep `DeviceRow.host` alive until
+    the copy has run (the runner holds the last row's); the caching host allocator also refuses
+    to reuse a pinned block before its copy event completed.
+    """
+    T = row.total
+    parts = [_host_positions(row), _host_doc_ids(row), row.cu_seqlens_cpu]
+    if chunk_size:
+        parts.append(host_chunk_indices(row, chunk_size).reshape(-1))
+    offsets, n = [], 0
+    for p in parts:
+        offsets.append(n)
+        n += -(-p.numel() // _ALIGN) * _ALIGN
+    host = torch.empty(n, dtype=torch.int64, pin_memory=device.type == "cuda")
+    for off, p in zip(offsets, parts):
+        host[off:off + p.numel()].copy_(p)
+    dev = host.to(device, non_blocking=True)
+    views = [dev[off:off + p.numel()] for off, p in zip(offsets, parts)]
+    chunks = views[3].view(-1, 2) if chunk_size else None
+    return DeviceRow(views[0].view(1, T), views[1], views[2], chunks, host)
+
+
 def packed_position_ids(row: PackedRow, device: torch.device) -> torch.Tensor:
-    """[1, T] positions restarting at 0 in every document."""
-    starts = torch.repeat_interleave(row.cu_seqlens_cpu[:-1], torch.tensor(row.doc_lens))
-    return (torch.arange(row.total) - starts).unsqueeze(0).to(device)
+    """[1, T] positions restarting at 0 in every document (a blocking copy: tests and references)."""
+    return _host_positions(row).unsqueeze(0).to(device)
 
 
 def document_ids(row: PackedRow, device: torch.device) -> torch.Tensor:
-    return torch.repeat_interleave(torch.arange(row.num_docs), torch.tensor(row.doc_lens)).to(device)
+    return _host_doc_ids(row).to(device)
 
 
 def block_causal_mask(row: PackedRow, device: torch.device, attn_implementation: str,
-                      dtype: torch.dtype) -> torch.Tensor | None:
-    """The 4-D document mask [1, 1, T, T] for `attn_implementation`, or None for one document."""
+                      dtype: torch.dtype, doc_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The 4-D document mask [1, 1, T, T] for `attn_implementation`, or None for one document.
+
+    `doc_ids`: the row's document ids already on `device` (DeviceRow.doc_ids), else copied here.
+    """
     if row.num_docs == 1:
         return None
-    doc = document_ids(row, device)
+    doc = doc_ids if doc_ids is not None else document_ids(row, device)
     pos = torch.arange(row.total, device=device)
     allowed = (doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None])
     allowed = allowed[None, None]
@@ -79,8 +147,12 @@ def block_causal_mask(row: PackedRow, device: torch.device, attn_implementation:
     raise UsageError(f"no explicit document mask for attn_implementation '{attn_implementation}'")
 
 
-def flash_varlen_kwargs(row: PackedRow, device: torch.device) -> dict:
-    """flash_attention_2 keeps documents apart through cu_seqlens instead of a mask."""
-    cu = row.cu_seqlens_cpu.to(device=device, dtype=torch.int32)
+def flash_varlen_kwargs(row: PackedRow, device: torch.device, cu_seqlens: torch.Tensor | None = None) -> dict:
+    """flash_attention_2 keeps documents apart through cu_seqlens instead of a mask.
+
+    Host-known max lengths (no `.item()`); `cu_seqlens` already on the device (DeviceRow) is cast there.
+    """
+    cu = cu_seqlens if cu_seqlens is not None else row.cu_seqlens_cpu.to(device)
+    cu = cu.to(dtype=torch.int32)
     longest = max(row.doc_lens)
     return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}

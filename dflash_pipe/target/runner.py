@@ -11,6 +11,12 @@ equal those of a standalone forward of that document alone, because:
     (gdn_packing.py; FLA varlen kernels on CUDA, per-document forwards otherwise);
   * everything else (norms, MLPs, the LM head) is per token.
 
+No host sync on CUDA (given pinned host input ids, as the extraction pipeline passes them): the
+row's index tensors travel in one non-blocking copy of a pinned buffer (packing.stage_row), FLA
+gets its chunk indices precomputed, and a row without a tensor mask hands the model a prebuilt
+mask mapping where transformers accepts one (its own mask builder syncs). See
+tests/test_target_sync_gpu.py.
+
 Layer outputs are captured by forward hooks writing straight into one preallocated
 [T, n_layers * H] buffer (no `output_hidden_states=True`, which keeps every layer alive), and
 the LM head runs on `logits_chunk` tokens at a time so full-vocab logits never exist for the
@@ -31,8 +37,9 @@ from .gdn_packing import PackedGDN, find_gdn_modules
 from .kernels import import_fla, resolve_linear_attn_kernels
 from .layers import validate_layer_ids
 from .loading import TargetBundle
-from .packing import block_causal_mask, flash_varlen_kwargs, make_packed_row, packed_position_ids
-from .runner_utils import chunked_topk_logprobs, decoder_layers, final_norm, layer_kinds, text_backbone
+from .packing import FLA_CHUNK, block_causal_mask, flash_varlen_kwargs, make_packed_row, stage_row
+from .runner_utils import (accepts_mask_mapping, chunked_topk_logprobs, decoder_layers, final_norm, layer_kinds,
+                           text_backbone)
 
 log = logging.getLogger("dflash_pipe.target")
 
@@ -57,6 +64,8 @@ def _as_ids(input_ids_T, vocab_size: int, device: torch.device) -> torch.Tensor:
         pos = int(bad.nonzero()[0, 0])
         raise ValidationError(f"token id {int(ids[pos])} at position {pos} is outside the target's vocab "
                               f"[0, {vocab_size})", "the data was tokenized with another tokenizer")
+    if device.type == "cuda" and ids.device.type == "cpu" and not ids.is_pinned():
+        ids = ids.pin_memory()        # a pageable source would make the copy synchronous
     return ids.to(device=device, dtype=torch.long, non_blocking=True)
 
 
@@ -91,6 +100,13 @@ class TargetRunner:
         for kind, path in self.kernel_paths.items():
             log.info("target %s layers: %s", kind, path)
         self._buffer: torch.Tensor | None = None
+        self._staged = None            # the last row's DeviceRow: keeps its pinned source alive
+        # A one-document row needs no tensor mask; where the model takes a {layer_type: mask} dict,
+        # pass {type: None} so transformers' mask builder (a host sync) is skipped. Not for eager
+        # attention: there a None mask means no causal mask at all.
+        backbone = text_backbone(self.model)
+        self._mask_mapping = (dict.fromkeys(set(backbone.config.layer_types))
+                              if self.attn_impl != "eager" and accepts_mask_mapping(backbone) else None)
         self._hooks = self._install_hooks()
 
     def _describe_kernels(self) -> dict[str, str]:
@@ -134,6 +150,7 @@ class TargetRunner:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        self._staged = None
         if self._gdn is not None:
             self._gdn.restore()
             self._gdn = None
@@ -158,16 +175,22 @@ class TargetRunner:
         T = row.total
         self._buffer = torch.empty((T, len(self.layer_ids) * self.bundle.hidden_size),
                                    dtype=self.hidden_dtype, device=self.device) if capture else None
+        staged = stage_row(row, self.device, FLA_CHUNK if self.linear_path == "fla" else None)
+        self._staged = staged
         kwargs = {}
         mask = None
         if self.attn_impl == "flash_attention_2":
-            if row.num_docs > 1:
-                kwargs = flash_varlen_kwargs(row, self.device)
+            # varlen kwargs for one document too: without them transformers probes position_ids for
+            # packing in every layer (`_is_packed_sequence`, a host sync per layer).
+            kwargs = flash_varlen_kwargs(row, self.device, staged.cu_seqlens)
         else:
-            mask = block_causal_mask(row, self.device, self.attn_impl, self.bundle.dtype)
-        positions = packed_position_ids(row, self.device)
+            mask = block_causal_mask(row, self.device, self.attn_impl, self.bundle.dtype, staged.doc_ids)
+        # One document: the model's own positions (0..T-1) equal ours; no copy to hand over.
+        positions = staged.positions if row.num_docs > 1 else None
+        if mask is None and self._mask_mapping is not None:
+            mask = dict(self._mask_mapping)
         try:
-            packing = self._gdn.packing(row, self.device) if self._gdn is not None else _null_context()
+            packing = self._gdn.packing(row, staged) if self._gdn is not None else _null_context()
             with packing:
                 out = text_backbone(self.model)(input_ids=ids[None], attention_mask=mask, position_ids=positions,
                                                 use_cache=False, **kwargs)

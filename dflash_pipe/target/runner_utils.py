@@ -1,10 +1,13 @@
-"""Small accessors into a causal LM and the chunked top-k of its next-token distribution."""
+"""Small accessors into a causal LM (the chunked top-k of its next-token distribution lives in topk.py)."""
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 
 from ..errors import RuntimeFailure
+from .topk import chunked_topk_logprobs  # noqa: F401  (re-exported: the runner's and the tests' import path)
 
 
 def text_backbone(model: torch.nn.Module) -> torch.nn.Module:
@@ -35,27 +38,19 @@ def layer_kinds(model: torch.nn.Module) -> list[str]:
     return kinds
 
 
-def chunked_topk_logprobs(final_hidden_TH: torch.Tensor, lm_head: torch.nn.Module, k: int, chunk: int,
-                          softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k ids (int32) and log-probs (fp16) of log_softmax(lm_head(h)), `chunk` tokens at a time.
+def accepts_mask_mapping(backbone: torch.nn.Module) -> bool:
+    """Whether the backbone's forward takes a prebuilt {layer_type: mask} dict as `attention_mask`.
 
-    Only one [chunk, V] block of logits exists at a time (V = 248,320 makes the whole-row
-    fp32 logits of 8k tokens 8 GB). The logits come out of lm_head in the model dtype, exactly
-    like the HF forward; the normaliser is a float32 logsumexp over them, and
-    log p = logit - logsumexp is formed in float32 before the fp16 cast.
+    transformers' hybrid models (Qwen3.5 in 5.17/5.24) skip their own mask construction when given
+    one (`if not isinstance(causal_mask_mapping := attention_mask, dict)`). That construction calls
+    `find_packed_sequence_indices(position_ids)`, whose Python `if (...).all()` is a host sync on
+    every forward without a tensor mask. Read from the forward's source: False when unsure.
     """
-    T = final_hidden_TH.shape[0]
-    device = final_hidden_TH.device
-    ids_out = torch.empty((T, k), dtype=torch.int32, device=device)
-    lp_out = torch.empty((T, k), dtype=torch.float16, device=device)
-    for s in range(0, T, chunk):
-        logits = lm_head(final_hidden_TH[s:s + chunk])
-        if softcap:
-            logits = torch.tanh(logits / softcap) * softcap
-        logits = logits.float()
-        lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-        vals, idx = torch.topk(logits, k, dim=-1)
-        ids_out[s:s + chunk] = idx.to(torch.int32)
-        lp_out[s:s + chunk] = (vals - lse).to(torch.float16)
-        del logits, lse, vals, idx
-    return ids_out, lp_out
+    layer_types = getattr(getattr(backbone, "config", None), "layer_types", None)
+    if not layer_types:
+        return False
+    try:
+        src = inspect.getsource(type(backbone).forward)
+    except (OSError, TypeError):
+        return False
+    return "attention_mask, dict)" in src
