@@ -42,7 +42,7 @@ for what in "$@"; do
         flex) step flex "${FLEX_S:-180}" python3 bench/flex_kernel.py --variants "${FLEX_VARIANTS:-all}" \
                   --json "$OUT/flex_kernel.json" ;;
         train) step train "${TRAIN_S:-330}" python3 bench/train_step.py --variants "${TRAIN_VARIANTS:-compiled-fused}" \
-                   --steps 20 --warmup 2 --lock-steps 50 --loader-workers 8 \
+                   --steps 20 --warmup 2 --lock-steps 50 --loader-workers "${LOADER_WORKERS:-12}" \
                    $( [ -s "$OUT/flex_kernel.json" ] && echo --flex-from "$OUT/flex_kernel.json" ) \
                    --json "$OUT/train_step.json" ;;
         gputests) step gputests "${TESTS_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider tests ;;

@@ -98,9 +98,13 @@ MODELS=${QUALITY_MODEL_CACHE:-$Q/models}
 read -r -a REGEN_FLAGS <<< "${QUALITY_REGEN_FLAGS:-}"
 read -r -a EXTRACT_FLAGS <<< "${QUALITY_EXTRACT_FLAGS:-}"
 read -r -a TRAIN_FLAGS <<< "${QUALITY_TRAIN_FLAGS:-}"
-read -r -a EVAL_FLAGS <<< "${QUALITY_EVAL_FLAGS:-}"
+# fp32 target in eval: bf16 verification of a 16-token block rounds differently from one-token decoding, so
+# "identical to target-only" and lossless-vs-fp8 differences below ~1 % need the fp32 target (cheap at 135 M)
+read -r -a EVAL_FLAGS <<< "${QUALITY_EVAL_FLAGS:---target-dtype float32}"
+VAL_EVERY=${QUALITY_VAL_EVERY:-1000}
+HELDOUT=${QUALITY_HELDOUT:-300}
 CODECS=(lossless fp8)
-SETS=(mtbench humaneval)
+SETS=(mtbench humaneval heldout)
 # minimum useful seconds for a resumable job (start-up + some progress worth keeping)
 declare -A MIN_S=([regen]=60 [extract]=45 [train]=60 [eval]=60)
 mkdir -p "$Q/logs" "$Q/done" "$OUT"
@@ -177,6 +181,7 @@ setup() {
 # ------------------------------------------------------------------------------------------- jobs
 JOBS=(regen)
 for c in "${CODECS[@]}"; do JOBS+=("extract-$c"); done
+JOBS+=(extract-val)
 for c in "${CODECS[@]}"; do JOBS+=("train-$c"); done
 for c in "${CODECS[@]}"; do
     if [ "$EVAL_JOBS" = 2 ]; then JOBS+=("eval-$c-all"); else for s in "${SETS[@]}"; do JOBS+=("eval-$c-$s"); done; fi
@@ -186,7 +191,7 @@ deps() {   # job -> jobs it needs
     case $1 in
         regen) ;;
         extract-*) echo regen ;;
-        train-*) echo "extract-${1#train-}" ;;
+        train-*) echo "extract-${1#train-} extract-val" ;;
         eval-*) local c=${1#eval-}; echo "train-${c%%-*}" ;;
     esac
 }
@@ -201,23 +206,31 @@ eval_estimate() {   # seconds one eval job needs
 job_cmd() {   # the command of a job (array JOB_CMD)
     local j=$1 c s
     local common=(-m "$M" --target-model-cache-dir "$MODELS")
+    # the first $HELDOUT regenerated conversations are held out: never trained on, extracted into cache-val
+    # (training's --val-cache-dir) and decoded by the 'heldout' eval set
+    local data=(--data-source "$Q/regenerated.jsonl" --data-skip-samples "$HELDOUT")
     case $j in
         regen)
             JOB_CMD=("$PY" -m dflash_pipe regenerate "${common[@]}" --source "$CARRY/data/sharegpt_first_turns.jsonl"
                      --skip-samples 0 --max-samples "$N_PROMPTS" -o "$Q/regenerated.jsonl" --max-turns 1
                      --max-new-tokens "$GEN_TOKENS" --batch-size "$GEN_BATCH" --device "$DEVICE" "${REGEN_FLAGS[@]}") ;;
+        extract-val)
+            JOB_CMD=("$PY" -m dflash_pipe extract "${common[@]}" --data-source "$Q/regenerated.jsonl"
+                     --data-skip-samples 0 --data-max-samples "$HELDOUT" --codec lossless --cache-dir "$Q/cache-val"
+                     --device "$DEVICE" "${EXTRACT_FLAGS[@]}" --num-shards 2) ;;
         extract-*)
             c=${j#extract-}
-            JOB_CMD=("$PY" -m dflash_pipe extract "${common[@]}" --data-source "$Q/regenerated.jsonl" --codec "$c"
+            JOB_CMD=("$PY" -m dflash_pipe extract "${common[@]}" "${data[@]}" --codec "$c"
                      --cache-dir "$Q/cache-$c" --device "$DEVICE" "${EXTRACT_FLAGS[@]}") ;;
         train-*)
             c=${j#train-}
             JOB_CMD=("$PY" -m dflash_pipe train -m "$M" --cache-dir "$Q/cache-$c" --output-dir "$Q/train-$c"
-                     --max-steps "$TRAIN_STEPS" --resume auto --device "$DEVICE" "${TRAIN_FLAGS[@]}") ;;
+                     --max-steps "$TRAIN_STEPS" --resume auto --device "$DEVICE" --val-cache-dir "$Q/cache-val"
+                     --val-every "$VAL_EVERY" --val-batches 8 "${TRAIN_FLAGS[@]}") ;;
         eval-*)
             c=${j#eval-}; s=${c#*-}; c=${c%%-*}
             [ "$s" = all ] && s=$(IFS=,; echo "${SETS[*]}")
-            JOB_CMD=("$PY" -m dflash_pipe eval "${common[@]}" --train-output-dir "$Q/train-$c" --prompts "$s"
+            JOB_CMD=("$PY" -m dflash_pipe eval "${common[@]}" "${data[@]}" --train-output-dir "$Q/train-$c" --prompts "$s"
                      --max-prompts "$EVAL_PROMPTS" --max-new-tokens "$EVAL_TOKENS" --output-dir "$Q/$j"
                      --device "$DEVICE" "${EVAL_FLAGS[@]}") ;;
     esac
@@ -270,6 +283,7 @@ reap() {   # collect finished jobs; sets RC[job]
         echo "$(( $(cat "$Q/done/$j.seconds" 2>/dev/null || echo 0) + dt ))" > "$Q/done/$j.seconds"
         if [ "$rc" = 0 ] && job_ok "$j"; then
             date -u +%FT%TZ > "$Q/done/$j"; say "done  $j in ${dt}s"
+            [ "$j" = regen ] && gzip -c "$Q/regenerated.jsonl" > "$Q/regenerated.jsonl.gz"
         elif [ "$rc" = 124 ] || [ "$rc" = 130 ] || [ "$rc" = 137 ]; then
             say "stopped $j at the deadline after ${dt}s (rc $rc): $(job_progress "$j")"
         else

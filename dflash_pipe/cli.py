@@ -61,7 +61,7 @@ def plan_cmd(cfg: RunConfig, as_json: bool = typer.Option(False, "--json", help=
     typer.echo(plan.to_json() if as_json else plan.describe())
 
 
-@config_command(app, "eval", own=("eval",), others=("target", "train"))
+@config_command(app, "eval", own=("eval",), others=("target", "data", "train"))
 def eval_cmd(cfg: RunConfig):
     """Real greedy speculative decoding with target + drafter (and a prompt-lookup baseline)."""
     from .eval.runner import run_eval
