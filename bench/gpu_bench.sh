@@ -15,9 +15,13 @@ OUT=${OUT:-bench/results/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
-if ls .whl/gpu/*.whl >/dev/null 2>&1; then
+# GPU_WHEELS: the carried wheel folders (default .whl/gpu); a call short of carry room can split them,
+# e.g. GPU_WHEELS=".whl/zstd" for flex/train (no FLA needed) and GPU_WHEELS=".whl/fla .gpucarry/whl" later
+WHEELS=$(for d in ${GPU_WHEELS:-.whl/gpu}; do ls "$d"/*.whl 2>/dev/null; done)
+if [ -n "$WHEELS" ]; then
+    # shellcheck disable=SC2086
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        .whl/gpu/*.whl || exit 4
+        $WHEELS || exit 4
     export PYTHONPATH=/tmp/site:$PWD
 else
     export PYTHONPATH=$PWD
