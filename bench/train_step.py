@@ -277,7 +277,14 @@ def main() -> None:
     ap.add_argument("--flex-block", default="128,128")
     ap.add_argument("--flex-from", default="", help="take the fastest tiles from a bench/flex_kernel.py --json file")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shape on the CPU (checks the script, no numbers)")
+    ap.add_argument("--in-process", action="store_true",
+                    help="run all variants in this process (default: one child process per variant when there are "
+                         "several, so no variant's memory or compiled code leaks into the next one's numbers)")
+    ap.add_argument("--no-loader", action="store_true", help=argparse.SUPPRESS)  # children: the parent measures it
     args = ap.parse_args()
+    names = args.variants.split(",")
+    if len(names) > 1 and not args.in_process:
+        return run_isolated(args, names)
     device = torch.device("cpu" if args.cpu_smoke else "cuda")
     shape = SeedShape()
     if args.cpu_smoke:
@@ -296,26 +303,54 @@ def main() -> None:
         pool = [p.pin_memory() for p in pool]
     batches = make_batches(shape, max(args.lock_steps, args.steps + args.warmup), pool)
     head = BenchHead(shape, device)
-    lr = loader_rate(shape, args.loader_workers)  # first: it needs no compile, so it always gets measured
+    lr = {} if args.no_loader else loader_rate(shape, args.loader_workers)  # first: needs no compile
     print(json.dumps({"loader": lr}), flush=True)
     results = []
-    names = args.variants.split(",")
     for i, name in enumerate(names):
         steps = max(args.steps, args.lock_steps - args.warmup) if i == 0 else args.steps
         r = run_variant(name, shape, head, batches, steps, args.warmup, device)
         results.append(r)
         print(json.dumps(r), flush=True)
         if args.json:
-            Path(args.json).write_text(json.dumps({"flex_tiles": [qb, kb], "flex_kernel_options": kernel_options, "variants": results, "loader": lr},
-                                                  indent=2))
+            Path(args.json).write_text(json.dumps({"flex_tiles": [qb, kb], "flex_kernel_options": kernel_options,
+                                                   "variants": results, "loader": lr}, indent=2))
+    report(results, lr, shape, width, args.json, {"flex_tiles": [qb, kb], "flex_kernel_options": kernel_options})
+
+
+def run_isolated(args, names: list[str]) -> None:
+    """Each variant in its own process (the first also runs the lock steps); the loader measured once here."""
+    import subprocess
+    import tempfile as tf
+
+    shape = SeedShape() if not args.cpu_smoke else None
+    results, head_info, lr = [], {}, {}
+    for i, name in enumerate(names):
+        out = Path(tf.mkdtemp(prefix="train-step-")) / "r.json"
+        cmd = [sys.executable, __file__, "--variants", name, "--steps", str(args.steps), "--warmup", str(args.warmup),
+               "--lock-steps", str(args.lock_steps if i == 0 else 0), "--loader-workers", str(args.loader_workers),
+               "--flex-block", args.flex_block, "--json", str(out)] + (["--flex-from", args.flex_from]
+                                                                      if args.flex_from else []) \
+            + (["--cpu-smoke"] if args.cpu_smoke else []) + ([] if i == 0 else ["--no-loader"])
+        rc = subprocess.run(cmd).returncode
+        got = json.loads(out.read_text()) if out.is_file() else {}
+        results += got.get("variants") or [{"variant": name, "ok": False, "error": f"child exited {rc}, no result"}]
+        lr = lr or got.get("loader", {})
+        head_info = head_info or {k: got[k] for k in ("flex_tiles", "flex_kernel_options") if k in got}
+    if args.cpu_smoke:
+        shape = SeedShape(context=512, anchors=16, block=8, hidden=64, layers=1, heads=4, kv_heads=2, head_dim=16,
+                          intermediate=128, vocab=49152 + 16, target_layers=2, mask_token_id=49152 + 3)
+    report(results, lr, shape, shape.hidden * shape.target_layers, args.json, head_info)
+
+
+def report(results: list, lr: dict, shape: SeedShape, width: int, json_path: str, head_info: dict) -> None:
     best = min((r for r in results if r.get("ok")), key=lambda r: r["step_ms"], default=None)
-    if best:
+    if best and lr:
         consume = shape.context * width * 2 / (best["step_ms"] / 1000) / 1e9
         lr["step_consumption_GBps"] = consume
         lr["decode_over_consumption"] = lr["decode_GBps"] / consume
     print(json.dumps({"loader": lr}), flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps({"flex_tiles": [qb, kb], "flex_kernel_options": kernel_options, "variants": results, "loader": lr}, indent=2))
+    if json_path:
+        Path(json_path).write_text(json.dumps({**head_info, "variants": results, "loader": lr}, indent=2))
     print(f"\n{'variant':24s} {'ms/step':>8s} {'TFLOP/s':>8s} {'MFU':>6s} {'peak GiB':>9s} {'1st step s':>10s}  status")
     for r in results:
         if r.get("step_ms"):
@@ -323,8 +358,10 @@ def main() -> None:
                   f"{r['first_step_s']:10.1f}  {'ok' if r['ok'] else r.get('error', '')[:60]}")
         else:
             print(f"{r['variant']:24s} failed: {r.get('error', '')[:100]}")
-    print(f"loader: {lr['decode_GBps']:.2f} GB/s with {lr['workers']} workers"
-          + (f" = {lr['decode_over_consumption']:.1f}x the step's consumption" if "decode_over_consumption" in lr else ""))
+    if lr:
+        print(f"loader: {lr['decode_GBps']:.2f} GB/s with {lr['workers']} workers"
+              + (f" = {lr['decode_over_consumption']:.2f}x the step's consumption"
+                 if "decode_over_consumption" in lr else ""))
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import torch
 from .cache import load_spec
 from .cache.manifest import MANIFEST_FILE, committed_shards, diff_fields, fingerprint_of
 from .config import RunConfig
+from .errors import UsageError
 from .extract.fingerprint import fingerprint_fields, resolve_target_dtype
 
 
@@ -108,6 +109,10 @@ def make_plan(cfg: RunConfig) -> Plan:
                                               Path(os.path.expanduser(cfg.target.model_cache_dir)))
     else:
         model_dir = Path(os.path.expanduser(spec_str)).resolve()
+        if not model_dir.is_dir():
+            raise UsageError(f"--target-model / [target] model '{spec_str}' is not a local directory",
+                             "download it first (e.g. `hf download <repo> --local-dir DIR`) and pass DIR; "
+                             "dflash-pipe never fetches from the hub")
     identity, text = _dir_identity(model_dir, cfg.target.trust_remote_code)
     identity["model_id"] = spec_str
     n_layers = int(text["num_hidden_layers"])

@@ -125,3 +125,13 @@ def test_ctrl_c_stops_the_pipeline_with_130_and_a_rerun_resumes(tmp_path):
                            text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-2000:]
     assert (cache / "manifest.json").exists() and (out / "export" / "config.json").exists()
+
+
+def test_missing_model_dir_is_a_usage_error_naming_the_flag(tmp_path):
+    """A model path that does not exist is refused before transformers is asked (it would try the hub)."""
+    from dflash_pipe.errors import UsageError
+
+    missing = tmp_path / "no-such-model"
+    m = write_manifest(tmp_path, "m.toml", tmp_path / "cache", tmp_path / "out", f'target.model = "{missing}"')
+    with pytest.raises(UsageError, match="--target-model.*not a local directory"):
+        _plan(m)
