@@ -204,8 +204,14 @@ def sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def loader_rate(shape: SeedShape, workers: int, batches: int = 8) -> dict:
-    """Decode throughput of the real loader at the seed's feature width (synthetic heavy-tailed values)."""
+def loader_rate(shape: SeedShape, workers: int, batches: int = 8, row_group_mb: int | None = None) -> dict:
+    """Decode throughput of the real loader at the seed's feature width (synthetic heavy-tailed values).
+
+    Row groups as extraction writes them (`extract.row_group_mb`, default 64 MiB; sessions 2-3 measured
+    with 256 MiB ones, i.e. ~4x fewer row groups to read in parallel per batch)."""
+    from dflash_pipe.config import ExtractConfig
+
+    row_group_mb = row_group_mb or ExtractConfig().row_group_mb
     from dflash_pipe.cache import init_or_check_spec, make_spec, shard_name, try_finalize, write_sidecar
     from dflash_pipe.cache.schema import shard_meta
     from dflash_pipe.cache.writer import ShardWriter, make_row
@@ -218,7 +224,7 @@ def loader_rate(shape: SeedShape, workers: int, batches: int = 8) -> dict:
                      "codec": LOSSLESS, "topk": 0, "layer_ids": list(range(shape.target_layers))}, 1, {})
     init_or_check_spec(tmp, spec)
     w = ShardWriter(tmp, shard_name(0, 1), 0, LOSSLESS, 0,
-                    shard_meta(LOSSLESS, 0, width, shape.target_layers, spec["fingerprint"]), 256 << 20)
+                    shard_meta(LOSSLESS, 0, width, shape.target_layers, spec["fingerprint"]), row_group_mb << 20)
     docs = structure_batches(shape, batches)
     feats = heavy_tailed_features(shape.context, width, 0)
     rows = []
@@ -259,7 +265,7 @@ def loader_rate(shape: SeedShape, workers: int, batches: int = 8) -> dict:
     end = time.perf_counter()
     loader.close()
     warm_s = end - t_warm if t_warm is not None and n_warm else float("nan")
-    return {"workers": workers, "batches": n, "steady_batches": n_warm,
+    return {"workers": workers, "row_group_mb": row_group_mb, "batches": n, "steady_batches": n_warm,
             "decode_GBps": raw_warm / warm_s / 1e9 if n_warm else raw / (end - t_cold) / 1e9,
             "decode_cold_GBps": raw / (end - t_cold) / 1e9, "batch_ms": 1000 * warm_s / max(1, n_warm),
             "encode_GBps": info.raw_feature_bytes / enc_s / 1e9, "ratio": info.bytes / info.raw_feature_bytes,
