@@ -21,10 +21,14 @@
 # Stages (each marks completion in /tmp/quality/done/<job>; a rerun skips finished jobs, and the pipeline's
 # own resume continues unfinished ones: regenerate skips written ids, extract skips committed shards,
 # train --resume auto continues from the last checkpoint):
-#   regen           SmolLM2 answers QUALITY_N_PROMPTS ShareGPT first turns itself (greedy, batched HF generate)
-#   extract-lossless, extract-fp8                       two processes at once
+#   regen           SmolLM2 answers QUALITY_N_PROMPTS ShareGPT first turns itself (greedy, batched HF generate);
+#                   seeded from bench/data/smollm2_regenerated_sharegpt.jsonl.gz (the first 8000, kept from
+#                   session 3), so only prompts beyond those are generated
+#   extract-lossless, extract-fp8, extract-val          three processes at once; the first QUALITY_HELDOUT (300)
+#                   conversations are held out of training and extracted as cache-val (training's --val-cache-dir)
 #   train-lossless,   train-fp8                         two processes at once, each as soon as its cache is done
-#   eval-{lossless,fp8}-{mtbench,humaneval}            four processes (DFlash + prompt lookup + target-only)
+#   eval-{lossless,fp8}-{mtbench,humaneval,heldout}    six processes (DFlash + prompt lookup + target-only, fp32
+#                   target); heldout decodes the held-out conversations' prompts
 #   report          bench/quality_report.py -> $OUT (every call, with whatever is finished)
 # Deadline (QUALITY_DEADLINE_S, default 540 s from the script's start): a resumable job is started only with at
 # least its minimum useful time left and runs under `timeout -s INT` until the deadline minus a reserve. Every
@@ -172,10 +176,31 @@ setup() {
         mkdir -p "$CARRY/whl" && cp -n "$whl" "$CARRY/whl/" 2>/dev/null
         say "setup: installed $(basename "$whl")"
     done
+    seed_regenerated
     export DFLASH_PROMPTS_DIR=$CARRY/data/prompts
     export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 MPLBACKEND=Agg TOKENIZERS_PARALLELISM=false
     export DFLASH_LOG=${DFLASH_LOG:-WARNING}
     echo "$CALL" > "$Q/calls"
+}
+
+# A regenerated file kept from an earlier run (bench/data/, with its progress sidecar) seeds regen: the regen
+# job then only answers the prompts beyond it (a larger QUALITY_N_PROMPTS extends it, `dflash-pipe regenerate`
+# resumes by id). Used only if it was made from this same source path; QUALITY_REGEN_SEED="" disables it.
+seed_regenerated() {
+    local seed=${QUALITY_REGEN_SEED-$REPO/bench/data/smollm2_regenerated_sharegpt.jsonl.gz}
+    local side=${seed%.jsonl.gz}.progress.json
+    [ -n "$seed" ] && [ -f "$seed" ] && [ -f "$side" ] && [ ! -s "$Q/regenerated.jsonl" ] || return 0
+    if "$PY" - "$side" "$CARRY/data/sharegpt_first_turns.jsonl" <<'PY'
+import json, sys
+sys.exit(0 if json.load(open(sys.argv[1]))["settings"].get("source") == sys.argv[2] else 1)
+PY
+    then
+        gzip -dc "$seed" > "$Q/regenerated.jsonl.tmp" && cp "$side" "$Q/regenerated.jsonl.progress.json" &&
+            mv "$Q/regenerated.jsonl.tmp" "$Q/regenerated.jsonl" &&
+            say "setup: regen seeded with $(wc -l < "$Q/regenerated.jsonl") conversations from ${seed#$REPO/}"
+    else
+        say "setup: not seeding regen from ${seed#$REPO/} (made from another source path)"
+    fi
 }
 
 # ------------------------------------------------------------------------------------------- jobs

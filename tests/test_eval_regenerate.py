@@ -157,6 +157,25 @@ def test_resume_with_other_settings_or_a_foreign_file_is_refused(reference, cfg,
         _regen(cfg, llama, bad)
 
 
+def test_a_larger_max_samples_extends_the_file_to_the_direct_run(reference, cfg, llama, tmp_path):
+    """Regenerating 3 conversations, then asking for all of them, writes what one run over all writes;
+    a smaller max_samples than the file's is still refused."""
+    out = tmp_path / "grown.jsonl"
+    cfg.data.max_samples = 3
+    _regen(cfg, llama, out)
+    assert _rows(out)[1] == ["a", "src:2", "c"]
+    cfg.data.max_samples = 0
+    state = _regen(cfg, llama, out)
+    assert _rows(out) == reference and state["settings"]["max_samples"] == 0
+    assert out.read_bytes() == (tmp_path / "ref.jsonl").read_bytes()
+    small = tmp_path / "small.jsonl"
+    cfg.data.max_samples = 4
+    _regen(cfg, llama, small)
+    cfg.data.max_samples = 2
+    with pytest.raises(ValidationError, match="max_samples"):
+        _regen(cfg, llama, small)
+
+
 def test_too_long_prompts_stop_the_conversation_or_skip_it(cfg, llama, tmp_path):
     out = tmp_path / "short.jsonl"
     tok = llama.tokenizer

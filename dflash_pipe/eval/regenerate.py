@@ -247,7 +247,12 @@ def _load_sidecar(output: Path, settings: dict) -> dict:
     except (OSError, json.JSONDecodeError) as exc:
         raise ValidationError(f"{side}: unreadable progress sidecar ({exc})", "pass a new --output") from None
     old = state.get("settings", {})
-    diff = {k: (old.get(k), v) for k, v in settings.items() if old.get(k) != v}
+    # Conversations are answered in input order, so a file made with max_samples = N is the prefix of one
+    # made with more: a larger (or unlimited, 0) max_samples extends it instead of being refused.
+    grows = old.get("max_samples", 0) != 0 and (settings["max_samples"] == 0 or
+                                                 settings["max_samples"] > old.get("max_samples", 0))
+    diff = {k: (old.get(k), v) for k, v in settings.items()
+            if old.get(k) != v and not (k == "max_samples" and grows)}
     if diff:
         lines = "; ".join(f"{k}: {a!r} in the file vs {b!r} now" for k, (a, b) in diff.items())
         raise ValidationError(f"{output} was generated with other settings ({lines})",
