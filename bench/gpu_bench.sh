@@ -43,7 +43,7 @@ for what in "$@"; do
     case $what in
         extract) step extract "${EXTRACT_S:-300}" python3 bench/extract_throughput.py --batches 16 --warmup 1 \
                      --workers 8 --shards-per-pass 2 --profile 2 --json "$OUT/extract_throughput.json" ;;
-        flex) step flex "${FLEX_S:-180}" python3 bench/flex_kernel.py --variants "${FLEX_VARIANTS:-all}" \
+        flex) step flex "${FLEX_S:-420}" python3 bench/flex_kernel.py --variants "${FLEX_VARIANTS:-all}" \
                   --json "$OUT/flex_kernel.json" ;;
         train) step train "${TRAIN_S:-330}" python3 bench/train_step.py --variants "${TRAIN_VARIANTS:-compiled-fused}" \
                    --steps 20 --warmup 2 --lock-steps 50 --loader-workers "${LOADER_WORKERS:-12}" \
