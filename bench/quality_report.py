@@ -84,8 +84,10 @@ def training_curve(train_dir: Path) -> dict | None:
                         "loss": sum(r.get("loss", 0.0) for r in part) / len(part)})
     step_s = sorted(r["step_s"] for r in recs[min(3, n - 1):])
     tail = recs[-max(1, n // 10):]
+    walks = [r["tau_walk"] for r in tail if isinstance(r.get("tau_walk"), (int, float))]
     return {"records": n, "last_step": recs[-1]["step"] + 1, "planned_steps": planned,
             "tokens_seen": seen[-1], "tau_last_10pct": sum(r["tau"] for r in tail) / len(tail),
+            "tau_walk_last_10pct": sum(walks) / len(walks) if walks else None,
             "median_step_s": step_s[len(step_s) // 2], "windows": windows,
             "points": [(s, r["tau"]) for s, r in zip(seen, recs)]}
 
@@ -97,7 +99,7 @@ def validation_curve(train_dir: Path) -> dict | None:
     if not recs:
         return None
     return {"last_step": recs[-1]["step"] + 1, "tau_last": recs[-1]["val_tau"], "acc_last": recs[-1].get("val_acc"),
-            "points": [(r["step"] + 1, r["val_tau"]) for r in recs]}
+            "tau_walk_last": recs[-1].get("val_tau_walk"), "points": [(r["step"] + 1, r["val_tau"]) for r in recs]}
 
 
 def cache_facts(cache_dir: Path) -> dict | None:
@@ -181,7 +183,10 @@ def markdown(summary: dict) -> str:
           "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for c in CODECS:
         tr, va = summary["codecs"][c]["train"], summary["codecs"][c]["val"]
-        sim = f"{_f(tr and tr['tau_last_10pct'], '.2f')} | {_f(va and va['tau_last'], '.2f')}"
+        def walk(x):  # the decoding-walk estimate (harmonic mean), logged since session 3
+            return f" (walk {x:.2f})" if x is not None else ""
+        sim = (f"{_f(tr and tr['tau_last_10pct'], '.2f')}{walk(tr and tr.get('tau_walk_last_10pct'))} | "
+               f"{_f(va and va['tau_last'], '.2f')}{walk(va and va.get('tau_walk_last'))}")
         for s in SETS:
             r = summary["sets"][s].get(c)
             if not r:

@@ -32,7 +32,7 @@ def test_fused_equals_unfused(kd_weight, chunk):
     (l0, g0, m0), (l1, g1, m1) = outs
     torch.testing.assert_close(l1, l0, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(g1, g0, rtol=1e-9, atol=1e-12)
-    for key in ("loss_sum", "ce_sum", "kd_sum", "weight_sum", "tau_sum"):
+    for key in ("loss_sum", "ce_sum", "kd_sum", "weight_sum", "tau_sum", "inv_tau_sum"):
         torch.testing.assert_close(m1[key].double(), m0[key].double(), rtol=1e-10, atol=1e-12)
     assert torch.equal(m1["correct_per_slot"], m0["correct_per_slot"])
 

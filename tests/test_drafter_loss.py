@@ -119,6 +119,7 @@ def test_tau_and_accuracy_on_hand_made_blocks():
     assert m["correct_per_slot"].tolist() == correct and m["valid_per_slot"].tolist() == valid
     s = summarize_metrics(m)
     assert s["tau"] == pytest.approx(sum(taus) / len(taus))
+    assert s["tau_walk"] == pytest.approx(len(taus) / sum(1.0 / t for t in taus))  # harmonic mean
     assert s["acc_1"] == pytest.approx(correct[1] / valid[1])
 
 
@@ -156,3 +157,23 @@ def test_gather_kd_targets_uses_the_previous_position():
             assert torch.equal(t.topk_ids_NBK[j, slot], ids[row])
             assert torch.equal(t.topk_logprobs_NBK[j, slot], lps[row])
     assert t.weight == 0.5 and t.topk_ids_NBK.dtype == torch.int64
+
+
+def test_tau_walk_is_the_decoding_walk_tau_when_acceptance_is_piecewise_constant():
+    """The harmonic mean of per-position tau equals tokens / steps of a greedy walk through a document
+    whose acceptance is constant over stretches (each stretch a multiple of its tau); the arithmetic
+    mean over positions does not (it over-states the walk)."""
+    stretches = [(8, 64), (1, 40), (3, 33), (16, 32), (2, 10)]  # (tau, length)
+    tau_at = [t for t, n in stretches for _ in range(n)]
+    pos, steps = 0, 0
+    while pos < len(tau_at):  # speculative decoding: one step accepts tau_at[pos] tokens
+        pos += tau_at[pos]
+        steps += 1
+    walk = len(tau_at) / steps
+    m = {"loss_sum": torch.tensor(0.0), "ce_sum": torch.tensor(0.0), "kd_sum": torch.tensor(0.0),
+         "weight_sum": torch.tensor(1.0), "correct_per_slot": torch.zeros(2), "valid_per_slot": torch.ones(2),
+         "tau_sum": torch.tensor(float(sum(tau_at))), "num_blocks": torch.tensor(float(len(tau_at))),
+         "inv_tau_sum": torch.tensor(sum(1.0 / t for t in tau_at), dtype=torch.float64)}
+    s = summarize_metrics(m)
+    assert s["tau_walk"] == pytest.approx(walk, rel=1e-12)
+    assert s["tau"] > 1.5 * walk

@@ -37,7 +37,16 @@ def test_training_tau_reads_last_and_tail_mean(tmp_path):
     got = training_tau(tmp_path)
     assert got["tau_last"] == pytest.approx(taus[-1])
     assert got["tau_last_10pct_mean"] == pytest.approx(sum(taus[-3:]) / 3)
+    assert "tau_walk_last_10pct_mean" not in got and "val_tau" not in got  # older runs log neither
     assert training_tau(tmp_path / "missing") is None
+    walks = [1.0 + 0.05 * i for i in range(30)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "tau": t, "tau_walk": w}) + "\n"
+                                                    for i, (t, w) in enumerate(zip(taus, walks))))
+    (tmp_path / "val_metrics.jsonl").write_text(json.dumps({"step": 9, "val_tau": 2.5, "val_tau_walk": 1.9}) + "\n" +
+                                                json.dumps({"step": 19, "val_tau": 2.7, "val_tau_walk": 2.0}) + "\n")
+    got = training_tau(tmp_path)
+    assert got["tau_walk_last_10pct_mean"] == pytest.approx(sum(walks[-3:]) / 3)
+    assert (got["val_step"], got["val_tau"], got["val_tau_walk"]) == (20, 2.7, 2.0)
 
 
 def _cfg(tmp_path, **eval_kw) -> RunConfig:

@@ -20,6 +20,13 @@ Metrics (no grad, returned as sums and counts so the trainer can all-reduce them
 per-slot top-1 accuracy, and the simulated acceptance length tau of each block = 1 + the length
 of the prefix of slots 1.. whose argmax equals the label (stopping at the first miss or invalid
 label); a block counts when it has any valid label.
+
+Two averages of those per-block tau values are reported. `tau` is their mean over the sampled
+anchors (uniform over the response). `tau_walk` is their harmonic mean, num_blocks / sum(1/tau):
+speculative decoding takes one step per block, so it spends its steps where acceptance is short,
+and where tau is locally constant along a document, decoding it advances tau tokens per step, giving
+tokens / steps = L / sum(len_r / tau_r) = the harmonic mean over positions. The arithmetic mean is
+an upper bound on the real tau; `tau_walk` estimates it (BENCHMARKS.md, quality session 3).
 """
 
 from __future__ import annotations
@@ -113,7 +120,7 @@ def draft_loss(hidden_QH: torch.Tensor, lm_head_VH: torch.Tensor, labels_NB: tor
     hidden_QH: drafter output [N*B, H]; lm_head_VH: frozen target head [V, H];
     labels_NB: int64, -100 = ignore (slot 0 is always ignored).
     metrics: tensors (detached) — loss_sum, ce_sum, kd_sum, weight_sum, correct_per_slot [B],
-    valid_per_slot [B], tau_sum, num_blocks; see `summarize_metrics`.
+    valid_per_slot [B], tau_sum, inv_tau_sum, num_blocks; see `summarize_metrics`.
     """
     n, b = labels_NB.shape
     if b != block_size or hidden_QH.shape[0] != n * b:
@@ -176,13 +183,14 @@ def draft_loss(hidden_QH: torch.Tensor, lm_head_VH: torch.Tensor, labels_NB: tor
             "correct_per_slot": hit_NB.sum(dim=0),
             "valid_per_slot": valid_NB.sum(dim=0),
             "tau_sum": ((1 + accepted) * block_counts).sum(),
+            "inv_tau_sum": (block_counts / (1 + accepted).to(torch.float32)).sum(),
             "num_blocks": block_counts.sum(),
         }
     return loss, metrics
 
 
 def summarize_metrics(metrics: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Sums/counts (possibly all-reduced over ranks) -> loss, ce, kd, acc, acc_k (k = 1..B-1), tau."""
+    """Sums/counts (possibly all-reduced over ranks) -> loss, ce, kd, acc, acc_k (k = 1..B-1), tau, tau_walk."""
     def ratio(a, b):
         b = float(b)
         return float(a) / b if b > 0 else math.nan
@@ -194,6 +202,8 @@ def summarize_metrics(metrics: dict[str, torch.Tensor]) -> dict[str, float]:
         "acc": ratio(metrics["correct_per_slot"].sum(), metrics["valid_per_slot"].sum()),
         "tau": ratio(metrics["tau_sum"], metrics["num_blocks"]),
     }
+    if "inv_tau_sum" in metrics:
+        out["tau_walk"] = ratio(metrics["num_blocks"], metrics["inv_tau_sum"])
     correct, valid = metrics["correct_per_slot"].tolist(), metrics["valid_per_slot"].tolist()
     for k in range(1, len(correct)):
         out[f"acc_{k}"] = ratio(correct[k], valid[k])

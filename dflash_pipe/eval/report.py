@@ -59,8 +59,20 @@ def training_tau(train_dir: Path) -> dict | None:
     if not taus:
         return None
     tail = taus[-max(1, len(taus) // 10):]
-    return {"metrics_file": str(path), "records": len(taus), "tau_last": taus[-1],
-            "tau_last_10pct_mean": sum(tail) / len(tail)}
+    out = {"metrics_file": str(path), "records": len(taus), "tau_last": taus[-1],
+           "tau_last_10pct_mean": sum(tail) / len(tail)}
+    walks = [float(rec["tau_walk"]) for rec in read_jsonl(path)
+             if isinstance(rec.get("tau_walk"), (int, float)) and math.isfinite(rec["tau_walk"])]
+    if walks:  # harmonic mean per step: what decoding would see (drafter/loss.py)
+        wt = walks[-max(1, len(walks) // 10):]
+        out["tau_walk_last_10pct_mean"] = sum(wt) / len(wt)
+    val_path = Path(train_dir) / "val_metrics.jsonl"
+    vals = [rec for rec in read_jsonl(val_path) if isinstance(rec.get("val_tau"), (int, float))] \
+        if val_path.is_file() else []
+    if vals:  # held-out cache (--val-cache-dir), last pass
+        last = vals[-1]
+        out.update(val_step=last["step"] + 1, val_tau=last["val_tau"], val_tau_walk=last.get("val_tau_walk"))
+    return out
 
 
 def _fmt(x, spec: str = ".2f", suffix: str = "") -> str:
@@ -80,8 +92,14 @@ def markdown_table(report: dict) -> str:
     tr = report.get("training")
     if tr:
         lines.append("")
+        walk = (f" (decoding-walk estimate {tr['tau_walk_last_10pct_mean']:.2f})"
+                if tr.get("tau_walk_last_10pct_mean") is not None else "")
         lines.append(f"Training-time simulated tau: last {tr['tau_last']:.2f}, mean of the last 10 % of logged "
-                     f"steps {tr['tau_last_10pct_mean']:.2f} (eval tau above is real speculative decoding).")
+                     f"steps {tr['tau_last_10pct_mean']:.2f}{walk} (eval tau above is real speculative decoding).")
+        if tr.get("val_tau") is not None:
+            vw = f" (walk estimate {tr['val_tau_walk']:.2f})" if tr.get("val_tau_walk") is not None else ""
+            lines.append(f"Held-out validation cache after step {tr['val_step']}: simulated tau "
+                         f"{tr['val_tau']:.2f}{vw}.")
     if report.get("cache_mode") == "recompute":
         lines.append("")
         lines.append("Target ran in 'recompute' cache mode (recurrent layers): tau is exact, speedups are omitted.")

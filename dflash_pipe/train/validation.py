@@ -55,7 +55,7 @@ def _check_compatible(val_spec: dict, train_spec: dict, dcfg, val_dir: str) -> N
                               "extract the validation cache with the same target, layers and tokenizer")
 
 
-_SCALARS = ("loss_sum", "ce_sum", "kd_sum", "weight_sum", "tau_sum", "num_blocks")
+_SCALARS = ("loss_sum", "ce_sum", "kd_sum", "weight_sum", "tau_sum", "inv_tau_sum", "num_blocks")
 _PER_SLOT = ("correct_per_slot", "valid_per_slot")
 
 
