@@ -94,12 +94,13 @@ def training_curve(train_dir: Path) -> dict | None:
 
 def validation_curve(train_dir: Path) -> dict | None:
     """Held-out simulated tau (val_metrics.jsonl, written when training ran with --val-cache-dir)."""
-    recs = [r for r in read_jsonl(train_dir / "val_metrics.jsonl") if isinstance(r.get("val_tau"), (int, float))] \
-        if (train_dir / "val_metrics.jsonl").is_file() else []
+    path = train_dir / "val_metrics.jsonl"
+    recs = [r for r in read_jsonl(path) if isinstance(r.get("val_tau"), (int, float))] if path.is_file() else []
     if not recs:
         return None
-    return {"last_step": recs[-1]["step"] + 1, "tau_last": recs[-1]["val_tau"], "acc_last": recs[-1].get("val_acc"),
-            "tau_walk_last": recs[-1].get("val_tau_walk"), "points": [(r["step"] + 1, r["val_tau"]) for r in recs]}
+    last = recs[-1]
+    return {"last_step": last["step"] + 1, "tau_last": last["val_tau"], "acc_last": last.get("val_acc"),
+            "tau_walk_last": last.get("val_tau_walk"), "points": [(r["step"] + 1, r["val_tau"]) for r in recs]}
 
 
 def cache_facts(cache_dir: Path) -> dict | None:

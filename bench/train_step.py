@@ -292,10 +292,7 @@ def main() -> None:
     if len(names) > 1 and not args.in_process:
         return run_isolated(args, names)
     device = torch.device("cpu" if args.cpu_smoke else "cuda")
-    shape = SeedShape()
-    if args.cpu_smoke:
-        shape = SeedShape(context=512, anchors=16, block=8, hidden=64, layers=1, heads=4, kv_heads=2, head_dim=16,
-                          intermediate=128, vocab=49152 + 16, target_layers=2, mask_token_id=49152 + 3)
+    shape = bench_shape(args.cpu_smoke)
     if args.flex_from:
         qb, kb, kernel_options = best_flex_variant(args.flex_from)
     else:
@@ -323,12 +320,19 @@ def main() -> None:
     report(results, lr, shape, width, args.json, {"flex_tiles": [qb, kb], "flex_kernel_options": kernel_options})
 
 
+def bench_shape(cpu_smoke: bool) -> SeedShape:
+    """The seed's shape, or a tiny one for --cpu-smoke (checks the script, no numbers)."""
+    if not cpu_smoke:
+        return SeedShape()
+    return SeedShape(context=512, anchors=16, block=8, hidden=64, layers=1, heads=4, kv_heads=2, head_dim=16,
+                     intermediate=128, vocab=49152 + 16, target_layers=2, mask_token_id=49152 + 3)
+
+
 def run_isolated(args, names: list[str]) -> None:
     """Each variant in its own process (the first also runs the lock steps); the loader measured once here."""
     import subprocess
     import tempfile as tf
 
-    shape = SeedShape() if not args.cpu_smoke else None
     results, head_info, lr = [], {}, {}
     for i, name in enumerate(names):
         out = Path(tf.mkdtemp(prefix="train-step-")) / "r.json"
@@ -342,9 +346,7 @@ def run_isolated(args, names: list[str]) -> None:
         results += got.get("variants") or [{"variant": name, "ok": False, "error": f"child exited {rc}, no result"}]
         lr = lr or got.get("loader", {})
         head_info = head_info or {k: got[k] for k in ("flex_tiles", "flex_kernel_options") if k in got}
-    if args.cpu_smoke:
-        shape = SeedShape(context=512, anchors=16, block=8, hidden=64, layers=1, heads=4, kv_heads=2, head_dim=16,
-                          intermediate=128, vocab=49152 + 16, target_layers=2, mask_token_id=49152 + 3)
+    shape = bench_shape(args.cpu_smoke)
     report(results, lr, shape, shape.hidden * shape.target_layers, args.json, head_info)
 
 

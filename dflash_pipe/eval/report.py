@@ -49,26 +49,33 @@ def method_summary(results: list[SpecResult], reference: list[list[int]], target
     }
 
 
+def _finite(recs: list[dict], key: str) -> list[float]:
+    return [float(r[key]) for r in recs if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+
+
+def _tail_mean(xs: list[float]) -> float:
+    """Mean over the last 10 % of the records (at least one)."""
+    tail = xs[-max(1, len(xs) // 10):]
+    return sum(tail) / len(tail)
+
+
 def training_tau(train_dir: Path) -> dict | None:
-    """Simulated tau logged by training: the last record and the mean over the last 10 % of records."""
+    """Simulated tau logged by training: the last record and the mean over the last 10 % of records;
+    the decoding-walk estimate (drafter/loss.py) and the last held-out validation pass when logged."""
     path = Path(train_dir) / "metrics.jsonl"
     if not path.is_file():
         return None
-    taus = [float(rec["tau"]) for rec in read_jsonl(path)
-            if isinstance(rec.get("tau"), (int, float)) and math.isfinite(rec["tau"])]
+    recs = read_jsonl(path)
+    taus = _finite(recs, "tau")
     if not taus:
         return None
-    tail = taus[-max(1, len(taus) // 10):]
     out = {"metrics_file": str(path), "records": len(taus), "tau_last": taus[-1],
-           "tau_last_10pct_mean": sum(tail) / len(tail)}
-    walks = [float(rec["tau_walk"]) for rec in read_jsonl(path)
-             if isinstance(rec.get("tau_walk"), (int, float)) and math.isfinite(rec["tau_walk"])]
-    if walks:  # harmonic mean per step: what decoding would see (drafter/loss.py)
-        wt = walks[-max(1, len(walks) // 10):]
-        out["tau_walk_last_10pct_mean"] = sum(wt) / len(wt)
+           "tau_last_10pct_mean": _tail_mean(taus)}
+    walks = _finite(recs, "tau_walk")
+    if walks:
+        out["tau_walk_last_10pct_mean"] = _tail_mean(walks)
     val_path = Path(train_dir) / "val_metrics.jsonl"
-    vals = [rec for rec in read_jsonl(val_path) if isinstance(rec.get("val_tau"), (int, float))] \
-        if val_path.is_file() else []
+    vals = [r for r in read_jsonl(val_path) if _finite([r], "val_tau")] if val_path.is_file() else []
     if vals:  # held-out cache (--val-cache-dir), last pass
         last = vals[-1]
         out.update(val_step=last["step"] + 1, val_tau=last["val_tau"], val_tau_walk=last.get("val_tau_walk"))

@@ -78,7 +78,8 @@ class StepLogger:
         if not self.enabled:
             return rec
         line = (f"step {step + 1}/{self.total} ep {epoch} loss {rec['loss']:.4f} acc {rec['acc']:.3f} "
-                f"tau {rec['tau']:.2f} (walk {rec.get('tau_walk', float('nan')):.2f}) lr {lr:.2e} gnorm {grad_norm:.2f} | {rec['tok_s']:,.0f} tok/s "
+                f"tau {rec['tau']:.2f} (walk {rec.get('tau_walk', math.nan):.2f}) lr {lr:.2e} "
+                f"gnorm {grad_norm:.2f} | {rec['tok_s']:,.0f} tok/s "
                 f"{rec['step_s'] * 1000:.0f} ms/step data-wait {rec['data_wait']:.0%}")
         if "mfu" in rec:
             line += f" MFU {rec['mfu']:.1%}"
@@ -100,7 +101,7 @@ class StepLogger:
         if not self.enabled or not metrics:
             return rec
         print(f"val  {step + 1}/{self.total} loss {metrics['val_loss']:.4f} acc {metrics['val_acc']:.3f} "
-              f"tau {metrics['val_tau']:.2f} (walk {metrics.get('val_tau_walk', float('nan')):.2f})", flush=True)
+              f"tau {metrics['val_tau']:.2f} (walk {metrics.get('val_tau_walk', math.nan):.2f})", flush=True)
         with open(self.out_dir / "val_metrics.jsonl", "a") as f:
             f.write(json.dumps(rec) + "\n")
         if self.tb is not None:

@@ -169,6 +169,9 @@ def _checkpoint(out_dir, step, epoch, step_in_epoch, weights, opt, epoch_steps, 
     barrier()
 
 
+_NOT_STARTED = object()
+
+
 class DeviceFeed:
     """Copy batch k+1 to the GPU on a side stream while step k computes (the planes are ~420 MB at the
     seed's size: a serial copy would idle the GPU for that long every step). On CPU it passes through.
@@ -183,15 +186,13 @@ class DeviceFeed:
         self.batches, self.device = batches, device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.previous = None  # (batch, copy event) handed out last; its host buffers are not released yet
-        self.pending = None
-        self.started = False  # whether `pending` holds the next batch (None there = the data has ended)
+        self.pending = _NOT_STARTED  # the next batch's (batch, tensors, event); None = the data has ended
         self.wait_s = 0.0
 
     def prefetch(self) -> None:
-        if not self.started:
+        if self.pending is _NOT_STARTED:
             t0 = time.perf_counter()
             self.pending = self._start()
-            self.started = True
             self.wait_s += time.perf_counter() - t0
 
     def take_wait_s(self) -> float:
@@ -214,13 +215,11 @@ class DeviceFeed:
         return self
 
     def __next__(self):
-        if not self.started:
-            self.pending = self._start()
-        self.started = False
-        if self.pending is None:
+        item = self._start() if self.pending is _NOT_STARTED else self.pending
+        self.pending = _NOT_STARTED
+        if item is None:
             raise StopIteration
-        batch, t, event = self.pending
-        self.pending = None
+        batch, t, event = item
         if event is not None:
             torch.cuda.current_stream(self.device).wait_event(event)
             for v in t.values():
