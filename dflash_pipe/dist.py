@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import os
 import tempfile
+import time
 from dataclasses import dataclass
 
 import torch
@@ -81,7 +82,14 @@ def barrier() -> None:
 
 
 def destroy() -> None:
+    """Tear the process group down. On gloo, first hand the GIL to its worker threads for a moment:
+    a finished barrier work still holds the earlier works (and their Python-owned tensors) until its
+    worker thread drops it, which needs the GIL; destroy_process_group joins those threads while
+    holding the GIL, so a rank that reaches it right after a barrier can deadlock (seen in CI on the
+    rank with nothing to do between its last barrier and exit; pytorch/pytorch#190489, #56297)."""
     import torch.distributed as dist
 
     if dist.is_initialized():
+        if dist.get_backend() == "gloo":
+            time.sleep(0.2)  # sleeping releases the GIL; the workers finish dropping their works
         dist.destroy_process_group()
