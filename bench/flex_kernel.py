@@ -90,8 +90,13 @@ def gather_block_mask(mask: AttentionMask, tile: tuple[int, int]):
 
 def precompile(names: list[str], jobs: int) -> None:
     """Compile every variant in child processes, `jobs` at a time, so the timed pass hits the caches."""
+    import os
     import subprocess
     import time
+
+    # each child would start a compile-worker pool of one process per core; 2 apiece keeps the
+    # 16-core host from running 8 x 16 compile workers at once
+    env = dict(os.environ, TORCHINDUCTOR_COMPILE_THREADS=os.environ.get("TORCHINDUCTOR_COMPILE_THREADS", "2"))
 
     t0 = time.perf_counter()
     pending, running = list(names), []
@@ -99,7 +104,7 @@ def precompile(names: list[str], jobs: int) -> None:
         while pending and len(running) < jobs:
             name = pending.pop(0)
             running.append((name, subprocess.Popen([sys.executable, __file__, "--variants", name, "--compile-only"],
-                                                   stdout=subprocess.DEVNULL)))
+                                                   stdout=subprocess.DEVNULL, env=env)))
         for item in list(running):
             if item[1].poll() is not None:
                 running.remove(item)
