@@ -6,6 +6,8 @@
 #     extract   bench/extract_throughput.py: 27B-shaped hybrid, full path vs forward-only (+ profile)
 #     flex      bench/flex_kernel.py: flex_attention tile sizes at the seed's mask
 #     train     bench/train_step.py at the seed's config with the fastest flex tiles from `flex`
+#     topk      bench/topk_kernel.py: torch.topk vs the two-stage top-k on one logits block
+#     loader    the loader's decode rate, 256 vs 64 MiB row groups interleaved (CPU side of the host)
 #     gputests  pytest -m gpu
 # Wheels: .whl/gpu holds flash-linear-attention + fla-core 0.6.0 and zstandard (the image has neither);
 # carry it (device `carry: [".whl/gpu"]`). Limits per step: EXTRACT_S, FLEX_S, TRAIN_S, TESTS_S seconds.
@@ -49,7 +51,12 @@ for what in "$@"; do
                    --steps 20 --warmup 2 --lock-steps 50 --loader-workers "${LOADER_WORKERS:-12}" \
                    $( [ -s "$OUT/flex_kernel.json" ] && echo --flex-from "$OUT/flex_kernel.json" ) \
                    --json "$OUT/train_step.json" ;;
+        topk) step topk "${TOPK_S:-120}" python3 bench/topk_kernel.py --json "$OUT/topk_kernel.json" ;;
+        loader) step loader "${LOADER_S:-150}" python3 -c "import json, sys; sys.path.insert(0, '.')
+from bench.train_step import loader_rate; from bench.seed_shape import SeedShape
+rows = [dict(loader_rate(SeedShape(), ${LOADER_WORKERS:-12}, 8, row_group_mb=mb), row_group_mb=mb) for mb in (256, 64, 256, 64)]
+print(json.dumps(rows, indent=1)); open('$OUT/loader_rate.json', 'w').write(json.dumps(rows, indent=1))" ;;
         gputests) step gputests "${TESTS_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider tests ;;
-        *) echo "unknown step $what (extract flex train gputests)"; exit 2 ;;
+        *) echo "unknown step $what (extract flex train topk loader gputests)"; exit 2 ;;
     esac
 done

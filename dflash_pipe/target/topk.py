@@ -82,11 +82,44 @@ def row_logsumexp(logits: torch.Tensor, compiled: bool | None = None) -> torch.T
     return _logsumexp_eager(logits)
 
 
+SEGMENT = 512  # vocab columns per segment of the two-stage top-k (248,320 = 485 x 512)
+
+
+def segmented_topk(logits: torch.Tensor, k: int, segment: int = SEGMENT) -> tuple[torch.Tensor, torch.Tensor]:
+    """`torch.topk(logits, k, dim=-1)` of an [n, V] block in two small stages; same values, sorted.
+
+    Stage 1 takes the max of every full `segment` of columns ([n, V // segment], one read of the
+    block) and the k segments with the largest maxima; stage 2 is a top-k over those k x segment
+    columns plus the < segment columns past the last full segment. Exact: let v be the k-th largest
+    value among the full segments' columns. An element above v lies in a segment whose max is above
+    v; fewer than k segments have such a max, so all are chosen. Each chosen segment whose max
+    equals v holds at least one v, and at least k - #(elements > v) of them are chosen, or else
+    every segment holding a v is. So the chosen segments hold the top-k multiset of the full part,
+    and with the tail columns that of the row. Only the order among exactly tied values can differ
+    from torch.topk's (unspecified in both).
+
+    torch.topk's radix select passes over the whole [n, V] block several times; this reads it once
+    plus k x segment gathered columns per row (bench/topk_kernel.py times both on the GPU).
+    """
+    n, V = logits.shape
+    full = V // segment
+    if k > full or 4 * k * segment > V:   # too few segments to pay off: the plain top-k
+        return torch.topk(logits, k, dim=-1)
+    seg_max = logits[:, :full * segment].view(n, full, segment).amax(dim=-1)              # [n, full]
+    seg_ids = torch.topk(seg_max, k, dim=-1).indices                                       # [n, k]
+    cols = (seg_ids[:, :, None] * segment + torch.arange(segment, device=logits.device)).view(n, -1)
+    if V > full * segment:
+        tail = torch.arange(full * segment, V, device=logits.device).expand(n, -1)
+        cols = torch.cat([cols, tail], dim=1)
+    vals, pos = torch.topk(torch.gather(logits, 1, cols), k, dim=-1)
+    return vals, torch.gather(cols, 1, pos)
+
+
 def topk_logprobs_block(logits: torch.Tensor, k: int, compiled: bool | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k ids (int32) and log-probs (fp16) of log_softmax over the last dim of one logits block."""
     lse = row_logsumexp(logits, compiled)
-    vals, idx = torch.topk(logits, k, dim=-1)
+    vals, idx = segmented_topk(logits, k)
     return idx.to(torch.int32), (vals.float() - lse).to(torch.float16)
 
 
