@@ -114,3 +114,33 @@ def test_compiled_logsumexp_equals_float64():
             got = row_logsumexp(x, compiled=compiled)
             assert got.dtype == torch.float32 and got.shape == (rows, 1)
             torch.testing.assert_close(got.double(), want, rtol=2e-7, atol=2e-6)
+
+
+@pytest.mark.parametrize("V,k,segment", [(4096, 8, 64), (4099, 8, 64), (5000, 32, 16), (1000, 1, 8)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("ties", [False, True])
+def test_segmented_topk_equals_torch_topk(V, k, segment, dtype, ties):
+    """Same values as torch.topk, sorted; ids distinct, in range and pointing at those values. Covers a
+    vocab that is not a multiple of the segment (the tail columns), heavy ties, and -inf entries."""
+    from dflash_pipe.target.topk import segmented_topk
+
+    g = torch.Generator().manual_seed(V + k)
+    x = (torch.randint(0, 12, (48, V), generator=g).float() if ties else torch.randn(48, V, generator=g) * 3)
+    x[0, :] = float("-inf")
+    x[0, V - 1] = 5.0                      # the row's only finite value sits in the tail (or last segment)
+    x[1, V - (V % segment or segment):] += 100.0   # the tail dominates a row
+    x = x.to(dtype)
+    vals, ids = segmented_topk(x, k, segment)
+    assert torch.equal(vals, torch.topk(x, k, dim=-1).values)
+    assert torch.equal(torch.gather(x, 1, ids), vals)
+    assert bool(((ids >= 0) & (ids < V)).all())
+    assert all(len(set(row)) == k for row in ids.tolist())
+
+
+def test_segmented_topk_falls_back_when_segments_are_too_few():
+    from dflash_pipe.target.topk import segmented_topk
+
+    x = torch.randn(4, 300)
+    vals, ids = segmented_topk(x, 8, 64)   # 4 full segments < k: the plain top-k
+    ref = torch.topk(x, 8, dim=-1)
+    assert torch.equal(vals, ref.values) and torch.equal(ids, ref.indices)
