@@ -170,3 +170,30 @@ def test_writer_killed_mid_shard_leaves_no_visible_shard_and_rerun_completes(tmp
     remove_stale_temps(cache)
     assert verify_cache(cache, decode=True)["rows"] == 12
     assert not [n for n in os.listdir(cache) if n.startswith(".")]
+
+
+@pytest.mark.parametrize("sync_row_groups", [True, False])
+def test_row_groups_reach_the_disk_before_the_commit(tmp_path, monkeypatch, sync_row_groups):
+    """With sync_row_groups (the default) every written row group is fdatasynced as it is written, so the
+    commit's fsync covers only the footer; the file size at each sync grows by one row group."""
+    from dflash_pipe.cache import shard_name
+    from dflash_pipe.cache.codec import encode_hidden
+    from dflash_pipe.cache.schema import shard_meta
+    from dflash_pipe.cache.writer import ShardWriter, make_row
+
+    synced = []
+    real = os.fdatasync
+    monkeypatch.setattr(os, "fdatasync", lambda fd: (synced.append(os.fstat(fd).st_size), real(fd))[1])
+    spec = make_spec(fields_for(W, NL, "lossless", 4), target={}, features={}, num_shards=1, extra={})
+    w = ShardWriter(tmp_path, shard_name(0, 1), 0, "lossless", 4, shard_meta("lossless", 4, W, NL, spec["fingerprint"]),
+                    2000, sync_row_groups=sync_row_groups)
+    for d in make_docs(9, W, seed=2):
+        w.add(make_row(d["sample_id"], d["doc_index"], d["input_ids"], d["loss_mask"],
+                       encode_hidden(d["hidden"], "lossless", NL), d["topk_ids"], d["topk_logprobs"]))
+    info = w.commit()
+    if not sync_row_groups:
+        assert synced == []
+        return
+    assert info.row_groups > 2 and len(synced) == info.row_groups
+    assert synced == sorted(synced) and len(set(synced)) == len(synced)
+    assert synced[-1] < (tmp_path / shard_name(0, 1)).stat().st_size   # the footer came after the last sync
