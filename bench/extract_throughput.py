@@ -49,6 +49,7 @@ from dflash_pipe.cache import make_spec  # noqa: E402
 from dflash_pipe.cache.codec import LOSSLESS  # noqa: E402
 from dflash_pipe.cache.schema import shard_meta  # noqa: E402
 from dflash_pipe.cache.writer import ShardWriter  # noqa: E402
+from dflash_pipe.config import ExtractConfig  # noqa: E402
 from dflash_pipe.extract.host_pipeline import DocMeta, HostPipeline  # noqa: E402
 from dflash_pipe.extract.staging import max_batch_bytes, pack_batch  # noqa: E402
 from dflash_pipe.extract.sanity import feature_stats  # noqa: E402
@@ -80,6 +81,8 @@ def split_shards(batches: list, n: int) -> list[list]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--row-group-mb", type=int, default=ExtractConfig().row_group_mb,
+                    help="Parquet row group size (extraction's default; the session-4 rows before its third run used 256)")
     ap.add_argument("--model", default="random:qwen3.5-27b-shape")
     ap.add_argument("--batches", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=2)
@@ -168,7 +171,8 @@ def main() -> None:
         for group in split_shards(bs, n_shards):
             idx = next(shard_ids)
             with record_function("bench.begin_shard"):
-                writer = ShardWriter(out_dir, f"shard-{idx:05d}.parquet", idx, LOSSLESS, args.topk, meta, 256 << 20)
+                writer = ShardWriter(out_dir, f"shard-{idx:05d}.parquet", idx, LOSSLESS, args.topk, meta,
+                                     args.row_group_mb << 20)
                 handles.append(host.begin_shard(writer, idx))
             for b in group:
                 lens = [len(i) for i, _ in b]
