@@ -29,6 +29,7 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.cuda_timing import median_ms  # noqa: E402
 from bench.seed_shape import SeedShape, structure_batches  # noqa: E402
 from dflash_pipe.drafter.attention import flex_attend, set_flex_tuning  # noqa: E402
 from dflash_pipe.drafter.masks import AttentionMask, _visible  # noqa: E402
@@ -61,18 +62,8 @@ def time_fwd_bwd(run, q, k, v, reps: int) -> tuple[float, list[torch.Tensor]]:
         q.grad = k.grad = v.grad = None
         return grads
 
-    for _ in range(3):
-        grads = once()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        once()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    times.sort()
-    return times[len(times) // 2], grads
+    grads = once()
+    return median_ms(once, reps, warmup=2), grads
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

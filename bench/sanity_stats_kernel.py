@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.topk_kernel import median_ms  # noqa: E402
+from bench.cuda_timing import median_ms  # noqa: E402
 from dflash_pipe.extract.sanity import feature_stats  # noqa: E402
 
 

@@ -18,21 +18,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.cuda_timing import median_ms  # noqa: E402
 from dflash_pipe.target.topk import row_logsumexp, segmented_topk, topk_logprobs_block  # noqa: E402
-
-
-def median_ms(fn, reps: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[reps // 2]
 
 
 def main() -> None:
