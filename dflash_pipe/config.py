@@ -137,6 +137,8 @@ class TrainConfig:
     resume: str = opt("auto", "'auto' (latest complete checkpoint if any), 'never', or a checkpoint directory.")
     loader_workers: int = opt(2, "Decode threads per rank.")
     shuffle_rows: int = opt(256, "Shuffle buffer, in documents (seeded by seed and epoch).")
+    shards: str = opt("", "Train on these cache shards only, e.g. '0-3' or '0,2,5' (empty = all): a data subset "
+                      "(shards are deterministic slices of the dataset) without a new extraction.")
     follow: bool = opt(False, "Consume shards while extraction is still writing; epoch 0 ends when it finishes.")
     follow_poll_s: float = opt(2.0, "Seconds between looks for new shards in --follow mode.")
     val_cache_dir: str = opt("", "A second cache (same target, layers and tokenizer; documents the training cache "

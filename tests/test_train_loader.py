@@ -182,3 +182,30 @@ def test_device_feed_hands_out_every_batch_once_in_order_whether_prefetched_or_n
     assert got == [0, 1, 2, 3, 4]
     assert [b.released for b in made] == [True] * 4 + [False]  # the last one is still handed out
     assert feed.take_wait_s() >= 0.0 and feed.take_wait_s() == 0.0
+
+
+def test_shard_subset_trains_on_exactly_those_shards(tmp_path):
+    from dflash_pipe.errors import UsageError, ValidationError
+    from dflash_pipe.train.components import check_resume_identity
+
+    W, NL = 24, 2
+    docs = make_docs(15, W, seed=4, min_len=3, max_len=30)
+    spec = write_cache(tmp_path, docs, W, NL, num_shards=3, row_group_bytes=3000)   # shard s holds docs[s::3]
+    index = CacheIndex(tmp_path, shards="0,2")
+    index.refresh()
+    assert sorted(index.lengths) == [0, 2]
+    loader = BatchLoader(index, rank=0, world=1, seed=0, context_tokens=64, num_anchors=12, max_anchors_per_doc=4,
+                         block_size=4, shuffle_rows=3, workers=2, want_topk=False, pin_memory=False)
+    seen = set()
+    for batch in loader.iterate(epoch=0, start_step=0):
+        for j in range(batch.num_docs):
+            ids = batch.input_ids_S[batch.ctx_doc_S == j].numpy()
+            seen |= {i for i, d in enumerate(docs) if len(d["input_ids"]) >= len(ids)
+                     and np.array_equal(d["input_ids"][:len(ids)], ids)}
+    loader.close()
+    assert seen == {i for i in range(15) if i % 3 != 1}
+    with pytest.raises(UsageError, match="--shards"):
+        CacheIndex(tmp_path, shards="0,3")               # the cache has shards 0-2
+    state = {"train_shards": [0, 2], "cache_identity": {}}
+    with pytest.raises(ValidationError, match="shards"):
+        check_resume_identity(state, spec, tmp_path, None, None)   # resuming a subset run on all shards

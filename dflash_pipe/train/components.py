@@ -49,8 +49,13 @@ def check_against_cache(dcfg: DrafterModelConfig, spec: dict, where: str) -> Non
                               "train a new drafter for this cache (new --output-dir), or use the matching cache")
 
 
-def check_resume_identity(state: dict, spec: dict, path: Path, dcfg: DrafterModelConfig | None = None) -> None:
-    """Refuse to resume a checkpoint trained on another cache or with another drafter shape."""
+def check_resume_identity(state: dict, spec: dict, path: Path, dcfg: DrafterModelConfig | None = None,
+                          shards: list[int] | None = None) -> None:
+    """Refuse to resume a checkpoint trained on another cache, another shard subset or drafter shape."""
+    if state.get("train_shards") != shards:  # the saved data position indexes that subset's schedule
+        raise ValidationError(f"checkpoint {path} was trained on shards {state.get('train_shards') or 'all'}, "
+                              f"this run asks for {shards or 'all'}",
+                              "resume with the original --shards, or pass --resume never / a new --output-dir")
     old = state.get("cache_identity", {})
     new = cache_identity(spec)
     diff = {k: (old.get(k), new[k]) for k in new if old.get(k) != new[k]}

@@ -24,6 +24,7 @@ from ..cache import load_manifest, load_spec
 from ..cache.codec import FP8, decode_split, planes_shape
 from ..cache.manifest import MANIFEST_FILE, committed_shards
 from ..cache.reader import ShardReader
+from ..config import parse_shard_subset
 from ..errors import CacheError
 from .anchors import IGNORE, block_labels, sample_anchors
 from .schedule import DocRef, EpochSchedule, batch_rng, build_epoch_schedule
@@ -91,16 +92,22 @@ def block_targets(input_ids_S: np.ndarray, masks: list[np.ndarray], offsets: lis
     return anchor_index, lab, bdoc, np.arange(num_anchors) < n_real, available
 
 
+def shard_subset(spec: dict, shards: str) -> list[int] | None:
+    """The `--shards` subset of a cache (None = all shards), checked against the cache's shard count."""
+    return sorted(parse_shard_subset(shards, int(spec["num_shards"]))) if shards.strip() else None
+
+
 class CacheIndex:
     """What the trainer knows about a cache: spec, which shards exist, document lengths."""
 
-    def __init__(self, cache_dir: str | Path, follow: bool = False):
+    def __init__(self, cache_dir: str | Path, follow: bool = False, shards: str = ""):
         self.cache_dir = Path(cache_dir)
         self.follow = follow
         self.spec = load_spec(self.cache_dir)
         if self.spec is None:
             raise CacheError(f"{self.cache_dir}: no cache_spec.json (not a dflash-pipe cache)",
                              "run `dflash-pipe extract` first or fix --cache-dir")
+        self.subset = shard_subset(self.spec, shards)
         self.features = self.spec["features"]
         self.lengths: dict[int, list[list[int]]] = {}
         self.paths: dict[int, Path] = {}
@@ -125,6 +132,8 @@ class CacheIndex:
         else:
             raise CacheError(f"{self.cache_dir}: no {MANIFEST_FILE}: extraction has not finished",
                              "wait for `dflash-pipe extract` to finish (or rerun it to resume), or pass --follow")
+        if self.subset is not None:
+            shards = {i: p for i, p in shards.items() if i in self.subset}
         for i, path in sorted(shards.items()):
             if i not in self.lengths:
                 self.lengths[i] = self._read_lengths(path)

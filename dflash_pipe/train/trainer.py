@@ -26,7 +26,7 @@ from .components import (FrozenHead, build_drafter_config, build_model, build_op
                          check_against_cache, check_resume_identity, resolve_param_dtype)
 from .master_weights import MasterWeights
 from .validation import Validator, draft_inputs, kd_targets
-from .loader import BatchLoader, CacheIndex
+from .loader import BatchLoader, CacheIndex, shard_subset
 from .metrics import StepLogger, Stopwatch, plot_history, step_flops
 
 log = logging.getLogger("dflash_pipe.train")
@@ -60,7 +60,7 @@ def run_train(cfg: RunConfig) -> dict:
     if info.is_main:
         write_resolved(cfg, out_dir)
 
-    index = CacheIndex(cfg.train_cache_dir, follow=tr.follow)
+    index = CacheIndex(cfg.train_cache_dir, follow=tr.follow, shards=tr.shards)
     spec = index.spec
     dcfg = build_drafter_config(cfg, spec, device)
     check_against_cache(dcfg, spec, "drafter config")
@@ -86,7 +86,7 @@ def run_train(cfg: RunConfig) -> dict:
     step, epoch, step_in_epoch = 0, 0, 0
     resume = find_resume(out_dir, tr.resume)
     if resume is not None:
-        check_resume_identity(read_state(resume), spec, resume, dcfg)  # before touching any weights
+        check_resume_identity(read_state(resume), spec, resume, dcfg, index.subset)  # before touching any weights
         state = load_checkpoint(resume, weights, opt, device)
         step, epoch, step_in_epoch = state["step"], state["epoch"], state["step_in_epoch"]
         epoch_steps, total = state["epoch_steps"], state["total_steps"]
@@ -164,6 +164,7 @@ def _checkpoint(out_dir, step, epoch, step_in_epoch, weights, opt, epoch_steps, 
     if info.is_main:
         state = {"step": step, "epoch": epoch, "step_in_epoch": step_in_epoch, "epoch_steps": epoch_steps,
                  "total_steps": total, "drafter_config": dcfg.to_dict(), "cache_identity": cache_identity(spec),
+                 "train_shards": shard_subset(spec, cfg.train.shards),
                  "cache_fingerprint": spec["fingerprint"], "seed": cfg.train.seed}
         save_checkpoint(out_dir, step, weights, opt, state, keep=cfg.train.keep_checkpoints)
     barrier()
