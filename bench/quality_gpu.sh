@@ -27,6 +27,7 @@
 #   extract-lossless, extract-fp8, extract-val          three processes at once; the first QUALITY_HELDOUT (300)
 #                   conversations are held out of training and extracted as cache-val (training's --val-cache-dir)
 #   train-lossless,   train-fp8                         two processes at once, each as soon as its cache is done
+#   scale-<subset>  only with QUALITY_SCALING (e.g. "0-3 0-7"): lossless drafters on shard subsets (data scaling)
 #   eval-{lossless,fp8}-{mtbench,humaneval,heldout}    six processes (DFlash + prompt lookup + target-only, fp32
 #                   target); heldout decodes the held-out conversations' prompts
 #   report          bench/quality_report.py -> $OUT (every call, with whatever is finished)
@@ -65,7 +66,8 @@
 # QUALITY_EVAL_PROMPTS (20), QUALITY_EVAL_TOKENS (256), QUALITY_EVAL_JOBS (4 = drafter x set, 2 = per drafter),
 # QUALITY_EVAL_STEP_S (0.015), QUALITY_EVAL_CONC (1.3), QUALITY_{REGEN,EXTRACT,TRAIN,EVAL}_FLAGS (extra flags),
 # QUALITY_CARRY_SRC (.gpucarry: where the carried paths are), QUALITY_GGUF (use this GGUF, skip the parts),
-# QUALITY_MODEL_CACHE ($QUALITY_DIR/models), OUT ($QUALITY_DIR/out when unset), DFLASH_PYTHON (python3).
+# QUALITY_MODEL_CACHE ($QUALITY_DIR/models), OUT ($QUALITY_DIR/out when unset), DFLASH_PYTHON (python3),
+# QUALITY_SCALING (empty; e.g. "0-3 0-7": data-scaling drafters on shard subsets), QUALITY_REGEN_SEED (bench/data/...).
 #
 # CPU smoke test at toy size (what was run before the first GPU use; ~6 min on 2 cores):
 #   export QUALITY_DIR=/tmp/qsmoke OUT=/tmp/qsmoke-out QUALITY_DEVICE=cpu QUALITY_N_PROMPTS=24 QUALITY_GEN_TOKENS=32 \
@@ -208,6 +210,11 @@ JOBS=(regen)
 for c in "${CODECS[@]}"; do JOBS+=("extract-$c"); done
 JOBS+=(extract-val)
 for c in "${CODECS[@]}"; do JOBS+=("train-$c"); done
+# data scaling (opt-in): QUALITY_SCALING="0-3 0-7" trains one more lossless drafter per shard subset (train
+# --shards; 4 and 8 of the 16 shards = 25 % and 50 % of the data), same max_steps (more passes over less data),
+# held-out tau only (no eval); bench/quality_report.py tabulates held-out tau against unique training tokens
+read -r -a SCALING <<< "${QUALITY_SCALING:-}"
+for sub in "${SCALING[@]}"; do sub=${sub//-/_}; JOBS+=("scale-${sub//,/.}"); done
 for c in "${CODECS[@]}"; do
     if [ "$EVAL_JOBS" = 2 ]; then JOBS+=("eval-$c-all"); else for s in "${SETS[@]}"; do JOBS+=("eval-$c-$s"); done; fi
 done
@@ -217,10 +224,12 @@ deps() {   # job -> jobs it needs
         regen) ;;
         extract-*) echo regen ;;
         train-*) echo "extract-${1#train-} extract-val" ;;
+        scale-*) echo "extract-lossless extract-val" ;;
         eval-*) local c=${1#eval-}; echo "train-${c%%-*}" ;;
     esac
 }
-kind() { case $1 in regen) echo regen ;; extract-*) echo extract ;; train-*) echo train ;; eval-*) echo eval ;; esac; }
+kind() { case $1 in regen) echo regen ;; extract-*) echo extract ;; train-*|scale-*) echo train ;; eval-*) echo eval ;; esac; }
+train_dir() { case $1 in train-*) echo "$Q/$1" ;; scale-*) echo "$Q/$1" ;; esac; }   # a train job's output dir
 
 eval_estimate() {   # seconds one eval job needs
     local sets=1; [ "${1##*-}" = all ] && sets=${#SETS[@]}
@@ -247,11 +256,13 @@ job_cmd() {   # the command of a job (array JOB_CMD)
             c=${j#extract-}
             JOB_CMD=("$PY" -m dflash_pipe extract "${common[@]}" "${data[@]}" --codec "$c"
                      --cache-dir "$Q/cache-$c" --device "$DEVICE" "${EXTRACT_FLAGS[@]}") ;;
-        train-*)
-            c=${j#train-}
-            JOB_CMD=("$PY" -m dflash_pipe train -m "$M" --cache-dir "$Q/cache-$c" --output-dir "$Q/train-$c"
+        train-*|scale-*)
+            local subset=()
+            if [ "${j%%-*}" = scale ]; then c=lossless; s=${j#scale-}; s=${s//_/-}; subset=(--shards "${s//./,}" --epochs 200)  # enough passes for max_steps
+            else c=${j#train-}; fi
+            JOB_CMD=("$PY" -m dflash_pipe train -m "$M" --cache-dir "$Q/cache-$c" --output-dir "$(train_dir "$j")"
                      --max-steps "$TRAIN_STEPS" --resume auto --device "$DEVICE" --val-cache-dir "$Q/cache-val"
-                     --val-every "$VAL_EVERY" --val-batches 8 "${TRAIN_FLAGS[@]}") ;;
+                     --val-every "$VAL_EVERY" --val-batches 8 "${subset[@]}" "${TRAIN_FLAGS[@]}") ;;
         eval-*)
             c=${j#eval-}; s=${c#*-}; c=${c%%-*}
             [ "$s" = all ] && s=$(IFS=,; echo "${SETS[*]}")
@@ -265,7 +276,7 @@ job_ok() {   # the job's output really exists
     case $1 in
         regen) [ -s "$Q/regenerated.jsonl" ] ;;
         extract-*) [ -f "$Q/cache-${1#extract-}/manifest.json" ] ;;
-        train-*) [ -f "$Q/train-${1#train-}/export/config.json" ] ;;
+        train-*|scale-*) [ -f "$(train_dir "$1")/export/config.json" ] ;;
         eval-*) [ -f "$Q/$1/eval_report.json" ] ;;
     esac
 }
@@ -280,7 +291,7 @@ print(f"{s['rows_written'] + len(s['skipped'])}/{sys.argv[2]} prompts done ({s['
       f"{len(s['skipped'])} skipped), {s['generated_tokens']:,} tokens in {s['seconds']:.0f} s")
 PY
         extract-*) echo "$(ls "$Q/cache-${j#extract-}" 2>/dev/null | grep -c '^shard-.*\.json$') shards committed" ;;
-        train-*) local d=$Q/train-${j#train-} last
+        train-*|scale-*) local d last; d=$(train_dir "$j")
                  last=$(tail -n 1 "$d/metrics.jsonl" 2>/dev/null | sed -n 's/.*"step": \([0-9]*\).*/\1/p')
                  echo "step $(( ${last:--1} + 1 ))/$TRAIN_STEPS logged, checkpoints: $(cd "$d" 2>/dev/null && ls -d ckpt-* 2>/dev/null | tr '\n' ' ')" ;;
         eval-*) echo "$(wc -l < "$Q/$j/eval_progress.jsonl" 2>/dev/null || echo 0) prompts done (estimate $(eval_estimate "$j") s for all)" ;;

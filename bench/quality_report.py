@@ -24,6 +24,7 @@ import tomllib
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from dflash_pipe.config import parse_shard_subset  # noqa: E402
 from dflash_pipe.io_utils import read_jsonl  # noqa: E402
 
 CODECS = ("lossless", "fp8")
@@ -118,6 +119,29 @@ def cache_facts(cache_dir: Path) -> dict | None:
     return out
 
 
+def data_scaling(d: Path) -> list[dict]:
+    """Held-out simulated tau against unique training tokens: train-lossless (all shards) and every
+    scale-<subset>/ run (QUALITY_SCALING: the same steps on a subset of cache-lossless's shards)."""
+    man = _json(d / "cache-lossless" / "manifest.json")
+    if not man:
+        return []
+    tokens_of = {e["index"]: e["tokens"] for e in man.get("shards", [])}
+    rows = []
+    for run in [d / "train-lossless", *sorted(d.glob("scale-*"))]:
+        va, tr = validation_curve(run), training_curve(run)
+        if not va:
+            continue
+        try:
+            shards = tomllib.loads((run / "resolved_config.toml").read_text())["train"].get("shards", "")
+        except (OSError, tomllib.TOMLDecodeError, KeyError):
+            continue
+        idx = parse_shard_subset(shards, len(tokens_of)) if shards.strip() else sorted(tokens_of)
+        rows.append({"run": run.name, "shards": shards or "all", "unique_tokens": sum(tokens_of.get(i, 0) for i in idx),
+                     "steps": va["last_step"], "val_tau": va["tau_last"], "val_tau_walk": va.get("tau_walk_last"),
+                     "train_tau_last_10pct": tr and tr["tau_last_10pct"]})
+    return sorted(rows, key=lambda r: r["unique_tokens"])
+
+
 def _f(x, spec=".3f", suffix=""):
     return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:{spec}}{suffix}"
 
@@ -160,6 +184,7 @@ def build(d: Path) -> dict:
             row["fp8_vs_lossless"] = row["fp8"]["dflash_tau"] / row["lossless"]["dflash_tau"] - 1
         summary["sets"][s] = row
     summary["val_cache"] = cache_facts(d / "cache-val")
+    summary["data_scaling"] = data_scaling(d)
     goal_rows = [summary["sets"][s] for s in GOAL_SETS]
     ratios = [r[c]["ratio_vs_lookup"] for r in goal_rows for c in CODECS if c in r and "ratio_vs_lookup" in r[c]]
     diffs = [r["fp8_vs_lossless"] for r in goal_rows if "fp8_vs_lossless" in r]
@@ -228,6 +253,14 @@ def markdown(summary: dict) -> str:
             L += [f"Held-out simulated tau (validation cache), {c}:", "",
                   "| after step | " + " | ".join(str(st) for st, _ in pick) + " |", "|---|" + "---:|" * len(pick),
                   "| val tau | " + " | ".join(f"{t:.3f}" for _, t in pick) + " |", ""]
+    sc = summary.get("data_scaling") or []
+    if len(sc) > 1:
+        L += ["Held-out simulated tau against unique training data (same steps; a subset of cache-lossless's shards "
+              "per run):", "", "| run | shards | unique context tokens | steps | held-out tau | held-out tau (walk) | "
+              "training tau (last 10 %) |", "|---|---|---:|---:|---:|---:|---:|"]
+        L += [f"| {r['run']} | {r['shards']} | {_tokens(r['unique_tokens'])} | {r['steps']} | {_f(r['val_tau'])} | "
+              f"{_f(r['val_tau_walk'])} | {_f(r['train_tau_last_10pct'])} |" for r in sc]
+        L.append("")
     rg = summary.get("regenerate")
     if rg:
         st = rg.get("settings") or {}
@@ -309,6 +342,8 @@ def pack(d: Path, out_tar: Path) -> None:
         names += [f"cache-{c}/manifest.json", f"cache-{c}/resolved_config.toml"]
         names += [f"train-{c}/{n}" for n in ("metrics.jsonl", "val_metrics.jsonl", "training.png", "resolved_config.toml",
                                               "export/config.json", "latest.json")]
+    for sub in sorted(d.glob("scale-*")):
+        names += [f"{sub.name}/{n}" for n in ("metrics.jsonl", "val_metrics.jsonl", "resolved_config.toml")]
     for sub in sorted(d.glob("eval-*")):
         names += [f"{sub.name}/{n}" for n in ("eval_report.json", "eval_report.md", "eval_prompts.jsonl",
                                               "acceptance.png", "resolved_config.toml")]
