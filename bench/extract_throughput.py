@@ -82,7 +82,7 @@ def split_shards(batches: list, n: int) -> list[list]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--row-group-mb", type=int, default=ExtractConfig().row_group_mb,
-                    help="Parquet row group size (extraction's default; the session-4 rows before its third run used 256)")
+                    help="Parquet row group size (extraction's default; runs before session 4's third used 256)")
     ap.add_argument("--model", default="random:qwen3.5-27b-shape")
     ap.add_argument("--batches", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=2)

@@ -85,7 +85,8 @@ class _HashingFile:
         the last row group and the footer instead of the whole shard (the writer thread pays it in
         between, not the end of a rank's run)."""
         self._f.flush()
-        os.fdatasync(self._f.fileno()) if hasattr(os, "fdatasync") else os.fsync(self._f.fileno())
+        sync = getattr(os, "fdatasync", os.fsync)  # fdatasync is POSIX; macOS has only fsync
+        sync(self._f.fileno())
 
     def fsync_close(self) -> None:
         self._f.flush()

@@ -94,7 +94,7 @@ def block_targets(input_ids_S: np.ndarray, masks: list[np.ndarray], offsets: lis
 
 def shard_subset(spec: dict, shards: str) -> list[int] | None:
     """The `--shards` subset of a cache (None = all shards), checked against the cache's shard count."""
-    return sorted(parse_shard_subset(shards, int(spec["num_shards"]))) if shards.strip() else None
+    return parse_shard_subset(shards, int(spec["num_shards"])) if shards.strip() else None
 
 
 class CacheIndex:
