@@ -151,7 +151,9 @@ class TrainConfig:
 
 @dataclass
 class EvalConfig:
-    drafter: str = opt("", "Exported drafter directory (empty = <train.output_dir>/export).")
+    drafter: str = opt("", "Exported drafter directory (empty = <train.output_dir>/export), or a comma list "
+                           "'name=dir,name=dir' to decode the same prompts with several drafters (target-only and "
+                           "n-gram then run once per prompt; methods are reported as dflash:<name>).")
     prompts: str = opt("mtbench,humaneval", "Comma list of prompt sets: mtbench, humaneval, heldout.")
     max_prompts: int = opt(0, "Prompts per set (0 = all).")
     max_new_tokens: int = opt(256, "Tokens generated per prompt.")

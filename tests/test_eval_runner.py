@@ -70,7 +70,7 @@ def test_run_eval_end_to_end(llama, tmp_path, capsys):
     out = tmp_path / "train" / "eval"
     on_disk = json.loads((out / "eval_report.json").read_text())
     assert on_disk["sets"].keys() == {"mtbench", "humaneval"} == report["sets"].keys()
-    assert on_disk["training"]["tau_last"] == 1.5
+    assert on_disk["training"]["dflash"]["tau_last"] == 1.5
     records = [json.loads(line) for line in (out / "eval_prompts.jsonl").read_text().splitlines()]
     from dflash_pipe.data import load_prompts
     from dflash_pipe.eval import eos_token_ids
@@ -93,7 +93,7 @@ def test_run_eval_end_to_end(llama, tmp_path, capsys):
             ids = encode_prompt(llama.tokenizer, prompt.messages)
             assert rec["generated"] == len(hf_greedy(llama.model, ids, 12, eos))
     md = (out / "eval_report.md").read_text()
-    assert "| mtbench | 2 |" in md and "Training-time simulated tau: last 1.50" in md
+    assert "| mtbench | 2 | DFlash |" in md and "DFlash: training-time simulated tau: last 1.50" in md
     assert (out / "acceptance.png").stat().st_size > 1000
     assert "| humaneval | 2 |" in capsys.readouterr().out
 
@@ -147,3 +147,68 @@ def test_interrupted_eval_resumes_to_the_uninterrupted_report(llama, tmp_path, m
     assert not progress.exists()  # removed once the report is written
     rows = lambda d: [_untimed(json.loads(ln)) for ln in (d / "eval_prompts.jsonl").read_text().splitlines()]  # noqa: E731
     assert rows(tmp_path / "part") == rows(tmp_path / "full")
+
+
+def _export_pair(tmp_path):
+    """Two exports: 'a' a random tiny drafter, 'b' another one marked (mask token) for the oracle below."""
+    da, ca = tiny_drafter(block_size=4, seed=0)
+    db, cb = tiny_drafter(block_size=4, seed=1)
+    cb.mask_token_id -= 1
+    export_drafter(da, ca, tmp_path / "a" / "export")
+    export_drafter(db, cb, tmp_path / "b" / "export")
+    (tmp_path / "a" / "metrics.jsonl").write_text(json.dumps({"step": 0, "tau": 1.25}) + "\n")
+    (tmp_path / "b" / "metrics.jsonl").write_text(json.dumps({"step": 0, "tau": 3.5}) + "\n")
+    return tmp_path / "a" / "export", tmp_path / "b" / "export"
+
+
+def test_several_drafters_share_the_baselines_and_equal_one_drafter_runs(llama, tmp_path, monkeypatch):
+    import dflash_pipe.eval.runner as runner
+    from dflash_pipe.eval.target_step import greedy_generate
+
+    mark = tiny_drafter()[1].mask_token_id - 1
+
+    class OracleForB(runner.DFlashProposer):
+        """Drafter 'b' drafts the target's own greedy continuation (tau near B); 'a' is the real drafter."""
+
+        def propose(self, tokens, features, num):
+            if self.cfg.mask_token_id == mark and num > 0:
+                return greedy_generate(llama.model, tokens, num, [])
+            return super().propose(tokens, features, num)
+
+    monkeypatch.setattr(runner, "DFlashProposer", OracleForB)
+    a, b = _export_pair(tmp_path)
+    both = run_eval(_cfg(tmp_path, drafter=f"a={a},b={b}", output_dir=str(tmp_path / "both")), bundle=llama)
+    alone = {n: run_eval(_cfg(tmp_path, drafter=str(d), output_dir=str(tmp_path / n)), bundle=llama)
+             for n, d in (("a", a), ("b", b))}
+    for name, s in both["sets"].items():
+        assert list(s) == ["prompts", "skipped_too_long", "target_only", "dflash:a", "dflash:b", "ngram"]
+        for n in ("a", "b"):
+            assert _untimed(s[f"dflash:{n}"]) == _untimed(alone[n]["sets"][name]["dflash"])
+            assert _untimed(s["ngram"]) == _untimed(alone[n]["sets"][name]["ngram"])
+        assert s["dflash:b"]["tau"] > 2.5 > 1.5 > s["dflash:a"]["tau"]   # the two were not mixed up
+        assert s["dflash:a"]["identical_to_target"] == s["dflash:b"]["identical_to_target"] == 1.0
+    assert both["training"]["dflash:a"]["tau_last"] == 1.25 and both["training"]["dflash:b"]["tau_last"] == 3.5
+    assert list(both["drafters"]) == ["dflash:a", "dflash:b"] and both["drafters"]["dflash:b"]["dir"] == str(b)
+    md = (tmp_path / "both" / "eval_report.md").read_text()
+    ratio = both["sets"]["mtbench"]["dflash:b"]["tau"] / both["sets"]["mtbench"]["ngram"]["tau"]
+    assert f"| mtbench | 2 | DFlash[b] | {both['sets']['mtbench']['dflash:b']['tau']:.2f} | {ratio:.2f}x |" in md
+    assert "DFlash[a]: training-time simulated tau: last 1.25" in md
+    rows = [json.loads(ln) for ln in (tmp_path / "both" / "eval_prompts.jsonl").read_text().splitlines()]
+    assert sorted({r["method"] for r in rows}) == ["dflash:a", "dflash:b", "ngram", "target"]
+
+
+@pytest.mark.parametrize("spec, error", [("a={a},a={b}", "names 'a' twice"), ("{a},{b}", "is not name=dir"),
+                                         ("a b={a}", "is not name=dir"), ("a={a},b=", "is not name=dir"),
+                                         ("a={a},b={a}/missing", "does not exist")])
+def test_drafter_list_errors_name_the_entry(llama, tmp_path, spec, error):
+    a, b = _export_pair(tmp_path)
+    with pytest.raises(UsageError, match=error):
+        run_eval(_cfg(tmp_path, drafter=spec.format(a=a, b=b)), bundle=llama)
+
+
+def test_drafters_of_different_block_sizes_are_refused(llama, tmp_path):
+    a, _ = _export_pair(tmp_path)
+    d8, c8 = tiny_drafter(block_size=8)
+    export_drafter(d8, c8, tmp_path / "b8")
+    with pytest.raises(ValidationError, match="block size 8"):
+        run_eval(_cfg(tmp_path, drafter=f"a={a},b8={tmp_path / 'b8'}"), bundle=llama)

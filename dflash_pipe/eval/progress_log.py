@@ -1,7 +1,7 @@
 """Resumable eval: every finished prompt is appended (and fsynced) to ``eval_progress.jsonl``.
 
-A rerun of the same eval (same drafter files, target weights and dtype, token budget and block
-size: the run key) takes the finished prompts from the file instead of decoding them again, so
+A rerun of the same eval (same drafters and their files, target weights and dtype, token budget
+and block size: the run key) takes the finished prompts from the file instead of decoding them again, so
 an eval stopped by Ctrl-C, a timeout or a lost machine continues where it was. The file is
 removed once the report has been written, so a later rerun measures afresh. A line cut by a kill
 is ignored; a file written under another run key is replaced.
@@ -21,12 +21,16 @@ from .specdecode import SpecResult
 PROGRESS_FILE = "eval_progress.jsonl"
 
 
-def run_key(export_dir: Path, identity: dict, max_new_tokens: int, block_size: int, prompts: str) -> str:
+def run_key(drafters: list[tuple[str, Path]], identity: dict, max_new_tokens: int, block_size: int,
+            prompts: str) -> str:
+    """drafters: (method, export dir) pairs, in report order."""
     h = hashlib.sha256()
-    for name in ("config.json", "model.safetensors"):
-        p = Path(export_dir) / name
-        st = p.stat() if p.exists() else None
-        h.update(f"{name}:{st.st_size if st else -1}:{st.st_mtime_ns if st else -1}\n".encode())
+    for method, export_dir in drafters:
+        h.update(f"{method}\n".encode())
+        for name in ("config.json", "model.safetensors"):
+            p = Path(export_dir) / name
+            st = p.stat() if p.exists() else None
+            h.update(f"{name}:{st.st_size if st else -1}:{st.st_mtime_ns if st else -1}\n".encode())
     h.update(json.dumps({k: identity.get(k) for k in ("model", "weights_fingerprint", "dtype")}, sort_keys=True,
                         default=str).encode())
     h.update(f"{max_new_tokens}:{block_size}:{prompts}".encode())

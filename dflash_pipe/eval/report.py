@@ -8,7 +8,9 @@ Per prompt set and method:
   * tokens/s = generated tokens / wall time over the set; speedup = method tokens/s divided by
     target-only greedy tokens/s on the same prompts (omitted when the target ran in
     'recompute' cache mode, whose timings say nothing about a serving engine);
-  * identical: fraction of prompts whose output equals target-only greedy decoding.
+  * identical: fraction of prompts whose output equals target-only greedy decoding;
+  * tau / n-gram: a drafter's tau over the prompt-lookup baseline's on the same prompts.
+Methods: "dflash" (one drafter) or "dflash:<name>" (several, see runner.py) and "ngram".
 """
 
 from __future__ import annotations
@@ -19,8 +21,20 @@ from pathlib import Path
 from ..io_utils import read_jsonl
 from .specdecode import SpecResult
 
-METHODS = ("dflash", "ngram")
-METHOD_LABELS = {"dflash": "DFlash", "ngram": "n-gram"}
+BASELINE = "ngram"
+
+
+def method_label(method: str) -> str:
+    """'dflash' -> DFlash, 'dflash:fp8' -> DFlash[fp8], 'ngram' -> n-gram."""
+    if method.startswith("dflash:"):
+        return f"DFlash[{method[len('dflash:'):]}]"
+    return {"dflash": "DFlash", "ngram": "n-gram"}.get(method, method)
+
+
+def methods_of(set_summary: dict) -> list[str]:
+    """The speculative methods of one set's summary, drafters first (report order), the baseline last."""
+    drafters = [k for k in set_summary if k == "dflash" or k.startswith("dflash:")]
+    return drafters + ([BASELINE] if BASELINE in set_summary else [])
 
 
 def method_summary(results: list[SpecResult], reference: list[list[int]], target_tok_s: float | None,
@@ -87,22 +101,27 @@ def _fmt(x, spec: str = ".2f", suffix: str = "") -> str:
 
 
 def markdown_table(report: dict) -> str:
-    lines = ["| set | prompts | target tok/s | DFlash tau | DFlash tok/s | DFlash speedup | n-gram tau | "
-             "n-gram tok/s | n-gram speedup | identical (DFlash) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| set | prompts | method | tau | tau / n-gram | tok/s | speedup | identical to target-only |",
+             "|---|---:|---|---:|---:|---:|---:|---:|"]
     for name, s in report["sets"].items():
-        d, n = s["dflash"], s["ngram"]
-        lines.append(f"| {name} | {s['prompts']} | {_fmt(s['target_only']['tokens_per_s'], ',.1f')} | "
-                     f"{_fmt(d['tau'])} | {_fmt(d['tokens_per_s'], ',.1f')} | {_fmt(d['speedup'], '.2f', 'x')} | "
-                     f"{_fmt(n['tau'])} | {_fmt(n['tokens_per_s'], ',.1f')} | {_fmt(n['speedup'], '.2f', 'x')} | "
-                     f"{_fmt(d['identical_to_target'], '.0%')} |")
-    tr = report.get("training")
-    if tr:
+        lines.append(f"| {name} | {s['prompts']} | target-only | - | - | "
+                     f"{_fmt(s['target_only']['tokens_per_s'], ',.1f')} | - | - |")
+        base = s.get(BASELINE, {}).get("tau")
+        for m in methods_of(s):
+            r = s[m]
+            ratio = r["tau"] / base if r["tau"] is not None and base else None
+            lines.append(f"| {name} | {s['prompts']} | {method_label(m)} | {_fmt(r['tau'])} | "
+                         f"{_fmt(ratio, '.2f', 'x') if m != BASELINE else '-'} | {_fmt(r['tokens_per_s'], ',.1f')} | "
+                         f"{_fmt(r['speedup'], '.2f', 'x')} | {_fmt(r['identical_to_target'], '.0%')} |")
+    for m, tr in (report.get("training") or {}).items():
+        if not tr:
+            continue
         lines.append("")
         walk = (f" (decoding-walk estimate {tr['tau_walk_last_10pct_mean']:.2f})"
                 if tr.get("tau_walk_last_10pct_mean") is not None else "")
-        lines.append(f"Training-time simulated tau: last {tr['tau_last']:.2f}, mean of the last 10 % of logged "
-                     f"steps {tr['tau_last_10pct_mean']:.2f}{walk} (eval tau above is real speculative decoding).")
+        lines.append(f"{method_label(m)}: training-time simulated tau: last {tr['tau_last']:.2f}, mean of the last "
+                     f"10 % of logged steps {tr['tau_last_10pct_mean']:.2f}{walk} (eval tau above is real speculative "
+                     f"decoding).")
         if tr.get("val_tau") is not None:
             vw = f" (walk estimate {tr['val_tau_walk']:.2f})" if tr.get("val_tau_walk") is not None else ""
             lines.append(f"Held-out validation cache after step {tr['val_step']}: simulated tau "
@@ -116,12 +135,13 @@ def markdown_table(report: dict) -> str:
 def acceptance_markdown(report: dict) -> str:
     out = []
     for name, s in report["sets"].items():
-        k = len(s["dflash"]["acceptance"])
+        ms = methods_of(s)
+        k = len(s[ms[0]]["acceptance"]) if ms else 0
         out.append(f"\nPer-position acceptance, {name}:\n")
         out.append("| method | " + " | ".join(str(i) for i in range(1, k + 1)) + " |")
         out.append("|---|" + "---:|" * k)
-        for m in METHODS:
-            out.append(f"| {METHOD_LABELS[m]} | " + " | ".join(_fmt(a) for a in s[m]["acceptance"]) + " |")
+        for m in ms:
+            out.append(f"| {method_label(m)} | " + " | ".join(_fmt(a) for a in s[m]["acceptance"]) + " |")
     return "\n".join(out) + "\n"
 
 
@@ -132,13 +152,15 @@ def plot_acceptance(report: dict, out_png: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
+    markers = "osD^v<>p*h"
     for i, (name, s) in enumerate(report["sets"].items()):
         color = f"C{i % 10}"
-        for m, style in (("dflash", "-o"), ("ngram", "--x")):
+        for j, m in enumerate(methods_of(s)):
+            style = "--x" if m == BASELINE else f"-{markers[j % len(markers)]}"
             acc = s[m]["acceptance"]
             ks = [k + 1 for k, a in enumerate(acc) if a is not None]
             ax.plot(ks, [a for a in acc if a is not None], style, color=color,
-                    label=f"{name} {METHOD_LABELS[m]} (tau {_fmt(s[m]['tau'])})")
+                    label=f"{name} {method_label(m)} (tau {_fmt(s[m]['tau'])})", ms=3)
     ax.set_xlabel("block position k")
     ax.set_ylabel("fraction of steps accepted through k")
     ax.set_ylim(0, 1.02)

@@ -1,10 +1,17 @@
 """`dflash-pipe eval`: real speculative decoding of target + exported drafter on prompt sets.
 
-For every prompt of every set (cfg.eval.prompts, at most cfg.eval.max_prompts each) three
+For every prompt of every set (cfg.eval.prompts, at most cfg.eval.max_prompts each) these
 generations of cfg.eval.max_new_tokens tokens run on the same target, one after the other:
-target-only greedy (the reference output and the tokens/s baseline), DFlash, and the n-gram
-prompt-lookup baseline through the same verify/accept harness. A short warm-up generation of
-each kind runs first so one-time costs (CUDA context, kernel selection) stay out of the timings.
+target-only greedy (the reference output and the tokens/s baseline), DFlash with each drafter, and
+the n-gram prompt-lookup baseline through the same verify/accept harness. A short warm-up
+generation of each kind runs first so one-time costs (CUDA context, kernel selection) stay out of
+the timings.
+
+Drafters (cfg.eval.drafter): one export directory (default <train.output_dir>/export), reported as
+method "dflash" with the training tau of <train.output_dir>; or a comma list "name=dir,..."
+reported as "dflash:<name>" each, with the training tau of the export's parent directory (where
+`dflash-pipe train` writes metrics.jsonl). Several drafters on one run share the target-only and
+n-gram generations, so their comparison is paired: the same prompts, references and baseline.
 
 Outputs (cfg.eval.output_dir, default <train.output_dir>/eval): eval_report.json,
 eval_report.md, acceptance.png, eval_prompts.jsonl (one line per prompt and method) and
@@ -17,7 +24,9 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -69,12 +78,37 @@ def check_drafter_fits(dcfg: DrafterModelConfig, bundle: TargetBundle, where: st
                               "pass the target the drafter was trained on (--target-model), or another --drafter")
 
 
-def drafter_dir(cfg: RunConfig) -> Path:
-    d = Path(cfg.eval.drafter) if cfg.eval.drafter else Path(cfg.train.output_dir) / "export"
-    if not d.is_dir():
-        raise UsageError(f"drafter export {d} does not exist",
-                         "train first (`dflash-pipe train` writes <output_dir>/export) or pass --drafter DIR")
-    return d
+@dataclass
+class DrafterSpec:
+    method: str       # report key: "dflash" or "dflash:<name>"
+    export: Path      # exported drafter directory
+    train_dir: Path   # where its training wrote metrics.jsonl (for the simulated tau beside the eval's)
+
+
+_NAME_OK = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+
+def drafter_specs(cfg: RunConfig) -> list[DrafterSpec]:
+    """The drafters --drafter names (module docstring), each checked to exist."""
+    raw = cfg.eval.drafter.strip()
+    if "=" not in raw and "," not in raw:
+        d = Path(raw) if raw else Path(cfg.train.output_dir) / "export"
+        specs = [DrafterSpec("dflash", d, Path(cfg.train.output_dir))]
+    else:
+        specs = []
+        for item in (x.strip() for x in raw.split(",")):
+            name, sep, path = (p.strip() for p in item.partition("="))
+            if not sep or not _NAME_OK.match(name) or not path:
+                raise UsageError(f"--drafter entry {item!r} is not name=dir (name of letters, digits, '_', '.', '-')",
+                                 "write e.g. --drafter lossless=runs/a/export,fp8=runs/b/export")
+            if any(s.method == f"dflash:{name}" for s in specs):
+                raise UsageError(f"--drafter names {name!r} twice", "give every drafter its own name")
+            specs.append(DrafterSpec(f"dflash:{name}", Path(path), Path(path).parent))
+    for spec in specs:
+        if not spec.export.is_dir():
+            raise UsageError(f"drafter export {spec.export} does not exist",
+                             "train first (`dflash-pipe train` writes <output_dir>/export) or pass --drafter DIR")
+    return specs
 
 
 def output_dir(cfg: RunConfig) -> Path:
@@ -101,7 +135,7 @@ def run_eval(cfg: RunConfig, *, bundle: TargetBundle | None = None) -> dict:
     if ev.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {ev.max_new_tokens}")
     device = resolve_device(ev.device)
-    export = drafter_dir(cfg)
+    specs = drafter_specs(cfg)
     out_dir = output_dir(cfg)
     t = cfg.target
     if bundle is None:
@@ -109,34 +143,47 @@ def run_eval(cfg: RunConfig, *, bundle: TargetBundle | None = None) -> dict:
                              trust_remote_code=t.trust_remote_code, seed=t.seed, model_cache_dir=t.model_cache_dir,
                              attn_implementation=t.attn_implementation)
     device = bundle.device
-    drafter, dcfg = load_exported_drafter(export, dtype=bundle.dtype, device=device, attention="sdpa")
-    check_drafter_fits(dcfg, bundle, f"drafter {export}")
+    model, tok = bundle.model, bundle.tokenizer
+    dcfgs, proposers, verifiers = {}, {}, {}
+    for spec in specs:
+        drafter, dcfg = load_exported_drafter(spec.export, dtype=bundle.dtype, device=device, attention="sdpa")
+        check_drafter_fits(dcfg, bundle, f"drafter {spec.export}")
+        if dcfgs and dcfg.block_size != next(iter(dcfgs.values())).block_size:
+            raise ValidationError(f"drafter {spec.export} has block size {dcfg.block_size}, "
+                                  f"{specs[0].export} has {next(iter(dcfgs.values())).block_size}",
+                                  "compare drafters of one block size in one eval (the n-gram baseline uses it too)")
+        dcfgs[spec.method] = dcfg
+        proposers[spec.method] = DFlashProposer(drafter, dcfg, model.get_input_embeddings().weight,
+                                                model.get_output_embeddings())
     sets = load_prompt_sets(ev.prompts, ev.max_prompts, skip_samples=cfg.data.skip_samples,
                             source=cfg.data.source, format=cfg.data.format)
-    model, tok = bundle.model, bundle.tokenizer
     eos = eos_token_ids(model, tok)
-    B = dcfg.block_size
+    B = next(iter(dcfgs.values())).block_size
     max_pos = min(int(getattr(bundle.config, "max_position_embeddings", 1 << 30) or 1 << 30),
-                  dcfg.max_position_embeddings)
+                  *(d.max_position_embeddings for d in dcfgs.values()))
     max_prompt = max_pos - ev.max_new_tokens - B
-    dflash_verifier = make_dflash_verifier(model, dcfg, bundle.num_layers, bundle.hidden_size)
+    for method, dcfg in dcfgs.items():
+        verifiers[method] = make_dflash_verifier(model, dcfg, bundle.num_layers, bundle.hidden_size)
     plain_verifier = TargetVerifier(model)
-    cache_mode = dflash_verifier.mode
-    dflash = DFlashProposer(drafter, dcfg, model.get_input_embeddings().weight, model.get_output_embeddings())
-    ngram = NgramProposer()
+    cache_mode = plain_verifier.mode
+    methods = [(m, verifiers[m], proposers[m]) for m in dcfgs] + [("ngram", plain_verifier, NgramProposer())]
     print(f"eval: target {bundle.identity.get('model', t.model)} ({bundle.family}, {bundle.identity['dtype']}) "
-          f"on {device}, drafter {export} (B={B}, layers {dcfg.target_layer_ids}), cache mode {cache_mode}, "
-          f"{ev.max_new_tokens} new tokens", flush=True)
+          f"on {device}, drafters " + ", ".join(f"{s.method} {s.export} (layers {dcfgs[s.method].target_layer_ids})"
+                                                for s in specs) +
+          f", B={B}, cache mode {cache_mode}, {ev.max_new_tokens} new tokens", flush=True)
     report: dict = {"target": {k: bundle.identity.get(k) for k in ("model", "model_type", "weights_fingerprint",
                                                                    "dtype", "num_layers")},
-                    "drafter": {"dir": str(export), "block_size": B, "num_layers": dcfg.num_layers,
-                                "target_layer_ids": dcfg.target_layer_ids, "mask_token_id": dcfg.mask_token_id},
+                    "drafters": {s.method: {"dir": str(s.export), "block_size": B,
+                                            "num_layers": dcfgs[s.method].num_layers,
+                                            "target_layer_ids": dcfgs[s.method].target_layer_ids,
+                                            "mask_token_id": dcfgs[s.method].mask_token_id} for s in specs},
                     "device": str(device), "cache_mode": cache_mode, "max_new_tokens": ev.max_new_tokens,
                     "eos_token_ids": eos, "sets": {}}
     records: list[dict] = []
     warmed = False
     sync = sync_fn(device)
-    progress = EvalProgress(out_dir, run_key(export, bundle.identity, ev.max_new_tokens, B, ev.prompts))
+    progress = EvalProgress(out_dir, run_key([(s.method, s.export) for s in specs], bundle.identity,
+                                             ev.max_new_tokens, B, ev.prompts))
     if progress.done:
         print(f"eval: resuming, {len(progress.done)} prompts already done ({progress.path})", flush=True)
     try:
@@ -147,9 +194,9 @@ def run_eval(cfg: RunConfig, *, bundle: TargetBundle | None = None) -> dict:
                 log.warning("%s: skipped %d prompts longer than %d tokens", set_name, len(encoded) - len(kept),
                             max_prompt)
             if not warmed and any(progress.get(set_name, p.id) is None for p, _ in kept):
-                _warm_up(model, kept[0][1], eos, dflash_verifier, plain_verifier, dflash, ngram, B)
+                _warm_up(model, kept[0][1], eos, methods, B)
                 warmed = True
-            refs, ref_wall, res = [], [], {"dflash": [], "ngram": []}
+            refs, ref_wall, res = [], [], {m: [] for m, _, _ in methods}
             bar = progress_bar(len(kept), f"eval {set_name}", "prompt")
             for prompt, ids in kept:
                 done = progress.get(set_name, prompt.id)
@@ -162,8 +209,7 @@ def run_eval(cfg: RunConfig, *, bundle: TargetBundle | None = None) -> dict:
                     wall = time.perf_counter() - t0
                     results = {name: speculative_generate(verifier, proposer, ids, block_size=B,
                                                           max_new_tokens=ev.max_new_tokens, eos_ids=eos)
-                               for name, verifier, proposer in (("dflash", dflash_verifier, dflash),
-                                                                ("ngram", plain_verifier, ngram))}
+                               for name, verifier, proposer in methods}
                     progress.add(set_name, prompt.id, ref, wall, results)
                 refs.append(ref)
                 ref_wall.append(wall)
@@ -182,17 +228,18 @@ def run_eval(cfg: RunConfig, *, bundle: TargetBundle | None = None) -> dict:
                 **{m: method_summary(res[m], refs, target_tok_s, cache_mode == "crop") for m in res},
             }
     finally:
-        dflash_verifier.close()
+        for verifier in verifiers.values():
+            verifier.close()
         plain_verifier.close()
-    report["training"] = training_tau(Path(cfg.train.output_dir))
+    report["training"] = {s.method: training_tau(s.train_dir) for s in specs}
     _write(report, records, out_dir, cfg)
     progress.finish()  # the report holds everything now; a later rerun measures afresh
     return report
 
 
-def _warm_up(model, ids, eos, dflash_verifier, plain_verifier, dflash, ngram, block_size) -> None:
+def _warm_up(model, ids, eos, methods, block_size) -> None:
     greedy_generate(model, ids, WARMUP_TOKENS, eos)
-    for verifier, proposer in ((dflash_verifier, dflash), (plain_verifier, ngram)):
+    for _, verifier, proposer in methods:
         speculative_generate(verifier, proposer, ids, block_size=block_size, max_new_tokens=WARMUP_TOKENS,
                              eos_ids=eos)
 
