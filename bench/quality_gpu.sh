@@ -20,16 +20,19 @@
 #
 # Stages (each marks completion in /tmp/quality/done/<job>; a rerun skips finished jobs, and the pipeline's
 # own resume continues unfinished ones: regenerate skips written ids, extract skips committed shards,
-# train --resume auto continues from the last checkpoint):
+# train --resume auto continues from the last checkpoint, which a deadline's SIGINT writes first):
 #   regen           SmolLM2 answers QUALITY_N_PROMPTS ShareGPT first turns itself (greedy, batched HF generate);
-#                   seeded from bench/data/smollm2_regenerated_sharegpt.jsonl.gz (the first 8000, kept from
-#                   session 3), so only prompts beyond those are generated
+#                   seeded from bench/data/smollm2_regenerated_sharegpt.jsonl.gz (kept from earlier runs), so only
+#                   prompts beyond those are generated
 #   extract-lossless, extract-fp8, extract-val          three processes at once; the first QUALITY_HELDOUT (300)
 #                   conversations are held out of training and extracted as cache-val (training's --val-cache-dir)
-#   train-lossless,   train-fp8                         two processes at once, each as soon as its cache is done
+#   train-lossless, train-fp8                           at once, each as soon as its cache is done
+#   train-seed<N>   only with QUALITY_SEEDS (e.g. "1"): lossless drafters with another --seed, the training-noise
+#                   control for lossless vs fp8 (both of those use seed 0)
 #   scale-<subset>  only with QUALITY_SCALING (e.g. "0-3 0-7"): lossless drafters on shard subsets (data scaling)
-#   eval-{lossless,fp8}-{mtbench,humaneval,heldout}    six processes (DFlash + prompt lookup + target-only, fp32
-#                   target); heldout decodes the held-out conversations' prompts
+#   eval-{mtbench,humaneval,heldout}   one process per set, all drafters in it (`eval --drafter name=dir,...`:
+#                   target-only and prompt lookup once per prompt, so drafters are compared on identical prompts
+#                   and references); the scale-* drafters only on heldout, which decodes the held-out prompts
 #   report          bench/quality_report.py -> $OUT (every call, with whatever is finished)
 # Deadline (QUALITY_DEADLINE_S, default 540 s from the script's start): a resumable job is started only with at
 # least its minimum useful time left and runs under `timeout -s INT` until the deadline minus a reserve. Every
@@ -37,37 +40,20 @@
 # $OUT (at most 8 files) is refreshed every 30 s and at the end: status.txt, logs_tail.txt, summary.json,
 # summary.md, quality.png, results.tar.gz (eval reports + PNGs, metrics.jsonl, configs, full logs).
 #
-# Timing assumptions (H200 numbers are estimates, not measurements; the logs and summary.md record the real ones):
-#   * Basis: HF eager SmolLM2-135M is launch-bound on an H200. Counted on the CPU with a TorchDispatchMode: ~1,100
-#     kernel-launching aten ops per target forward (30 layers), ~1,500 per drafter train step (3 layers, bf16
-#     autocast, 8 loss chunks, AdamW). Framework overhead alone (same 30-layer graph at hidden 64, CPU): 7.3 ms
-#     per forward = 6.7 us/op on the 2-core dev box; + ~3-5 us per CUDA launch => ~12-15 ms per target forward
-#     on the GPU, nearly flat in batch size up to ~1k rows (batch 1024 x ~400-token KV: ~10 GB of KV reads and
-#     DynamicCache cat copies per step, ~4-8 ms, overlapped with the launches).
-#     Measured CPU costs (real model, fp32, 1 thread: 82 ms per decode step at batch 1, HF generate ~200 ms/step
-#     at batch 8) are compute-bound and bound nothing on the GPU.
-#   * regen: 8000 prompts -> ~6,700 kept (prompt <= 256 tokens: 84 % of ShareGPT first turns) in 8 batches of
-#     1024, each 256 steps x ~15-25 ms = 4-6 s => ~40-60 s, plus ~20 s imports + GGUF conversion (once).
-#   * extract: ~6,700 docs x ~330 tokens ~ 2.2 M tokens = 12.7 GB of raw bf16 features per cache; host zstd
-#     ~400 MB/s per thread x 6 threads per process => ~10-30 s each (both at once), plus ~15 s start-up.
-#   * train: 3-layer drafter (12.3 M trainable), eager + SDPA with the dense mask, context 4096, 256 anchors x 16:
-#     ~1,500 launches ~ 15 ms host + ~10 ms GPU (dense-mask attention ~8 ms) per step, loader ~4 ms/step on 6
-#     threads; two trainers time-slice one GPU => ~20-26 ms/step, 8000 steps ~ 160-210 s + ~15 s start-up.
-#   * eval, per prompt of T = 256 tokens: target-only T forwards + DFlash T/tau verify forwards (+ drafter) +
-#     lookup T/tau forwards ~ 2.5 T forwards x 15 ms ~ 10 s, x 1.3 for four processes sharing the GPU =>
-#     20 prompts per set ~ 250 s + 30 s start-up (QUALITY_EVAL_STEP_S, QUALITY_EVAL_CONC feed this estimate).
-#   => call B: setup ~10 s, regen ~80 s, extract ~45 s, train ~215 s, exits 75 after ~350 s (the evals,
-#      estimated at 290 s, do not fit in what is left); call C: evals + report ~300 s, exits 0. Device time
-#      ~11 min + machine start; a stage that runs long is resumed by the next call (repeat C).
+# Measured in session 3 (H200, driver.log in bench/results/2026-12-01-h200-quality-session3/): regen of 8,000
+# prompts 239 s; the three extracts at once 69 s (1.7 M tokens); two 5,000-step trainers at once 223 s
+# (45 ms/step each); six single-drafter evals of 16 prompts at once 244-304 s. Wall time grows with the number
+# of processes sharing the GPU (time-sliced), so plan device time as the sum of these, not their maximum.
 #
 # Knobs (environment; defaults are the GPU run): QUALITY_DIR (/tmp/quality), QUALITY_DEADLINE_S (540),
 # QUALITY_RESERVE_S (30), QUALITY_DEVICE (cuda), QUALITY_MANIFEST (manifests/quality-smollm2-gpu.toml),
 # QUALITY_N_PROMPTS (8000), QUALITY_GEN_TOKENS (256), QUALITY_GEN_BATCH (1024), QUALITY_TRAIN_STEPS (8000),
-# QUALITY_EVAL_PROMPTS (20), QUALITY_EVAL_TOKENS (256), QUALITY_EVAL_JOBS (4 = drafter x set, 2 = per drafter),
-# QUALITY_EVAL_STEP_S (0.015), QUALITY_EVAL_CONC (1.3), QUALITY_{REGEN,EXTRACT,TRAIN,EVAL}_FLAGS (extra flags),
+# QUALITY_EVAL_PROMPTS (20), QUALITY_EVAL_TOKENS (256), QUALITY_EVAL_STEP_S (0.015, one target forward),
+# QUALITY_EVAL_CONC (1.3, slow-down of sharing the GPU), QUALITY_{REGEN,EXTRACT,TRAIN,EVAL}_FLAGS (extra flags),
 # QUALITY_CARRY_SRC (.gpucarry: where the carried paths are), QUALITY_GGUF (use this GGUF, skip the parts),
 # QUALITY_MODEL_CACHE ($QUALITY_DIR/models), OUT ($QUALITY_DIR/out when unset), DFLASH_PYTHON (python3),
-# QUALITY_SCALING (empty; e.g. "0-3 0-7": data-scaling drafters on shard subsets), QUALITY_REGEN_SEED (bench/data/...).
+# QUALITY_SEEDS (empty; e.g. "1"), QUALITY_SCALING (empty; e.g. "0-3 0-7"), QUALITY_VAL_BATCHES (32: all of
+# cache-val), QUALITY_REGEN_SEED (bench/data/...).
 #
 # CPU smoke test at toy size (what was run before the first GPU use; ~6 min on 2 cores):
 #   export QUALITY_DIR=/tmp/qsmoke OUT=/tmp/qsmoke-out QUALITY_DEVICE=cpu QUALITY_N_PROMPTS=24 QUALITY_GEN_TOKENS=32 \
@@ -97,7 +83,6 @@ GEN_BATCH=${QUALITY_GEN_BATCH:-1024}
 TRAIN_STEPS=${QUALITY_TRAIN_STEPS:-8000}
 EVAL_PROMPTS=${QUALITY_EVAL_PROMPTS:-20}
 EVAL_TOKENS=${QUALITY_EVAL_TOKENS:-256}
-EVAL_JOBS=${QUALITY_EVAL_JOBS:-4}
 EVAL_STEP_S=${QUALITY_EVAL_STEP_S:-0.015}
 EVAL_CONC=${QUALITY_EVAL_CONC:-1.3}
 MODELS=${QUALITY_MODEL_CACHE:-$Q/models}
@@ -108,6 +93,7 @@ read -r -a TRAIN_FLAGS <<< "${QUALITY_TRAIN_FLAGS:-}"
 # "identical to target-only" and lossless-vs-fp8 differences below ~1 % need the fp32 target (cheap at 135 M)
 read -r -a EVAL_FLAGS <<< "${QUALITY_EVAL_FLAGS:---target-dtype float32}"
 VAL_EVERY=${QUALITY_VAL_EVERY:-1000}
+VAL_BATCHES=${QUALITY_VAL_BATCHES:-32}
 HELDOUT=${QUALITY_HELDOUT:-300}
 CODECS=(lossless fp8)
 SETS=(mtbench humaneval heldout)
@@ -210,31 +196,44 @@ JOBS=(regen)
 for c in "${CODECS[@]}"; do JOBS+=("extract-$c"); done
 JOBS+=(extract-val)
 for c in "${CODECS[@]}"; do JOBS+=("train-$c"); done
+# training-noise control (opt-in): QUALITY_SEEDS="1" trains one more lossless drafter per seed; lossless vs fp8 is
+# a real difference only where it exceeds lossless vs lossless-with-another-seed
+read -r -a SEEDS <<< "${QUALITY_SEEDS:-}"
+for n in "${SEEDS[@]}"; do JOBS+=("train-seed$n"); done
 # data scaling (opt-in): QUALITY_SCALING="0-3 0-7" trains one more lossless drafter per shard subset (train
-# --shards; 4 and 8 of the 16 shards = 25 % and 50 % of the data), same max_steps (more passes over less data),
-# held-out tau only (no eval); bench/quality_report.py tabulates held-out tau against unique training tokens
+# --shards; 4 and 8 of the 16 shards = 25 % and 50 % of the data), same max_steps (more passes over less data);
+# evaluated on heldout only; bench/quality_report.py tabulates held-out tau against unique training tokens
 read -r -a SCALING <<< "${QUALITY_SCALING:-}"
 for sub in "${SCALING[@]}"; do sub=${sub//-/_}; JOBS+=("scale-${sub//,/.}"); done
-for c in "${CODECS[@]}"; do
-    if [ "$EVAL_JOBS" = 2 ]; then JOBS+=("eval-$c-all"); else for s in "${SETS[@]}"; do JOBS+=("eval-$c-$s"); done; fi
-done
+TRAINS=(); for j in "${JOBS[@]}"; do case $j in train-*|scale-*) TRAINS+=("$j") ;; esac; done
+for s in "${SETS[@]}"; do JOBS+=("eval-$s"); done
 
 deps() {   # job -> jobs it needs
     case $1 in
         regen) ;;
         extract-*) echo regen ;;
+        train-seed*|scale-*) echo "extract-lossless extract-val" ;;
         train-*) echo "extract-${1#train-} extract-val" ;;
-        scale-*) echo "extract-lossless extract-val" ;;
-        eval-*) local c=${1#eval-}; echo "train-${c%%-*}" ;;
+        eval-*) echo "${TRAINS[*]}" ;;
     esac
 }
 kind() { case $1 in regen) echo regen ;; extract-*) echo extract ;; train-*|scale-*) echo train ;; eval-*) echo eval ;; esac; }
-train_dir() { case $1 in train-*) echo "$Q/$1" ;; scale-*) echo "$Q/$1" ;; esac; }   # a train job's output dir
+train_dir() { case $1 in train-*|scale-*) echo "$Q/$1" ;; esac; }   # a train job's output dir
+drafter_name() { case $1 in train-*) echo "${1#train-}" ;; *) echo "$1" ;; esac; }   # its name in the eval
 
-eval_estimate() {   # seconds one eval job needs
-    local sets=1; [ "${1##*-}" = all ] && sets=${#SETS[@]}
-    awk -v p="$EVAL_PROMPTS" -v t="$EVAL_TOKENS" -v s="$sets" -v st="$EVAL_STEP_S" -v c="$EVAL_CONC" \
-        'BEGIN { printf "%d", 30 + p * s * t * 2.5 * st * c }'
+eval_drafters() {   # set -> the --drafter list of its eval job
+    local s=$1 j list=()
+    for j in "${TRAINS[@]}"; do
+        [ "${j%%-*}" = scale ] && [ "$s" != heldout ] && continue
+        list+=("$(drafter_name "$j")=$(train_dir "$j")/export")
+    done
+    (IFS=,; echo "${list[*]}")
+}
+
+eval_estimate() {   # seconds one eval job needs: target-only + lookup (~0.45 T forwards) + ~0.6 T per drafter
+    local n; n=$(eval_drafters "${1#eval-}" | tr ',' '\n' | wc -l)
+    awk -v p="$EVAL_PROMPTS" -v t="$EVAL_TOKENS" -v n="$n" -v st="$EVAL_STEP_S" -v c="$EVAL_CONC" \
+        'BEGIN { printf "%d", 30 + p * t * (1.45 + 0.6 * n) * st * c }'
 }
 
 job_cmd() {   # the command of a job (array JOB_CMD)
@@ -257,18 +256,20 @@ job_cmd() {   # the command of a job (array JOB_CMD)
             JOB_CMD=("$PY" -m dflash_pipe extract "${common[@]}" "${data[@]}" --codec "$c"
                      --cache-dir "$Q/cache-$c" --device "$DEVICE" "${EXTRACT_FLAGS[@]}") ;;
         train-*|scale-*)
-            local subset=()
-            if [ "${j%%-*}" = scale ]; then c=lossless; s=${j#scale-}; s=${s//_/-}; subset=(--shards "${s//./,}" --epochs 200)  # enough passes for max_steps
-            else c=${j#train-}; fi
+            local extra=()
+            case $j in
+                scale-*) c=lossless; s=${j#scale-}; s=${s//_/-}; extra=(--shards "${s//./,}" --epochs 200) ;;  # enough passes
+                train-seed*) c=lossless; extra=(--seed "${j#train-seed}") ;;
+                *) c=${j#train-} ;;
+            esac
             JOB_CMD=("$PY" -m dflash_pipe train -m "$M" --cache-dir "$Q/cache-$c" --output-dir "$(train_dir "$j")"
                      --max-steps "$TRAIN_STEPS" --resume auto --device "$DEVICE" --val-cache-dir "$Q/cache-val"
-                     --val-every "$VAL_EVERY" --val-batches 8 "${subset[@]}" "${TRAIN_FLAGS[@]}") ;;
+                     --val-every "$VAL_EVERY" --val-batches "$VAL_BATCHES" "${extra[@]}" "${TRAIN_FLAGS[@]}") ;;
         eval-*)
-            c=${j#eval-}; s=${c#*-}; c=${c%%-*}
-            [ "$s" = all ] && s=$(IFS=,; echo "${SETS[*]}")
-            JOB_CMD=("$PY" -m dflash_pipe eval "${common[@]}" "${data[@]}" --train-output-dir "$Q/train-$c" --prompts "$s"
-                     --max-prompts "$EVAL_PROMPTS" --max-new-tokens "$EVAL_TOKENS" --output-dir "$Q/$j"
-                     --device "$DEVICE" "${EVAL_FLAGS[@]}") ;;
+            s=${j#eval-}
+            JOB_CMD=("$PY" -m dflash_pipe eval "${common[@]}" "${data[@]}" --drafter "$(eval_drafters "$s")"
+                     --prompts "$s" --max-prompts "$EVAL_PROMPTS" --max-new-tokens "$EVAL_TOKENS"
+                     --output-dir "$Q/$j" --train-output-dir "$Q/train-lossless" --device "$DEVICE" "${EVAL_FLAGS[@]}") ;;
     esac
 }
 
@@ -385,7 +386,7 @@ esac
 
 setup
 say "call $CALL: deadline ${QUALITY_DEADLINE_S:-540}s, device $DEVICE, $N_PROMPTS prompts x $GEN_TOKENS tokens," \
-    "$TRAIN_STEPS train steps, eval $EVAL_PROMPTS prompts x $EVAL_TOKENS tokens in $EVAL_JOBS jobs"
+    "$TRAIN_STEPS train steps (${TRAINS[*]}), eval $EVAL_PROMPTS prompts x $EVAL_TOKENS tokens per set"
 ( trap 'kill "$s" 2>/dev/null; exit 0' TERM; while :; do sleep 30 & s=$!; wait "$s"; snapshot; done ) >/dev/null 2>&1 &
 SNAP=$!
 failed=0
