@@ -2,6 +2,7 @@
 
 Fixed build order: process group + device -> cache index -> drafter config (checked against the
 cache) -> frozen head -> drafter -> optimizer/schedule -> resume -> loader -> loop -> export.
+SIGINT / SIGTERM stop the loop at a step boundary with a checkpoint and exit 130 (graceful.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from ..faults import fault_point
 from .checkpoint import find_resume, load_checkpoint, read_state, save_checkpoint
 from .components import (FrozenHead, build_drafter_config, build_model, build_optimizer, cache_identity,
                          check_against_cache, check_resume_identity, resolve_param_dtype)
+from .graceful import GracefulStop
 from .master_weights import MasterWeights
 from .validation import Validator, draft_inputs, kd_targets
 from .loader import BatchLoader, CacheIndex, shard_subset
@@ -110,53 +112,57 @@ def run_train(cfg: RunConfig) -> dict:
               f"{dcfg.attention}, {precision}, compile={compile_layers}, world {info.world}, {total} steps "
               f"({epoch_steps} per epoch), mask token {dcfg.mask_token_id}", flush=True)
     last = {}
-    try:
-        cap = tr.max_steps or None  # otherwise every epoch runs until its data ends (follow: when extraction does)
-        while epoch < tr.epochs and (cap is None or step < cap):
-            follow_first = tr.follow and epoch == 0
-            batches = DeviceFeed(loader.iterate(epoch, step_in_epoch, follow_first_epoch=follow_first), device)
-            watch = Stopwatch(device)
-            while cap is None or step < cap:
-                t_wait = time.perf_counter()
-                item = next(batches, None)
-                data_wait = time.perf_counter() - t_wait
-                if item is None:
-                    break
-                batch, on_device = item
-                last = _train_step(ddp, weights, head, opt, sched, batch, dcfg, device, autocast, codec, n_layers,
-                                   gamma, cfg, on_device, after_backward=batches.prefetch)
-                data_wait += batches.take_wait_s()
-                if not compilation_locked() and device.type == "cuda":
-                    lock_compilation()  # after this process's first step everything is compiled: a
-                    # recompile is an error from here on, not a silent dense fallback
-                step_s = watch.lap()
-                step += 1
-                step_in_epoch += 1
-                if step % tr.log_every == 0 or step == total:
-                    logger.log(step - 1, epoch, last["metrics"], step_s, data_wait, batch.tokens,
-                               sched.get_last_lr()[0], last["grad_norm"])
-                if validator is not None and step % tr.val_every == 0 and step != total:
-                    logger.log_validation(step - 1, validator.run(model))
-                if tr.checkpoint_every and step % tr.checkpoint_every == 0 and step != total:
-                    _checkpoint(out_dir, step, epoch, step_in_epoch, weights, opt, epoch_steps, total, spec, dcfg,
-                                cfg, info)
-                fault_point("train.after_step")
-            epoch += 1
-            step_in_epoch = 0
-        _checkpoint(out_dir, step, epoch, step_in_epoch, weights, opt, epoch_steps, total, spec, dcfg, cfg, info)
-        if validator is not None:
-            last["val"] = logger.log_validation(step - 1, validator.run(model))
-        if info.is_main:
-            export_drafter(model, dcfg, out_dir / "export")
-            plot_history(out_dir / "metrics.jsonl", out_dir / "training.png")
-            print(f"train: done, {step} steps; drafter exported to {out_dir / 'export'}", flush=True)
-    finally:
-        unlock_compilation()
-        loader.close()
-        if validator is not None:
-            validator.close()
-        logger.close()
-        destroy()
+    with GracefulStop(device, info, tr.log_every) as stop:  # SIGINT/SIGTERM: checkpoint, exit 130
+        try:
+            cap = tr.max_steps or None  # otherwise every epoch runs until its data ends (follow: when extraction does)
+            while epoch < tr.epochs and (cap is None or step < cap):
+                follow_first = tr.follow and epoch == 0
+                batches = DeviceFeed(loader.iterate(epoch, step_in_epoch, follow_first_epoch=follow_first), device)
+                watch = Stopwatch(device)
+                while cap is None or step < cap:
+                    t_wait = time.perf_counter()
+                    item = next(batches, None)
+                    data_wait = time.perf_counter() - t_wait
+                    if item is None:
+                        break
+                    batch, on_device = item
+                    last = _train_step(ddp, weights, head, opt, sched, batch, dcfg, device, autocast, codec, n_layers,
+                                       gamma, cfg, on_device, after_backward=batches.prefetch)
+                    data_wait += batches.take_wait_s()
+                    if not compilation_locked() and device.type == "cuda":
+                        lock_compilation()  # after this process's first step everything is compiled: a
+                        # recompile is an error from here on, not a silent dense fallback
+                    step_s = watch.lap()
+                    step += 1
+                    step_in_epoch += 1
+                    if step % tr.log_every == 0 or step == total:
+                        logger.log(step - 1, epoch, last["metrics"], step_s, data_wait, batch.tokens,
+                                   sched.get_last_lr()[0], last["grad_norm"])
+                    if validator is not None and step % tr.val_every == 0 and step != total:
+                        logger.log_validation(step - 1, validator.run(model))
+                    stopping = stop.should_stop(step)  # every rank, every step (a collective when world > 1)
+                    if stopping or (tr.checkpoint_every and step % tr.checkpoint_every == 0 and step != total):
+                        _checkpoint(out_dir, step, epoch, step_in_epoch, weights, opt, epoch_steps, total, spec, dcfg,
+                                    cfg, info)
+                    fault_point("train.after_step")
+                    if stopping:
+                        stop.leave(step, total, out_dir)  # raises StopRequested: exit 130, no export
+                epoch += 1
+                step_in_epoch = 0
+            _checkpoint(out_dir, step, epoch, step_in_epoch, weights, opt, epoch_steps, total, spec, dcfg, cfg, info)
+            if validator is not None:
+                last["val"] = logger.log_validation(step - 1, validator.run(model))
+            if info.is_main:
+                export_drafter(model, dcfg, out_dir / "export")
+                plot_history(out_dir / "metrics.jsonl", out_dir / "training.png")
+                print(f"train: done, {step} steps; drafter exported to {out_dir / 'export'}", flush=True)
+        finally:
+            unlock_compilation()
+            loader.close()
+            if validator is not None:
+                validator.close()
+            logger.close()
+            destroy()
     return {"steps": step, "metrics": last.get("metrics", {}), "val": last.get("val", {}), "output_dir": str(out_dir)}
 
 
