@@ -244,6 +244,8 @@ def build(d: Path) -> dict:
             ref = e["prompts"].get(f"dflash:{REFERENCE}")
             if name != REFERENCE and ref:
                 row["vs_reference"][name] = paired(ref, e["prompts"].get(m, {}))
+        order = [n for n in summary["runs"] if n in row["drafters"]] + [n for n in row["drafters"] if n not in summary["runs"]]
+        row["drafters"] = {n: row["drafters"][n] for n in order}      # run order (the report's JSON is key-sorted)
         summary["sets"][s] = row
     ref_val = (summary["runs"].get(REFERENCE) or {}).get("val")
     summary["val_vs_reference"] = {n: r["val"]["tau_last"] / ref_val["tau_last"] - 1 for n, r in summary["runs"].items()
