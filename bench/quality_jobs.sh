@@ -1,0 +1,109 @@
+# The jobs of bench/quality_gpu.sh (sourced by it, after its settings): the job list, each job's dependencies,
+# command, output check and progress line. A job name says what it is: regen, extract-<codec>, extract-val,
+# train-<codec>, train-seed<N>, scale-<subset>, eval-<set> (see the header of quality_gpu.sh).
+JOBS=(regen)
+for c in "${CODECS[@]}"; do JOBS+=("extract-$c"); done
+JOBS+=(extract-val)
+for c in "${CODECS[@]}"; do JOBS+=("train-$c"); done
+# training-noise control (opt-in): QUALITY_SEEDS="1" trains one more lossless drafter per seed; lossless vs fp8 is
+# a real difference only where it exceeds lossless vs lossless-with-another-seed
+read -r -a SEEDS <<< "${QUALITY_SEEDS:-}"
+for n in "${SEEDS[@]}"; do JOBS+=("train-seed$n"); done
+# data scaling (opt-in): QUALITY_SCALING="0-3 0-7" trains one more lossless drafter per shard subset (train
+# --shards; 4 and 8 of the 16 shards = 25 % and 50 % of the data), same max_steps (more passes over less data);
+# evaluated on heldout only; bench/quality_report.py tabulates held-out tau against unique training tokens
+read -r -a SCALING <<< "${QUALITY_SCALING:-}"
+for sub in "${SCALING[@]}"; do sub=${sub//-/_}; JOBS+=("scale-${sub//,/.}"); done
+TRAINS=(); for j in "${JOBS[@]}"; do case $j in train-*|scale-*) TRAINS+=("$j") ;; esac; done
+for s in "${SETS[@]}"; do JOBS+=("eval-$s"); done
+
+deps() {   # job -> jobs it needs
+    case $1 in
+        regen) ;;
+        extract-*) echo regen ;;
+        train-seed*|scale-*) echo "extract-lossless extract-val" ;;
+        train-*) echo "extract-${1#train-} extract-val" ;;
+        eval-*) echo "${TRAINS[*]}" ;;
+    esac
+}
+kind() { case $1 in regen) echo regen ;; extract-*) echo extract ;; train-*|scale-*) echo train ;; eval-*) echo eval ;; esac; }
+train_dir() { case $1 in train-*|scale-*) echo "$Q/$1" ;; esac; }   # a train job's output dir
+drafter_name() { case $1 in train-*) echo "${1#train-}" ;; *) echo "$1" ;; esac; }   # its name in the eval
+
+eval_drafters() {   # set -> the --drafter list of its eval job
+    local s=$1 j list=()
+    for j in "${TRAINS[@]}"; do
+        [ "${j%%-*}" = scale ] && [ "$s" != heldout ] && continue
+        list+=("$(drafter_name "$j")=$(train_dir "$j")/export")
+    done
+    (IFS=,; echo "${list[*]}")
+}
+
+eval_estimate() {   # seconds one eval job needs: target-only + lookup (~0.45 T forwards) + ~0.6 T per drafter
+    local n; n=$(eval_drafters "${1#eval-}" | tr ',' '\n' | wc -l)
+    awk -v p="$EVAL_PROMPTS" -v t="$EVAL_TOKENS" -v n="$n" -v st="$EVAL_STEP_S" -v c="$EVAL_CONC" \
+        'BEGIN { printf "%d", 30 + p * t * (1.45 + 0.6 * n) * st * c }'
+}
+
+job_cmd() {   # the command of a job (array JOB_CMD)
+    local j=$1 c s
+    local common=(-m "$M" --target-model-cache-dir "$MODELS")
+    # the first $HELDOUT regenerated conversations are held out: never trained on, extracted into cache-val
+    # (training's --val-cache-dir) and decoded by the 'heldout' eval set
+    local data=(--data-source "$Q/regenerated.jsonl" --data-skip-samples "$HELDOUT")
+    case $j in
+        regen)
+            JOB_CMD=("$PY" -m dflash_pipe regenerate "${common[@]}" --source "$CARRY/data/sharegpt_first_turns.jsonl"
+                     --skip-samples 0 --max-samples "$N_PROMPTS" -o "$Q/regenerated.jsonl" --max-turns 1
+                     --max-new-tokens "$GEN_TOKENS" --batch-size "$GEN_BATCH" --device "$DEVICE" "${REGEN_FLAGS[@]}") ;;
+        extract-val)
+            JOB_CMD=("$PY" -m dflash_pipe extract "${common[@]}" --data-source "$Q/regenerated.jsonl"
+                     --data-skip-samples 0 --data-max-samples "$HELDOUT" --codec lossless --cache-dir "$Q/cache-val"
+                     --device "$DEVICE" "${EXTRACT_FLAGS[@]}" --num-shards 2) ;;
+        extract-*)
+            c=${j#extract-}
+            JOB_CMD=("$PY" -m dflash_pipe extract "${common[@]}" "${data[@]}" --codec "$c"
+                     --cache-dir "$Q/cache-$c" --device "$DEVICE" "${EXTRACT_FLAGS[@]}") ;;
+        train-*|scale-*)
+            local extra=()
+            case $j in
+                scale-*) c=lossless; s=${j#scale-}; s=${s//_/-}; extra=(--shards "${s//./,}" --epochs 200) ;;  # enough passes
+                train-seed*) c=lossless; extra=(--seed "${j#train-seed}") ;;
+                *) c=${j#train-} ;;
+            esac
+            JOB_CMD=("$PY" -m dflash_pipe train -m "$M" --cache-dir "$Q/cache-$c" --output-dir "$(train_dir "$j")"
+                     --max-steps "$TRAIN_STEPS" --resume auto --device "$DEVICE" --val-cache-dir "$Q/cache-val"
+                     --val-every "$VAL_EVERY" --val-batches "$VAL_BATCHES" "${extra[@]}" "${TRAIN_FLAGS[@]}") ;;
+        eval-*)
+            s=${j#eval-}
+            JOB_CMD=("$PY" -m dflash_pipe eval "${common[@]}" "${data[@]}" --drafter "$(eval_drafters "$s")"
+                     --prompts "$s" --max-prompts "$EVAL_PROMPTS" --max-new-tokens "$EVAL_TOKENS"
+                     --output-dir "$Q/$j" --train-output-dir "$Q/train-lossless" --device "$DEVICE" "${EVAL_FLAGS[@]}") ;;
+    esac
+}
+
+job_ok() {   # the job's output really exists
+    case $1 in
+        regen) [ -s "$Q/regenerated.jsonl" ] ;;
+        extract-*) [ -f "$Q/cache-${1#extract-}/manifest.json" ] ;;
+        train-*|scale-*) [ -f "$(train_dir "$1")/export/config.json" ] ;;
+        eval-*) [ -f "$Q/$1/eval_report.json" ] ;;
+    esac
+}
+
+job_progress() {   # one line: how far an unfinished job got
+    local j=$1
+    case $j in
+        regen) "$PY" - "$Q/regenerated.jsonl.progress.json" "$N_PROMPTS" <<'PY' 2>/dev/null || echo "not started" ;;
+import json, sys
+s = json.load(open(sys.argv[1]))
+print(f"{s['rows_written'] + len(s['skipped'])}/{sys.argv[2]} prompts done ({s['rows_written']} written, "
+      f"{len(s['skipped'])} skipped), {s['generated_tokens']:,} tokens in {s['seconds']:.0f} s")
+PY
+        extract-*) echo "$(ls "$Q/cache-${j#extract-}" 2>/dev/null | grep -c '^shard-.*\.json$') shards committed" ;;
+        train-*|scale-*) local d last; d=$(train_dir "$j")
+                 last=$(tail -n 1 "$d/metrics.jsonl" 2>/dev/null | sed -n 's/.*"step": \([0-9]*\).*/\1/p')
+                 echo "step $(( ${last:--1} + 1 ))/$TRAIN_STEPS logged, checkpoints: $(cd "$d" 2>/dev/null && ls -d ckpt-* 2>/dev/null | tr '\n' ' ')" ;;
+        eval-*) echo "$(wc -l < "$Q/$j/eval_progress.jsonl" 2>/dev/null || echo 0) prompts done (estimate $(eval_estimate "$j") s for all)" ;;
+    esac
+}
