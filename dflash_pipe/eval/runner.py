@@ -144,17 +144,7 @@ def run_eval(cfg: RunConfig, *, bundle: TargetBundle | None = None) -> dict:
                              attn_implementation=t.attn_implementation)
     device = bundle.device
     model, tok = bundle.model, bundle.tokenizer
-    dcfgs, proposers, verifiers = {}, {}, {}
-    for spec in specs:
-        drafter, dcfg = load_exported_drafter(spec.export, dtype=bundle.dtype, device=device, attention="sdpa")
-        check_drafter_fits(dcfg, bundle, f"drafter {spec.export}")
-        if dcfgs and dcfg.block_size != next(iter(dcfgs.values())).block_size:
-            raise ValidationError(f"drafter {spec.export} has block size {dcfg.block_size}, "
-                                  f"{specs[0].export} has {next(iter(dcfgs.values())).block_size}",
-                                  "compare drafters of one block size in one eval (the n-gram baseline uses it too)")
-        dcfgs[spec.method] = dcfg
-        proposers[spec.method] = DFlashProposer(drafter, dcfg, model.get_input_embeddings().weight,
-                                                model.get_output_embeddings())
+    dcfgs, proposers = _load_drafters(specs, bundle)
     sets = load_prompt_sets(ev.prompts, ev.max_prompts, skip_samples=cfg.data.skip_samples,
                             source=cfg.data.source, format=cfg.data.format)
     eos = eos_token_ids(model, tok)
@@ -162,8 +152,7 @@ def run_eval(cfg: RunConfig, *, bundle: TargetBundle | None = None) -> dict:
     max_pos = min(int(getattr(bundle.config, "max_position_embeddings", 1 << 30) or 1 << 30),
                   *(d.max_position_embeddings for d in dcfgs.values()))
     max_prompt = max_pos - ev.max_new_tokens - B
-    for method, dcfg in dcfgs.items():
-        verifiers[method] = make_dflash_verifier(model, dcfg, bundle.num_layers, bundle.hidden_size)
+    verifiers = {m: make_dflash_verifier(model, d, bundle.num_layers, bundle.hidden_size) for m, d in dcfgs.items()}
     plain_verifier = TargetVerifier(model)
     cache_mode = plain_verifier.mode
     methods = [(m, verifiers[m], proposers[m]) for m in dcfgs] + [("ngram", plain_verifier, NgramProposer())]
@@ -203,13 +192,7 @@ def run_eval(cfg: RunConfig, *, bundle: TargetBundle | None = None) -> dict:
                 if done is not None:
                     ref, wall, results = done
                 else:
-                    t0 = time.perf_counter()
-                    ref = greedy_generate(model, ids, ev.max_new_tokens, eos)
-                    sync()
-                    wall = time.perf_counter() - t0
-                    results = {name: speculative_generate(verifier, proposer, ids, block_size=B,
-                                                          max_new_tokens=ev.max_new_tokens, eos_ids=eos)
-                               for name, verifier, proposer in methods}
+                    ref, wall, results = _decode_prompt(model, ids, methods, B, ev.max_new_tokens, eos, sync)
                     progress.add(set_name, prompt.id, ref, wall, results)
                 refs.append(ref)
                 ref_wall.append(wall)
@@ -219,14 +202,7 @@ def run_eval(cfg: RunConfig, *, bundle: TargetBundle | None = None) -> dict:
                     records.append(_record(set_name, prompt, name, r, r.tokens, r.wall_s, ref))
                 bar.update(1, tokens=len(ref))
             bar.close()
-            target_tokens, target_wall = sum(len(r) for r in refs), sum(ref_wall)
-            target_tok_s = target_tokens / target_wall if target_wall > 0 else None
-            report["sets"][set_name] = {
-                "prompts": len(kept), "skipped_too_long": len(encoded) - len(kept),
-                "target_only": {"generated_tokens": target_tokens, "wall_s": target_wall,
-                                "tokens_per_s": target_tok_s},
-                **{m: method_summary(res[m], refs, target_tok_s, cache_mode == "crop") for m in res},
-            }
+            report["sets"][set_name] = _set_summary(refs, ref_wall, res, len(encoded) - len(kept), cache_mode)
     finally:
         for verifier in verifiers.values():
             verifier.close()
@@ -235,6 +211,43 @@ def run_eval(cfg: RunConfig, *, bundle: TargetBundle | None = None) -> dict:
     _write(report, records, out_dir, cfg)
     progress.finish()  # the report holds everything now; a later rerun measures afresh
     return report
+
+
+def _load_drafters(specs: list[DrafterSpec], bundle: TargetBundle):
+    """(method -> drafter config, method -> proposer), every drafter checked against the target; all of
+    one block size (the n-gram baseline drafts blocks of that size too)."""
+    dcfgs, proposers = {}, {}
+    for spec in specs:
+        drafter, dcfg = load_exported_drafter(spec.export, dtype=bundle.dtype, device=bundle.device, attention="sdpa")
+        check_drafter_fits(dcfg, bundle, f"drafter {spec.export}")
+        first = next(iter(dcfgs.values()), None)
+        if first is not None and dcfg.block_size != first.block_size:
+            raise ValidationError(f"drafter {spec.export} has block size {dcfg.block_size}, {specs[0].export} has "
+                                  f"{first.block_size}", "compare drafters of one block size in one eval")
+        dcfgs[spec.method] = dcfg
+        proposers[spec.method] = DFlashProposer(drafter, dcfg, bundle.model.get_input_embeddings().weight,
+                                                bundle.model.get_output_embeddings())
+    return dcfgs, proposers
+
+
+def _decode_prompt(model, ids, methods, block_size, max_new_tokens, eos, sync):
+    """Target-only greedy (reference tokens, wall s), then every method's speculative generation."""
+    t0 = time.perf_counter()
+    ref = greedy_generate(model, ids, max_new_tokens, eos)
+    sync()
+    wall = time.perf_counter() - t0
+    results = {name: speculative_generate(verifier, proposer, ids, block_size=block_size,
+                                          max_new_tokens=max_new_tokens, eos_ids=eos)
+               for name, verifier, proposer in methods}
+    return ref, wall, results
+
+
+def _set_summary(refs, ref_wall, results: dict[str, list[SpecResult]], skipped: int, cache_mode: str) -> dict:
+    target_tokens, target_wall = sum(len(r) for r in refs), sum(ref_wall)
+    target_tok_s = target_tokens / target_wall if target_wall > 0 else None
+    return {"prompts": len(refs), "skipped_too_long": skipped,
+            "target_only": {"generated_tokens": target_tokens, "wall_s": target_wall, "tokens_per_s": target_tok_s},
+            **{m: method_summary(rs, refs, target_tok_s, cache_mode == "crop") for m, rs in results.items()}}
 
 
 def _warm_up(model, ids, eos, methods, block_size) -> None:
