@@ -47,14 +47,19 @@ def runs(d: Path) -> dict[str, Path]:
     return out | {p.name: p for p in sorted(d.glob("scale-*")) if p.is_dir()}
 
 
-def per_prompt(eval_dir: Path, name: str = "eval_prompts.jsonl") -> dict[str, dict[str, tuple[int, int]]]:
-    """method -> {prompt id: (tokens committed by verify steps, steps)} from eval_prompts.jsonl."""
+def _counts(rows, set_name: str | None = None) -> dict[str, dict[str, tuple[int, int]]]:
+    """method -> {prompt id: (tokens committed by verify steps, steps)} of per-prompt rows (of one set)."""
     out: dict[str, dict[str, tuple[int, int]]] = {}
-    path = eval_dir / name
-    for r in read_jsonl(path) if path.is_file() else []:
-        if r.get("steps"):
+    for r in rows:
+        if r.get("steps") and (set_name is None or r["set"] == set_name):
             out.setdefault(r["method"], {})[r["id"]] = (r["generated"] - 1, r["steps"])
     return out
+
+
+def per_prompt(eval_dir: Path, set_name: str | None = None) -> dict[str, dict[str, tuple[int, int]]]:
+    """The per-prompt counts (`_counts`) of an eval's eval_prompts.jsonl."""
+    path = eval_dir / "eval_prompts.jsonl"
+    return _counts(read_jsonl(path) if path.is_file() else [], set_name)
 
 
 def paired(a: dict[str, tuple[int, int]], b: dict[str, tuple[int, int]], seed: int = 0) -> dict | None:
@@ -73,28 +78,25 @@ def paired(a: dict[str, tuple[int, int]], b: dict[str, tuple[int, int]], seed: i
     return {"prompts": len(ids), "diff": diff(ids), "ci95": [boot[int(0.025 * BOOTSTRAP)], boot[int(0.975 * BOOTSTRAP) - 1]]}
 
 
-def partial_report(eval_dir: Path) -> dict | None:
+def partial_report(eval_dir: Path) -> tuple[dict, list[dict]] | None:
     """An unfinished eval's report rebuilt from its eval_progress.jsonl (the prompts finished so far), with
-    the eval's own arithmetic; per-prompt rows go to eval_prompts.partial.jsonl. Marked "partial"."""
+    the eval's own arithmetic and marked "partial", and its per-prompt rows (as in eval_prompts.jsonl)."""
     path = eval_dir / PROGRESS_FILE
-    recs = [r for r in read_jsonl(path)] if path.is_file() else []
+    recs = read_jsonl(path) if path.is_file() else []
     if not recs:
         return None
     sets: dict = {}
-    rows = []
     for r in recs:
         sets.setdefault(r["set"], []).append(r)
-        for m, x in r["results"].items():
-            rows.append({"set": r["set"], "id": r["id"], "method": m, "generated": len(x["tokens"]),
-                         "steps": len(x["accepted"])})
-    (eval_dir / "eval_prompts.partial.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rows))
-    out = {"partial": True, "max_new_tokens": None, "device": None, "sets": {}}
+    rows = [{"set": r["set"], "id": r["id"], "method": m, "generated": len(x["tokens"]), "steps": len(x["accepted"])}
+            for r in recs for m, x in r["results"].items()]
+    rep = {"partial": True, "max_new_tokens": None, "device": None, "sets": {}}
     for name, rs in sets.items():
         refs = [r["ref"] for r in rs]
         methods = {m: [SpecResult(**r["results"][m]) for r in rs] for m in rs[0]["results"]}
-        out["sets"][name] = {"prompts": len(rs), "target_only": {"tokens_per_s": None},
+        rep["sets"][name] = {"prompts": len(rs), "target_only": {"tokens_per_s": None},
                              **{m: method_summary(v, refs, None, False) for m, v in methods.items()}}
-    return out
+    return rep, rows
 
 
 def eval_sets(d: Path) -> dict:
@@ -102,12 +104,15 @@ def eval_sets(d: Path) -> dict:
     an eval without its report yet counts with the prompts it has finished (marked partial)."""
     out = {}
     for sub in sorted(d.glob("eval-*")):
-        rep, rows = _json(sub / "eval_report.json"), "eval_prompts.jsonl"
-        if not rep:
-            rep, rows = partial_report(sub), "eval_prompts.partial.jsonl"
+        rep = _json(sub / "eval_report.json")
+        if rep:
+            path = sub / "eval_prompts.jsonl"
+            rows = read_jsonl(path) if path.is_file() else []
+        else:
+            rep, rows = partial_report(sub) or (None, [])
         for name, s in (rep or {}).get("sets", {}).items():
             out[name] = {"set": s, "dir": sub.name, "max_new_tokens": rep.get("max_new_tokens"),
-                         "device": rep.get("device"), "prompts": per_prompt(sub, rows), "partial": rep.get("partial", False)}
+                         "device": rep.get("device"), "prompts": _counts(rows, name), "partial": rep.get("partial", False)}
     return out
 
 
