@@ -51,7 +51,8 @@ ls .gpucarry/whl/zstandard-*.whl .gpucarry/whl/gguf-*.whl >/dev/null
 # carry sizes per call (the device tool's limit is 64 MiB per call, working tree included)
 mib() { awk -v b="$1" 'BEGIN { printf "%.1f MiB", b / 1048576 }'; }
 bytes() { du -cb "$@" | tail -1 | cut -f1; }
-tree=$(git ls-files -z -co --exclude-standard | xargs -0 du -cb 2>/dev/null | awk '$2 == "total" { s += $1 } END { print s + 0 }')
+# (du skips files deleted but not yet committed, which git ls-files -c still lists)
+tree=$( (git ls-files -z -co --exclude-standard | xargs -0 du -cb 2>/dev/null || true) | awk '$2 == "total" { s += $1 } END { print s + 0 }')
 a=$(bytes .gpucarry/p0 .gpucarry/p1 .gpucarry/data); b=$(bytes .gpucarry/p2 .gpucarry/p3 .gpucarry/whl)
 echo "working tree (tracked + untracked, not ignored): $(mib "$tree")"
 echo "call A: $(mib $((tree + a))) = tree + p0 + p1 + data ($(mib "$a"))"
