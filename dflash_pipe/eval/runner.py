@@ -41,7 +41,7 @@ from ..target import load_target
 from ..target.loading import TargetBundle
 from .ngram import NgramProposer
 from .progress_log import EvalProgress, run_key
-from .report import acceptance_markdown, markdown_table, method_summary, plot_acceptance, training_tau
+from .report import EXACT_DTYPES, acceptance_markdown, markdown_table, method_summary, plot_acceptance, training_tau
 from .specdecode import (DFlashProposer, SpecResult, eos_token_ids, make_dflash_verifier, speculative_generate,
                          sync_fn)
 from .target_step import TargetVerifier, greedy_generate
@@ -160,6 +160,10 @@ def run_eval(cfg: RunConfig, *, bundle: TargetBundle | None = None) -> dict:
           f"on {device}, drafters " + ", ".join(f"{s.method} {s.export} (layers {dcfgs[s.method].target_layer_ids})"
                                                 for s in specs) +
           f", B={B}, cache mode {cache_mode}, {ev.max_new_tokens} new tokens", flush=True)
+    if bundle.identity["dtype"] not in EXACT_DTYPES:
+        print(f"eval: note: in {bundle.identity['dtype']} the outputs can drift from target-only greedy decoding "
+              f"after a near-tie (the report counts identical outputs); --target-dtype float32 makes them exact",
+              flush=True)
     report: dict = {"target": {k: bundle.identity.get(k) for k in ("model", "model_type", "weights_fingerprint",
                                                                    "dtype", "num_layers")},
                     "drafters": {s.method: {"dir": str(s.export), "block_size": B,
