@@ -30,6 +30,8 @@
 #   train-seed<N>   only with QUALITY_SEEDS (e.g. "1"): lossless drafters with another --seed, the training-noise
 #                   control for lossless vs fp8 (both of those use seed 0)
 #   scale-<subset>  only with QUALITY_SCALING (e.g. "0-3 0-7"): lossless drafters on shard subsets (data scaling)
+#   var-<name>      only with QUALITY_VARIANTS (e.g. "kd5=--kd-weight 0.5;l5=--drafter-num-layers 5"): lossless
+#                   drafters with other train flags (recipe changes), compared with lossless on every set
 #   eval-{mtbench,humaneval,heldout}   one process per set, all drafters in it (`eval --drafter name=dir,...`:
 #                   target-only and prompt lookup once per prompt, so drafters are compared on identical prompts
 #                   and references); the scale-* drafters only on heldout, which decodes the held-out prompts
@@ -52,7 +54,8 @@
 # QUALITY_EVAL_CONC (1.3, slow-down of sharing the GPU), QUALITY_{REGEN,EXTRACT,TRAIN,EVAL}_FLAGS (extra flags),
 # QUALITY_CARRY_SRC (.gpucarry: where the carried paths are), QUALITY_GGUF (use this GGUF, skip the parts),
 # QUALITY_MODEL_CACHE ($QUALITY_DIR/models), OUT ($QUALITY_DIR/out when unset), DFLASH_PYTHON (python3),
-# QUALITY_SEEDS (empty; e.g. "1"), QUALITY_SCALING (empty; e.g. "0-3 0-7"), QUALITY_VAL_BATCHES (32: all of
+# QUALITY_SEEDS (empty; e.g. "1"), QUALITY_SCALING (empty; e.g. "0-3 0-7"), QUALITY_VARIANTS (empty; e.g.
+# "kd5=--kd-weight 0.5"), QUALITY_VAL_BATCHES (32: all of
 # cache-val), QUALITY_REGEN_SEED (bench/data/...).
 #
 # CPU smoke test at toy size (run before each GPU use; session 5: ~15 min on 2 cores, exits 75, 75, then 0):

@@ -1,6 +1,6 @@
 # The jobs of bench/quality_gpu.sh (sourced by it, after its settings): the job list, each job's dependencies,
 # command, output check and progress line. A job name says what it is: regen, extract-<codec>, extract-val,
-# train-<codec>, train-seed<N>, scale-<subset>, eval-<set> (see the header of quality_gpu.sh).
+# train-<codec>, train-seed<N>, scale-<subset>, var-<name>, eval-<set> (see the header of quality_gpu.sh).
 JOBS=(regen)
 for c in "${CODECS[@]}"; do JOBS+=("extract-$c"); done
 JOBS+=(extract-val)
@@ -14,20 +14,36 @@ for n in "${SEEDS[@]}"; do JOBS+=("train-seed$n"); done
 # evaluated on heldout only; bench/quality_report.py tabulates held-out tau against unique training tokens
 read -r -a SCALING <<< "${QUALITY_SCALING:-}"
 for sub in "${SCALING[@]}"; do sub=${sub//-/_}; JOBS+=("scale-${sub//,/.}"); done
-TRAINS=(); for j in "${JOBS[@]}"; do case $j in train-*|scale-*) TRAINS+=("$j") ;; esac; done
+# training-recipe variants (opt-in): QUALITY_VARIANTS="kd5=--kd-weight 0.5;l5=--drafter-num-layers 5" trains one
+# more lossless drafter per entry with those extra train flags (same data, steps and seed as lossless), evaluated on
+# every set and compared with lossless like seed<N>, whose gap is the noise floor a variant has to clear
+declare -A VARIANT_FLAGS=()
+IFS=';' read -r -a _variants <<< "${QUALITY_VARIANTS:-}"
+for v in "${_variants[@]}"; do
+    [ -n "${v// /}" ] || continue
+    name=${v%%=*}; name=${name// /}
+    if [[ "$v" != *=* || ! "$name" =~ ^[A-Za-z0-9_]+$ || -n "${VARIANT_FLAGS[$name]+x}" ]]; then
+        echo "error: QUALITY_VARIANTS entry '$v': want name=flags, name of letters, digits and _ (unique)," \
+             "entries separated by ';'" >&2
+        exit 2
+    fi
+    VARIANT_FLAGS[$name]=${v#*=}; JOBS+=("var-$name")
+done
+unset _variants v name
+TRAINS=(); for j in "${JOBS[@]}"; do case $j in train-*|scale-*|var-*) TRAINS+=("$j") ;; esac; done
 for s in "${SETS[@]}"; do JOBS+=("eval-$s"); done
 
 deps() {   # job -> jobs it needs
     case $1 in
         regen) ;;
         extract-*) echo regen ;;
-        train-seed*|scale-*) echo "extract-lossless extract-val" ;;
+        train-seed*|scale-*|var-*) echo "extract-lossless extract-val" ;;
         train-*) echo "extract-${1#train-} extract-val" ;;
         eval-*) echo "${TRAINS[*]}" ;;
     esac
 }
-kind() { case $1 in regen) echo regen ;; extract-*) echo extract ;; train-*|scale-*) echo train ;; eval-*) echo eval ;; esac; }
-train_dir() { case $1 in train-*|scale-*) echo "$Q/$1" ;; esac; }   # a train job's output dir
+kind() { case $1 in regen) echo regen ;; extract-*) echo extract ;; train-*|scale-*|var-*) echo train ;; eval-*) echo eval ;; esac; }
+train_dir() { case $1 in train-*|scale-*|var-*) echo "$Q/$1" ;; esac; }   # a train job's output dir
 drafter_name() { case $1 in train-*) echo "${1#train-}" ;; *) echo "$1" ;; esac; }   # its name in the eval
 
 eval_drafters() {   # set -> the --drafter list of its eval job
@@ -64,16 +80,17 @@ job_cmd() {   # the command of a job (array JOB_CMD)
             c=${j#extract-}
             JOB_CMD=("$PY" -m dflash_pipe extract "${common[@]}" "${data[@]}" --codec "$c"
                      --cache-dir "$Q/cache-$c" --device "$DEVICE" "${EXTRACT_FLAGS[@]}") ;;
-        train-*|scale-*)
+        train-*|scale-*|var-*)
             local extra=()
             case $j in
                 scale-*) c=lossless; s=${j#scale-}; s=${s//_/-}; extra=(--shards "${s//./,}" --epochs 200) ;;  # enough passes
                 train-seed*) c=lossless; extra=(--seed "${j#train-seed}") ;;
+                var-*) c=lossless; read -r -a extra <<< "${VARIANT_FLAGS[${j#var-}]}" ;;
                 *) c=${j#train-} ;;
             esac
             JOB_CMD=("$PY" -m dflash_pipe train -m "$M" --cache-dir "$Q/cache-$c" --output-dir "$(train_dir "$j")"
                      --max-steps "$TRAIN_STEPS" --resume auto --device "$DEVICE" --val-cache-dir "$Q/cache-val"
-                     --val-every "$VAL_EVERY" --val-batches "$VAL_BATCHES" "${extra[@]}" "${TRAIN_FLAGS[@]}") ;;
+                     --val-every "$VAL_EVERY" --val-batches "$VAL_BATCHES" "${TRAIN_FLAGS[@]}" "${extra[@]}") ;;  # extra wins
         eval-*)
             s=${j#eval-}
             JOB_CMD=("$PY" -m dflash_pipe eval "${common[@]}" "${data[@]}" --drafter "$(eval_drafters "$s")"
@@ -86,7 +103,7 @@ job_ok() {   # the job's output really exists
     case $1 in
         regen) [ -s "$Q/regenerated.jsonl" ] ;;
         extract-*) [ -f "$Q/cache-${1#extract-}/manifest.json" ] ;;
-        train-*|scale-*) [ -f "$(train_dir "$1")/export/config.json" ] ;;
+        train-*|scale-*|var-*) [ -f "$(train_dir "$1")/export/config.json" ] ;;
         eval-*) [ -f "$Q/$1/eval_report.json" ] ;;
     esac
 }
@@ -101,7 +118,7 @@ print(f"{s['rows_written'] + len(s['skipped'])}/{sys.argv[2]} prompts done ({s['
       f"{len(s['skipped'])} skipped), {s['generated_tokens']:,} tokens in {s['seconds']:.0f} s")
 PY
         extract-*) echo "$(ls "$Q/cache-${j#extract-}" 2>/dev/null | grep -c '^shard-.*\.json$') shards committed" ;;
-        train-*|scale-*) local d last; d=$(train_dir "$j")
+        train-*|scale-*|var-*) local d last; d=$(train_dir "$j")
                  last=$(tail -n 1 "$d/metrics.jsonl" 2>/dev/null | sed -n 's/.*"step": \([0-9]*\).*/\1/p')
                  echo "step $(( ${last:--1} + 1 ))/$TRAIN_STEPS logged, checkpoints: $(cd "$d" 2>/dev/null && ls -d ckpt-* 2>/dev/null | tr '\n' ' ')" ;;
         eval-*) echo "$(wc -l < "$Q/$j/eval_progress.jsonl" 2>/dev/null || echo 0) prompts done (estimate $(eval_estimate "$j") s for all)" ;;

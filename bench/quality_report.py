@@ -3,7 +3,7 @@
     python bench/quality_report.py --dir /tmp/quality --out $OUT
 
 Reads <dir>/regenerated.jsonl.progress.json, cache-{lossless,fp8,val}/manifest.json, the training runs
-(train-lossless, train-fp8, train-seed<N>, scale-<subset>: metrics.jsonl, val_metrics.jsonl,
+(train-lossless, train-fp8, train-seed<N>, scale-<subset>, var-<name>: metrics.jsonl, val_metrics.jsonl,
 resolved_config.toml), eval-<set>/eval_report.json + eval_prompts.jsonl (one eval per set, every drafter
 in it as method dflash:<run name>) and done/*.seconds, and writes to --out:
   summary.json     every number below, machine-readable
@@ -69,7 +69,14 @@ def markdown(summary: dict) -> str:
                                               for s in SETS) +
                      f" | {_f(summary['val_vs_reference'].get(n), '+.2%')} |")
         L += ["", "seed<N>: the same lossless cache and settings with another --seed, i.e. the difference that training "
-                  "noise alone makes; scale-<subset>: fewer unique training documents (table below)."]
+                  "noise alone makes; scale-<subset>: fewer unique training documents (table below); var-<name>: "
+                  "another training recipe on the lossless cache."]
+        recipes = [(n, R[n].get("recipe_vs_reference")) for n in others if R[n].get("recipe_vs_reference") is not None]
+        if recipes:
+            L += ["", f"What each run changes against {REFERENCE} (resolved_config.toml, paths aside):", ""]
+            same = "the same [drafter] and [train] settings"
+            L += [f"- {n}: " + (", ".join(f"{k} {v[0]!r} -> {v[1]!r}" for k, v in diff.items()) or same)
+                  for n, diff in recipes]
     L += ["", f"fp8 vs lossless, goal within 1 % (eval tau, MT-Bench and HumanEval): {met[g['fp8_within_1pct_met']]} "
               f"(largest difference {_f(g['fp8_vs_lossless_max_abs'], '.2%')}).", ""]
     for c in CODECS:

@@ -1,8 +1,9 @@
 """The numbers of the issue-5 quality report, read from what bench/quality_gpu.sh leaves in its directory.
 
 `build(dir)` returns the summary dict that bench/quality_report.py renders (summary.json/.md, quality.png):
-the regenerated data, caches, every training run (train-lossless, train-fp8, train-seed<N>, scale-<subset>:
-metrics.jsonl, val_metrics.jsonl, resolved_config.toml), every eval-<set>/ (eval_report.json and
+the regenerated data, caches, every training run (train-lossless, train-fp8, train-seed<N>, scale-<subset>,
+var-<name>: metrics.jsonl, val_metrics.jsonl, resolved_config.toml, and the settings in which it differs from
+train-lossless), every eval-<set>/ (eval_report.json and
 eval_prompts.jsonl; an unfinished eval counts with the prompts in its eval_progress.jsonl, marked partial),
 the paired drafter-vs-lossless comparisons (bootstrap over prompts) and the goal verdicts.
 """
@@ -41,10 +42,31 @@ def _json(path: Path):
 
 
 def runs(d: Path) -> dict[str, Path]:
-    """Drafter name (as in the evals) -> training run dir: lossless, fp8, seed<N>, then scale-<subset>."""
+    """Drafter name (as in the evals) -> training run dir: lossless, fp8, seed<N>, var-<name>, then scale-<subset>."""
     out = {c: d / f"train-{c}" for c in CODECS if (d / f"train-{c}").is_dir()}
     out |= {p.name[len("train-"):]: p for p in sorted(d.glob("train-seed*")) if p.is_dir()}
+    out |= {p.name: p for p in sorted(d.glob("var-*")) if p.is_dir()}
     return out | {p.name: p for p in sorted(d.glob("scale-*")) if p.is_dir()}
+
+
+RECIPE_TABLES = ("drafter", "train")
+NOT_RECIPE = {"output_dir", "cache_dir", "val_cache_dir"}     # differ between runs by construction
+
+
+def recipe_diff(run: Path, reference: Path) -> dict[str, list] | None:
+    """'table.key' -> [reference value, run value] for every [drafter]/[train] setting of the run's
+    resolved_config.toml that differs from the reference run's (paths aside); None if either is unreadable."""
+    try:
+        a, b = (tomllib.loads((r / "resolved_config.toml").read_text()) for r in (reference, run))
+    except (OSError, tomllib.TOMLDecodeError):
+        return None
+    out = {}
+    for t in RECIPE_TABLES:
+        ta, tb = a.get(t, {}), b.get(t, {})
+        for k in sorted(set(ta) | set(tb)):
+            if k not in NOT_RECIPE and ta.get(k) != tb.get(k):
+                out[f"{t}.{k}"] = [ta.get(k), tb.get(k)]
+    return out
 
 
 def _counts(rows, set_name: str | None = None) -> dict[str, dict[str, tuple[int, int]]]:
@@ -189,7 +211,7 @@ def data_scaling(d: Path, sets: dict) -> list[dict]:
     rows = []
     for name, run in runs(d).items():
         va, tr = validation_curve(run), training_curve(run)
-        if not va or name == "fp8":
+        if not va or name == "fp8" or name.startswith("var-"):    # another cache or another recipe
             continue
         try:
             shards = tomllib.loads((run / "resolved_config.toml").read_text())["train"].get("shards", "")
@@ -222,11 +244,14 @@ def build(d: Path) -> dict:
                                 for p in sorted((d / "done").glob("*.seconds"))}
     summary["stages_done"] = sorted(p.name for p in (d / "done").glob("*") if not p.name.endswith(".seconds"))
     summary["caches"] = {c: cache_facts(d / f"cache-{c}") for c in (*CODECS, "val")}
-    for name, run in runs(d).items():
+    all_runs = runs(d)
+    for name, run in all_runs.items():
         tr = training_curve(run)
         if tr:
             tr.pop("points")
         summary["runs"][name] = {"train": tr, "val": validation_curve(run)}
+        if name != REFERENCE and REFERENCE in all_runs:
+            summary["runs"][name]["recipe_vs_reference"] = recipe_diff(run, all_runs[REFERENCE])
     evals = eval_sets(d)
     for s in SETS:
         e = evals.get(s)

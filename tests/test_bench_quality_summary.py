@@ -60,3 +60,37 @@ def test_an_unfinished_eval_counts_with_its_finished_prompts(tmp_path):
     assert got["set"]["dflash:lossless"]["acceptance"] == [2 / 8, 1 / 8, 1 / 8]       # a >= k in 2, 1, 1 of 8 steps
     assert got["prompts"]["dflash:fp8"] == {"p0": (6, 6), "p1": (6, 6)}
     assert qr.paired(got["prompts"]["dflash:lossless"], got["prompts"]["dflash:fp8"])["diff"] == 1.0 / 1.5 - 1
+
+
+def _run(d: Path, name: str, *, seed=0, kd=0.0, shards="", val_tau=2.0):
+    run = d / name
+    run.mkdir()
+    (run / "resolved_config.toml").write_text(
+        f'[drafter]\nnum_layers = 3\nblock_size = 16\n\n[train]\noutput_dir = "{run}"\ncache_dir = "{d}/cache-lossless"\n'
+        f'seed = {seed}\nkd_weight = {kd}\nshards = "{shards}"\nmax_steps = 100\n\n[eval]\nmax_prompts = {seed + 5}\n')
+    (run / "val_metrics.jsonl").write_text(json.dumps({"step": 99, "val_tau": val_tau, "val_tau_walk": 1.5}) + "\n")
+    return run
+
+
+def test_recipe_variants_are_compared_with_lossless_but_kept_out_of_data_scaling(tmp_path):
+    (tmp_path / "cache-lossless").mkdir()
+    (tmp_path / "cache-lossless" / "manifest.json").write_text(json.dumps(
+        {"shards": [{"index": i, "tokens": 1000 * (i + 1)} for i in range(4)]}))
+    _run(tmp_path, "train-lossless", val_tau=2.0)
+    _run(tmp_path, "train-seed1", seed=1, val_tau=2.1)
+    _run(tmp_path, "var-kd5", kd=0.5, val_tau=2.4)
+    _run(tmp_path, "scale-0_1", shards="0-1", val_tau=1.5)
+    assert list(qr.runs(tmp_path)) == ["lossless", "seed1", "var-kd5", "scale-0_1"]
+    ref = tmp_path / "train-lossless"
+    # paths and the [eval] table differ too, and are not part of the recipe
+    assert qr.recipe_diff(tmp_path / "var-kd5", ref) == {"train.kd_weight": [0.0, 0.5]}
+    assert qr.recipe_diff(tmp_path / "train-seed1", ref) == {"train.seed": [0, 1]}
+    assert qr.recipe_diff(tmp_path / "scale-0_1", ref) == {"train.shards": ["", "0-1"]}
+    assert qr.recipe_diff(tmp_path / "missing", ref) is None
+    scaling = qr.data_scaling(tmp_path, {})
+    assert [(r["run"], r["unique_tokens"], r["val_tau"]) for r in scaling] == [
+        ("scale-0_1", 1000 + 2000, 1.5), ("lossless", 10000, 2.0), ("seed1", 10000, 2.1)]
+    summary = qr.build(tmp_path)
+    assert summary["runs"]["var-kd5"]["recipe_vs_reference"] == {"train.kd_weight": [0.0, 0.5]}
+    assert "recipe_vs_reference" not in summary["runs"]["lossless"]
+    assert summary["val_vs_reference"]["var-kd5"] == pytest.approx(2.4 / 2.0 - 1)
