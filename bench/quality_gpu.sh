@@ -58,7 +58,8 @@
 # "kd5=--kd-weight 0.5"), QUALITY_VAL_BATCHES (32: all of
 # cache-val), QUALITY_REGEN_SEED (bench/data/...).
 #
-# CPU smoke test at toy size (run before each GPU use; session 5: ~15 min on 2 cores, exits 75, 75, then 0):
+# CPU smoke test at toy size (run before each GPU use; session 5: ~15 min on 2 cores, exits 75, 75, then 0;
+# session 6, with QUALITY_VARIANTS="kd5=--kd-weight 0.5;l2=--drafter-num-layers 2" and one long deadline: 665 s, 0):
 #   export DFLASH_PYTHON=python QUALITY_DIR=/tmp/qsmoke OUT=/tmp/qsmoke-out QUALITY_DEVICE=cpu QUALITY_N_PROMPTS=24 \
 #     QUALITY_GEN_TOKENS=32 QUALITY_GEN_BATCH=8 QUALITY_TRAIN_STEPS=40 QUALITY_EVAL_PROMPTS=2 QUALITY_EVAL_TOKENS=16 \
 #     QUALITY_EVAL_STEP_S=0.1 QUALITY_EVAL_CONC=2 QUALITY_EXTRACT_FLAGS="--compress-workers 1 --num-shards 4" \
