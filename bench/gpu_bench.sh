@@ -8,6 +8,7 @@
 #     train     bench/train_step.py at the seed's config with the fastest flex tiles from `flex`
 #     topk      bench/topk_kernel.py: torch.topk vs the two-stage top-k on one logits block
 #     stats     bench/sanity_stats_kernel.py: batched feature_stats vs the per-document loop
+#     draft     bench/draft_step.py: one inference drafting step, context K/V cache vs recompute (both shapes)
 #     loader    the loader's decode rate, 256 vs 64 MiB row groups interleaved (CPU side of the host)
 #     gputests  pytest -m gpu
 # Wheels: .whl/gpu holds flash-linear-attention + fla-core 0.6.0 and zstandard (the image has neither);
@@ -54,11 +55,14 @@ for what in "$@"; do
                    --json "$OUT/train_step.json" ;;
         topk) step topk "${TOPK_S:-120}" python3 bench/topk_kernel.py --json "$OUT/topk_kernel.json" ;;
         stats) step stats "${STATS_S:-60}" python3 bench/sanity_stats_kernel.py --json "$OUT/sanity_stats_kernel.json" ;;
+        draft) step draft "${DRAFT_S:-120}" bash -c "python3 bench/draft_step.py --shape smollm2 --device cuda \
+                   --contexts 256,1024,4096,8192 --json $OUT/draft_step-smollm2.json && python3 bench/draft_step.py \
+                   --shape qwen27b --device cuda --contexts 256,1024,4096,8192 --json $OUT/draft_step-qwen27b.json" ;;
         loader) step loader "${LOADER_S:-150}" python3 -c "import json, sys; sys.path.insert(0, '.')
 from bench.train_step import loader_rate; from bench.seed_shape import SeedShape
 rows = [dict(loader_rate(SeedShape(), ${LOADER_WORKERS:-12}, 8, row_group_mb=mb), row_group_mb=mb) for mb in (256, 64, 256, 64)]
 print(json.dumps(rows, indent=1)); open('$OUT/loader_rate.json', 'w').write(json.dumps(rows, indent=1))" ;;
         gputests) step gputests "${TESTS_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider tests ;;
-        *) echo "unknown step $what (extract flex train topk stats loader gputests)"; exit 2 ;;
+        *) echo "unknown step $what (extract flex train topk stats draft loader gputests)"; exit 2 ;;
     esac
 done

@@ -167,6 +167,53 @@ def test_dflash_drafts_equal_the_training_layout_with_future_context(llama, case
         assert (other - out).abs().max() > 1e-3
 
 
+class _CachedAndRecomputed:
+    """Drafts with the context cache and checks every step against recomputing the whole context."""
+
+    needs_features = True
+
+    def __init__(self, bundle, cfg, drafter):
+        m = bundle.model
+        emb, head = m.get_input_embeddings().weight, m.get_output_embeddings()
+        self.cached = DFlashProposer(drafter, cfg, emb, head)
+        self.recomputed = DFlashProposer(drafter, cfg, emb, head, context_cache=False)
+        self.max_diff, self.resets = 0.0, 0
+
+    def reset(self):
+        self.cached.reset()
+        self.resets += 1
+
+    def propose(self, tokens, features, num):
+        got, want = self.cached.block_hidden(tokens, features), self.recomputed.block_hidden(tokens, features)
+        self.max_diff = max(self.max_diff, (got - want).abs().max().item())
+        return self.cached.propose(tokens, features, num)
+
+
+def test_context_cache_equals_recomputing_the_context_every_step(llama, cases):
+    eos, items = cases
+    drafter, cfg = tiny_drafter(block_size=5, layer_ids=(1, 4, 6), seed=4)
+    liven(drafter, std=0.2, seed=4)
+    both = _CachedAndRecomputed(llama, cfg, drafter)
+    with make_dflash_verifier(llama.model, cfg, llama.num_layers, llama.hidden_size) as verifier:
+        for ids, ref in items[:2]:                               # two generations through one proposer
+            r = speculative_generate(verifier, both, ids, block_size=5, max_new_tokens=NEW, eos_ids=eos)
+            assert r.tokens == ref
+    assert both.resets == 2 and both.max_diff < 1e-5
+    # fault injection: without the reset a new generation reads the previous one's cached rows
+    (ids_a, ref_a), (ids_b, ref_b) = items[0], items[1]
+    seq_a, seq_b = ids_a + ref_a, ids_b + ref_b
+    feats_a = standalone_features(llama, torch.tensor(seq_a), cfg.target_layer_ids).hidden_TD
+    feats_b = standalone_features(llama, torch.tensor(seq_b), cfg.target_layer_ids).hidden_TD
+    prop, ref_prop = both.cached, both.recomputed
+    prop.reset()
+    prop.block_hidden(seq_a[:len(ids_a) + 1], feats_a)
+    p = len(ids_a) + 4                                           # further on: the cache only appends rows
+    want = ref_prop.block_hidden(seq_b[:p + 1], feats_b)
+    assert (prop.block_hidden(seq_b[:p + 1], feats_b) - want).abs().max() > 1e-3
+    prop.reset()
+    torch.testing.assert_close(prop.block_hidden(seq_b[:p + 1], feats_b), want, rtol=1e-5, atol=1e-5)
+
+
 def test_recompute_mode_gives_the_same_tokens_and_acceptance(llama, cases):
     eos, items = cases
     ids, ref = items[0]

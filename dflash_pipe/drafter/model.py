@@ -73,12 +73,19 @@ class DrafterAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, x_QH, h_SH, rope_block, rope_ctx, mask: AttentionMask, path: str, flex_opts: dict):
-        q_len, ctx_len, d = x_QH.shape[0], h_SH.shape[0], self.head_dim
-        q = apply_rope(self.q_norm(self.q_proj(x_QH).view(q_len, self.num_heads, d)), *rope_block)
+    def context_kv(self, h_SH, rope_ctx) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k, v) [S, kv_heads, D] of context rows. They do not depend on the block, so inference computes
+        them once per committed token (`DFlashDrafter.context_kv`) instead of once per step."""
+        ctx_len, d = h_SH.shape[0], self.head_dim
         k_ctx = apply_rope(self.k_norm(self.k_proj(h_SH).view(ctx_len, self.num_kv_heads, d)), *rope_ctx)
+        return k_ctx, self.v_proj(h_SH).view(ctx_len, self.num_kv_heads, d)
+
+    def forward(self, x_QH, h_SH, rope_block, rope_ctx, mask: AttentionMask, path: str, flex_opts: dict,
+                kv_ctx: tuple[torch.Tensor, torch.Tensor] | None = None):
+        q_len, d = x_QH.shape[0], self.head_dim
+        q = apply_rope(self.q_norm(self.q_proj(x_QH).view(q_len, self.num_heads, d)), *rope_block)
+        k_ctx, v_ctx = self.context_kv(h_SH, rope_ctx) if kv_ctx is None else kv_ctx
         k_blk = apply_rope(self.k_norm(self.k_proj(x_QH).view(q_len, self.num_kv_heads, d)), *rope_block)
-        v_ctx = self.v_proj(h_SH).view(ctx_len, self.num_kv_heads, d)
         v_blk = self.v_proj(x_QH).view(q_len, self.num_kv_heads, d)
         k = torch.cat((k_ctx, k_blk.to(k_ctx.dtype)), dim=0)
         v = torch.cat((v_ctx, v_blk.to(v_ctx.dtype)), dim=0)
@@ -113,8 +120,9 @@ class DrafterLayer(nn.Module):
     def _mlp_block(self, x_QH):
         return self.mlp(self.post_attention_layernorm(x_QH))
 
-    def forward(self, x_QH, h_SH, rope_block, rope_ctx, mask, path, flex_opts):
-        x_QH = x_QH + self.self_attn(self.input_layernorm(x_QH), h_SH, rope_block, rope_ctx, mask, path, flex_opts)
+    def forward(self, x_QH, h_SH, rope_block, rope_ctx, mask, path, flex_opts, kv_ctx=None):
+        x_QH = x_QH + self.self_attn(self.input_layernorm(x_QH), h_SH, rope_block, rope_ctx, mask, path, flex_opts,
+                                     kv_ctx)
         if self.checkpoint_mlp and torch.is_grad_enabled():
             return x_QH + checkpoint(self._mlp_block, x_QH, use_reentrant=False)
         return x_QH + self._mlp_block(x_QH)
@@ -173,15 +181,8 @@ class DFlashDrafter(nn.Module):
                 block_positions_Q: torch.Tensor, attn: AttentionMask) -> torch.Tensor:
         """Final-normed hidden states [N*B, H] of the block tokens (see the module docstring)."""
         self._check_inputs(target_hidden_SF, block_embeds_QH, ctx_positions_S, block_positions_Q, attn)
-        # The master-weight dtype: norm weights stay fp32 when the Linear weights are bf16 compute
-        # copies (train/master_weights.py); for an all-fp32 or all-bf16 drafter it is the weight dtype.
         param_dtype = self.norm.weight.dtype
-        autocast_on = torch.is_autocast_enabled(target_hidden_SF.device.type)
-        # Under autocast the linears cast their inputs themselves; a bf16 feature matrix is not
-        # copied to fp32 (at the seed's size that copy alone is 0.8 GB). Without autocast the
-        # features must match the weights.
-        feats = target_hidden_SF if autocast_on else target_hidden_SF.to(param_dtype)
-        h_SH = self.hidden_norm(self.fc(feats))
+        h_SH = self._context_hidden(target_hidden_SF)
         x_QH = block_embeds_QH.to(param_dtype)  # residual stream in the master-weight dtype
         # q/k leave q_norm/k_norm in the norm weights' dtype (fp32 master weights under autocast),
         # so RoPE is applied in that dtype too.
@@ -193,6 +194,37 @@ class DFlashDrafter(nn.Module):
                                   use_reentrant=False)
             else:
                 x_QH = layer(x_QH, h_SH, rope_block, rope_ctx, attn, self.attention, self.flex_opts)
+        return self.norm(x_QH)
+
+    def _context_hidden(self, target_hidden_SF: torch.Tensor) -> torch.Tensor:
+        """h = hidden_norm(fc(features)), shared by every layer's context keys and values."""
+        # The master-weight dtype: norm weights stay fp32 when the Linear weights are bf16 compute
+        # copies (train/master_weights.py); for an all-fp32 or all-bf16 drafter it is the weight dtype.
+        # Under autocast the linears cast their inputs themselves; a bf16 feature matrix is not
+        # copied to fp32 (at the seed's size that copy alone is 0.8 GB). Without autocast the
+        # features must match the weights.
+        autocast_on = torch.is_autocast_enabled(target_hidden_SF.device.type)
+        feats = target_hidden_SF if autocast_on else target_hidden_SF.to(self.norm.weight.dtype)
+        return self.hidden_norm(self.fc(feats))
+
+    def context_kv(self, target_hidden_SF: torch.Tensor, ctx_positions_S: torch.Tensor) -> list[tuple]:
+        """Per layer, (k, v) [S, kv_heads, D] of these context rows (inference cache; see forward_cached)."""
+        h_SH = self._context_hidden(target_hidden_SF)
+        rope_ctx = rope_cos_sin(ctx_positions_S, self.cfg.head_dim, self.cfg.rope_theta, self.norm.weight.dtype)
+        return [layer.self_attn.context_kv(h_SH, rope_ctx) for layer in self.layers]
+
+    def forward_cached(self, kv_ctx: list[tuple], block_embeds_QH: torch.Tensor, block_positions_Q: torch.Tensor,
+                       attn: AttentionMask) -> torch.Tensor:
+        """forward() for inference with the context's per-layer (k, v) from context_kv (attn.ctx_len rows):
+        the same math (vLLM's precomputed context KV), without recomputing fc and k/v over the context."""
+        if len(kv_ctx) != len(self.layers) or any(k.shape[0] != attn.ctx_len for k, _ in kv_ctx):
+            raise ValidationError(f"DFlashDrafter.forward_cached: want {len(self.layers)} (k, v) pairs of "
+                                  f"{attn.ctx_len} context rows")
+        param_dtype = self.norm.weight.dtype
+        x_QH = block_embeds_QH.to(param_dtype)
+        rope_block = rope_cos_sin(block_positions_Q, self.cfg.head_dim, self.cfg.rope_theta, param_dtype)
+        for layer, kv in zip(self.layers, kv_ctx):
+            x_QH = layer(x_QH, None, rope_block, None, attn, self.attention, self.flex_opts, kv)
         return self.norm(x_QH)
 
     def num_parameters(self) -> int:

@@ -98,6 +98,8 @@ def speculative_generate(verifier: TargetVerifier, proposer: Proposer, prompt_id
     eos = set(int(e) for e in eos_ids)
     sync = sync_fn(verifier.device)
     t0 = time.perf_counter()
+    if hasattr(proposer, "reset"):
+        proposer.reset()                                 # per-generation state (DFlash's context cache)
     first = verifier.prefill(prompt_ids, feature_rows=len(prompt_ids) + max_new_tokens + block_size)
     out = [first]
     res = SpecResult(out, block_size)
@@ -134,17 +136,32 @@ def sync_fn(device: torch.device):
 
 
 class DFlashProposer:
-    """Drafts one block with a DFlash drafter over the target's features (module docstring)."""
+    """Drafts one block with a DFlash drafter over the target's features (module docstring).
+
+    context_cache (default): each committed token's context keys/values are computed once and kept
+    (as vLLM's DFlash path does), so a step costs fc + k/v projections for the newly committed
+    tokens only, instead of for the whole context. Rows of the feature buffer below the anchor are
+    final once committed (the verifier writes a row when its token is first fed), so the cache never
+    goes stale within a generation; `reset()` (called by speculative_generate) starts a new one.
+    context_cache=False recomputes the context every step through the training forward (reference).
+    """
 
     needs_features = True
 
     def __init__(self, drafter: DFlashDrafter, cfg: DrafterModelConfig, embed_VH: torch.Tensor,
-                 lm_head: torch.nn.Module):
+                 lm_head: torch.nn.Module, *, context_cache: bool = True):
         self.drafter = drafter.eval()
         self.cfg = cfg
         self.embed_VH = embed_VH
         self.lm_head = lm_head
         self.device = embed_VH.device
+        self.context_cache = context_cache
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the cached context keys/values (a new generation starts)."""
+        self._kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._rows = 0
 
     def block_inputs(self, tokens: list[int], features: torch.Tensor):
         """(context features [p+1, F], block embeds [B, H], ctx positions, block positions, mask)."""
@@ -152,23 +169,56 @@ class DFlashProposer:
         if p < 1:
             raise UsageError("DFlash needs at least one context token before the block")
         ctx = features[:p + 1]   # row p (the anchor's slot) is masked: a block sees kv < anchor
-        ids = torch.full((B,), self.cfg.mask_token_id, dtype=torch.long, device=self.device)
-        ids[0] = tokens[p]
-        embeds = self.embed_VH[ids]
         ctx_pos = torch.arange(p + 1, device=self.device)
         anchor = torch.tensor([p], dtype=torch.long, device=self.device)
-        mask = AttentionMask(torch.zeros(p + 1, dtype=torch.int32, device=self.device), anchor,
-                             torch.zeros(1, dtype=torch.int32, device=self.device),
-                             torch.ones(1, dtype=torch.bool, device=self.device), B)
-        return ctx, embeds, ctx_pos, block_positions(ctx_pos, anchor, B), mask
+        return ctx, self._block_embeds(tokens), ctx_pos, block_positions(ctx_pos, anchor, B), self._mask(p + 1, p)
+
+    def _block_embeds(self, tokens: list[int]) -> torch.Tensor:
+        ids = torch.full((self.cfg.block_size,), self.cfg.mask_token_id, dtype=torch.long, device=self.device)
+        ids[0] = tokens[-1]
+        return self.embed_VH[ids]
+
+    def _mask(self, ctx_len: int, anchor: int) -> AttentionMask:
+        d = self.device
+        return AttentionMask(torch.zeros(ctx_len, dtype=torch.int32, device=d),
+                             torch.tensor([anchor], dtype=torch.long, device=d),
+                             torch.zeros(1, dtype=torch.int32, device=d), torch.ones(1, dtype=torch.bool, device=d),
+                             self.cfg.block_size)
+
+    def _context_kv(self, features: torch.Tensor, p: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (k, v) of context rows 0..p, extending the cache by the rows committed since. Row p is
+        the anchor's own slot, masked as in training (AttentionMask wants the anchor inside the context);
+        it is still zeros, never uninitialised memory, whose NaNs would survive the mask."""
+        if self._kv is not None and (p < self._rows or self._kv[0][0].shape[0] <= p):
+            self.reset()                        # not the generation the cache was built for
+        if self._rows < p:
+            pos = torch.arange(self._rows, p, device=self.device)
+            new = self.drafter.context_kv(features[self._rows:p], pos)
+            if self._kv is None:                # one buffer per layer, as many rows as the feature buffer
+                rows = features.shape[0]
+                self._kv = [(k.new_zeros((rows, *k.shape[1:])), v.new_zeros((rows, *v.shape[1:]))) for k, v in new]
+            for (kb, vb), (k, v) in zip(self._kv, new):
+                kb[self._rows:p], vb[self._rows:p] = k, v
+            self._rows = p
+        return [(kb[:p + 1], vb[:p + 1]) for kb, vb in self._kv]
+
+    @torch.inference_mode()
+    def block_hidden(self, tokens: list[int], features: torch.Tensor) -> torch.Tensor:
+        """The drafter's final hidden states [B, H] for the block anchored at the last committed token."""
+        p, B = len(tokens) - 1, self.cfg.block_size
+        if p < 1:
+            raise UsageError("DFlash needs at least one context token before the block")
+        if not self.context_cache:
+            return self.drafter(*self.block_inputs(tokens, features))
+        blk_pos = torch.arange(p, p + B, device=self.device)
+        return self.drafter.forward_cached(self._context_kv(features, p), self._block_embeds(tokens), blk_pos,
+                                           self._mask(p + 1, p))
 
     @torch.inference_mode()
     def propose(self, tokens: list[int], features: torch.Tensor | None, num: int) -> list[int]:
         if num <= 0:
             return []
-        ctx, embeds, ctx_pos, blk_pos, mask = self.block_inputs(tokens, features)
-        hidden_BH = self.drafter(ctx, embeds, ctx_pos, blk_pos, mask)
-        draft_hidden = hidden_BH[1:1 + num].to(self.lm_head.weight.dtype)
+        draft_hidden = self.block_hidden(tokens, features)[1:1 + num].to(self.lm_head.weight.dtype)
         return [int(t) for t in self.lm_head(draft_hidden).argmax(dim=-1).tolist()]
 
 
