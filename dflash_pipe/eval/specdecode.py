@@ -142,7 +142,9 @@ class DFlashProposer:
     (as vLLM's DFlash path does), so a step costs fc + k/v projections for the newly committed
     tokens only, instead of for the whole context. Rows of the feature buffer below the anchor are
     final once committed (the verifier writes a row when its token is first fed), so the cache never
-    goes stale within a generation; `reset()` (called by speculative_generate) starts a new one.
+    goes stale within a generation; `reset()` (called by speculative_generate) starts a new one. (In
+    the 'recompute' cache mode every verify re-runs the whole sequence and rewrites the committed rows
+    with the same values up to rounding; the cache keeps the first ones.)
     context_cache=False recomputes the context every step through the training forward (reference).
     """
 
