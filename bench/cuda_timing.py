@@ -1,20 +1,29 @@
-"""The GPU benchmarks' one timing rule: median of CUDA-event timings after a few untimed calls."""
+"""The benchmarks' one timing rule: median of per-call timings after a few untimed calls (CUDA events on a
+GPU, synchronised after each call; perf_counter on the CPU)."""
 
 from __future__ import annotations
+
+import time
 
 import torch
 
 
-def median_ms(fn, reps: int, warmup: int = 3) -> float:
-    """Median milliseconds of `fn()` over `reps` calls, each bracketed by CUDA events and synchronised."""
+def median_ms(fn, reps: int, warmup: int = 3, device: torch.device | str = "cuda") -> float:
+    """Median milliseconds of `fn()` over `reps` calls on `device` (CUDA events there, else wall time)."""
+    cuda = torch.device(device).type == "cuda"
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            torch.cuda.synchronize()
+            times.append(a.elapsed_time(b))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
     return sorted(times)[reps // 2]

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.cuda_timing import median_ms  # noqa: E402
 from bench.seed_shape import SeedShape  # noqa: E402
 from dflash_pipe.drafter import DFlashDrafter, DrafterModelConfig  # noqa: E402
 from dflash_pipe.eval.specdecode import DFlashProposer  # noqa: E402
@@ -47,23 +46,6 @@ def build(shape: str, block: int, device, dtype) -> tuple[DFlashDrafter, Drafter
     return drafter, cfg, embed
 
 
-def timed_ms(fn, reps: int, device) -> float:
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
 def measure(shape: str, context: int, new_rows: int, reps: int, block: int, device, dtype) -> dict:
     drafter, cfg, embed = build(shape, block, device, dtype)
     head = torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False).to(device=device, dtype=dtype)
@@ -79,8 +61,8 @@ def measure(shape: str, context: int, new_rows: int, reps: int, block: int, devi
     cached.block_hidden(tokens, feats)             # fills the cache (and warms up)
     full.block_hidden(tokens, feats)
     diff = (cached_step() - full.block_hidden(tokens, feats)).abs().max().item()
-    ms_full = timed_ms(lambda: full.block_hidden(tokens, feats), reps, device)
-    ms_cached = timed_ms(cached_step, reps, device)
+    ms_full = median_ms(lambda: full.block_hidden(tokens, feats), reps, warmup=1, device=device)
+    ms_cached = median_ms(cached_step, reps, warmup=1, device=device)
     return {"shape": shape, "context": context, "new_rows": new_rows, "dtype": str(dtype).replace("torch.", ""),
             "device": str(device), "recompute_ms": ms_full, "cached_ms": ms_cached, "speedup": ms_full / ms_cached,
             "max_abs_diff": diff}
