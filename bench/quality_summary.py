@@ -41,6 +41,14 @@ def _json(path: Path):
         return None
 
 
+def _resolved(run: Path) -> dict | None:
+    """A run's resolved_config.toml, or None if it is missing or unreadable."""
+    try:
+        return tomllib.loads((run / "resolved_config.toml").read_text())
+    except (OSError, tomllib.TOMLDecodeError):
+        return None
+
+
 def runs(d: Path) -> dict[str, Path]:
     """Drafter name (as in the evals) -> training run dir: lossless, fp8, seed<N>, var-<name>, then scale-<subset>."""
     out = {c: d / f"train-{c}" for c in CODECS if (d / f"train-{c}").is_dir()}
@@ -56,9 +64,8 @@ NOT_RECIPE = {"output_dir", "cache_dir", "val_cache_dir"}     # differ between r
 def recipe_diff(run: Path, reference: Path) -> dict[str, list] | None:
     """'table.key' -> [reference value, run value] for every [drafter]/[train] setting of the run's
     resolved_config.toml that differs from the reference run's (paths aside); None if either is unreadable."""
-    try:
-        a, b = (tomllib.loads((r / "resolved_config.toml").read_text()) for r in (reference, run))
-    except (OSError, tomllib.TOMLDecodeError):
+    a, b = _resolved(reference), _resolved(run)
+    if a is None or b is None:
         return None
     out = {}
     for t in RECIPE_TABLES:
@@ -145,12 +152,9 @@ def training_curve(train_dir: Path) -> dict | None:
     recs = [r for r in read_jsonl(path) if isinstance(r.get("tau"), (int, float))]
     if not recs:
         return None
-    try:
-        tr = tomllib.loads((train_dir / "resolved_config.toml").read_text())["train"]
-        log_every = int(tr.get("log_every", 1)) or 1
-        planned = int(tr.get("max_steps", 0)) or None
-    except (OSError, tomllib.TOMLDecodeError, KeyError):
-        log_every, planned = 1, None
+    tr = (_resolved(train_dir) or {}).get("train", {})
+    log_every = int(tr.get("log_every", 1)) or 1
+    planned = int(tr.get("max_steps", 0)) or None
     seen, cum = [], 0.0
     for r in recs:                                  # real (non-padding) context tokens, log_every steps per record
         cum += r.get("tok_s", 0.0) * r.get("step_s", 0.0) * log_every
@@ -213,10 +217,10 @@ def data_scaling(d: Path, sets: dict) -> list[dict]:
         va, tr = validation_curve(run), training_curve(run)
         if not va or name == "fp8" or name.startswith("var-"):    # another cache or another recipe
             continue
-        try:
-            shards = tomllib.loads((run / "resolved_config.toml").read_text())["train"].get("shards", "")
-        except (OSError, tomllib.TOMLDecodeError, KeyError):
+        tr_cfg = (_resolved(run) or {}).get("train")
+        if tr_cfg is None:
             continue
+        shards = tr_cfg.get("shards", "")
         idx = parse_shard_subset(shards, len(tokens_of)) if shards.strip() else sorted(tokens_of)
         rows.append({"run": name, "shards": shards or "all", "unique_tokens": sum(tokens_of.get(i, 0) for i in idx),
                      "steps": va["last_step"], "val_tau": va["tau_last"], "val_tau_walk": va.get("tau_walk_last"),

@@ -165,11 +165,16 @@ class DFlashProposer:
         self._kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self._rows = 0
 
+    @staticmethod
+    def _anchor(tokens: list[int]) -> int:
+        """p, the index of the last committed token, which the block is anchored at."""
+        if len(tokens) < 2:
+            raise UsageError("DFlash needs at least one context token before the block")
+        return len(tokens) - 1
+
     def block_inputs(self, tokens: list[int], features: torch.Tensor):
         """(context features [p+1, F], block embeds [B, H], ctx positions, block positions, mask)."""
-        p, B = len(tokens) - 1, self.cfg.block_size
-        if p < 1:
-            raise UsageError("DFlash needs at least one context token before the block")
+        p, B = self._anchor(tokens), self.cfg.block_size
         ctx = features[:p + 1]   # row p (the anchor's slot) is masked: a block sees kv < anchor
         ctx_pos = torch.arange(p + 1, device=self.device)
         anchor = torch.tensor([p], dtype=torch.long, device=self.device)
@@ -207,12 +212,10 @@ class DFlashProposer:
     @torch.inference_mode()
     def block_hidden(self, tokens: list[int], features: torch.Tensor) -> torch.Tensor:
         """The drafter's final hidden states [B, H] for the block anchored at the last committed token."""
-        p, B = len(tokens) - 1, self.cfg.block_size
-        if p < 1:
-            raise UsageError("DFlash needs at least one context token before the block")
         if not self.context_cache:
             return self.drafter(*self.block_inputs(tokens, features))
-        blk_pos = torch.arange(p, p + B, device=self.device)
+        p = self._anchor(tokens)
+        blk_pos = torch.arange(p, p + self.cfg.block_size, device=self.device)
         return self.drafter.forward_cached(self._context_kv(features, p), self._block_embeds(tokens), blk_pos,
                                            self._mask(p + 1, p))
 
