@@ -95,10 +95,15 @@ def export_cmd(checkpoint: Path = typer.Argument(..., help="Training output dir 
 
 @cache_app.command("info")
 def cache_info(cache_dir: Path = typer.Argument(..., help="Cache directory.")):
-    """Print the manifest summary (fingerprint fields, features, totals)."""
-    from .cache import load_manifest
+    """Print the manifest summary (fingerprint fields, features, totals); exit 3 on a damaged spec or manifest."""
+    from .cache import load_manifest, load_spec
+    from .errors import CacheError
 
+    spec = load_spec(cache_dir)  # refuses a damaged cache_spec.json, naming the fix
     man = load_manifest(cache_dir)
+    if spec is not None and spec["fingerprint"] != man["fingerprint"]:
+        raise CacheError(f"{cache_dir}: cache_spec.json and manifest.json have different fingerprints",
+                         "`dflash-pipe cache verify` lists the fix")
     _echo_json({k: man[k] for k in ("fingerprint", "fingerprint_fields", "features", "num_shards", "totals",
                                     "tool_version") if k in man}
                | {"data_stats": man.get("stats", {}).get("data_reader"),
@@ -112,7 +117,7 @@ def cache_verify(cache_dir: Path = typer.Argument(..., help="Cache directory."),
                  decode: bool = typer.Option(False, help="Decode every row (page CRCs, zstd frames)."),
                  recompute: int = typer.Option(0, help="Rerun K random samples through a plain HF forward and compare."),
                  device: str = typer.Option("auto", help="Device for --recompute.")):
-    """Check a cache against its manifest; exit 3 naming every damaged, missing or foreign shard."""
+    """Check every file of a cache (spec, manifest, sidecars, head file, shards); exit 3 naming each problem and its fix."""
     from .cache import verify_cache
 
     report = verify_cache(cache_dir, checksums=checksums, decode=decode)

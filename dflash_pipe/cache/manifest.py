@@ -22,12 +22,14 @@ from typing import Any
 
 from .. import __version__
 from ..errors import CacheError, FingerprintMismatch
-from ..io_utils import atomic_write_json, remove_stale_temps, safe_child, sha256_json
+from ..io_utils import atomic_write_json, remove_stale_temps, safe_child, sha256_file, sha256_json
 from .schema import FORMAT_VERSION, shard_name
 from .writer import ShardInfo
 
 SPEC_FILE = "cache_spec.json"
 MANIFEST_FILE = "manifest.json"
+RESOLVED_FILE = "resolved_config.toml"   # the settings of the last extract run (config.write_resolved)
+SPEC_KEYS = ("fingerprint", "fingerprint_fields", "features", "target", "num_shards")
 LAYER_CONVENTION = "0-based decoder layer index; feature = that layer's output = HF output_hidden_states[id + 1]"
 
 
@@ -40,16 +42,38 @@ def diff_fields(old: dict, new: dict) -> dict[str, tuple[Any, Any]]:
     return {k: (old.get(k), new.get(k)) for k in keys if old.get(k) != new.get(k)}
 
 
-def _read_json(path: Path, what: str) -> dict:
+def extract_command(cache_dir: Path) -> str:
+    """The extract command line that resumes this cache with the settings it was made with."""
+    cache_dir = Path(cache_dir)
+    if (cache_dir / RESOLVED_FILE).is_file():
+        return f"`dflash-pipe extract -m {cache_dir / RESOLVED_FILE} --cache-dir {cache_dir}`"
+    return f"`dflash-pipe extract --cache-dir {cache_dir}` with the manifest that made this cache"
+
+
+def spec_hint(cache_dir: Path) -> str:
+    return (f"delete {Path(cache_dir) / SPEC_FILE} and rerun {extract_command(cache_dir)}: it rewrites the spec "
+            "and keeps the shards committed under the same settings (or add --overwrite to extract the cache "
+            "again from scratch)")
+
+
+def sidecar_hint(path: Path) -> str:
+    return f"delete {path} and rerun {extract_command(path.parent)}: it redoes that one shard"
+
+
+def manifest_hint(cache_dir: Path) -> str:
+    return (f"rerun {extract_command(cache_dir)}: with every shard committed it only rewrites {MANIFEST_FILE} "
+            "from the shard sidecars")
+
+
+def _read_json(path: Path, what: str, hint: str) -> dict:
     try:
         obj = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CacheError(f"{path}: {what} is not valid JSON ({exc})",
-                         "the file was damaged or edited; rerun `dflash-pipe extract` to rewrite it") from None
+        raise CacheError(f"{path}: {what} is not valid JSON ({exc})", hint) from None
     if not isinstance(obj, dict):
-        raise CacheError(f"{path}: {what} must be a JSON object")
+        raise CacheError(f"{path}: {what} must be a JSON object", hint)
     return obj
 
 
@@ -60,11 +84,24 @@ def make_spec(fingerprint_fields: dict, target: dict, features: dict, num_shards
 
 
 def load_spec(cache_dir: str | Path) -> dict | None:
-    path = Path(cache_dir) / SPEC_FILE
+    """The cache spec, or None if there is none; a damaged one (not JSON, a field missing, the
+    fingerprint not matching its fields) is refused with a hint that works."""
+    cache_dir = Path(cache_dir)
+    path = cache_dir / SPEC_FILE
     try:
-        return _read_json(path, "cache spec")
+        spec = _read_json(path, "cache spec", spec_hint(cache_dir))
     except FileNotFoundError:
         return None
+    for key in SPEC_KEYS:
+        if key not in spec:
+            raise CacheError(f"{path}: field '{key}' is missing", spec_hint(cache_dir))
+    if not isinstance(spec["fingerprint_fields"], dict) or fingerprint_of(spec["fingerprint_fields"]) != spec["fingerprint"]:
+        raise CacheError(f"{path}: field 'fingerprint' does not match 'fingerprint_fields' (edited by hand?)",
+                         spec_hint(cache_dir))
+    if not isinstance(spec["num_shards"], int) or spec["num_shards"] < 1:
+        raise CacheError(f"{path}: field 'num_shards' must be a positive integer, not {spec['num_shards']!r}",
+                         spec_hint(cache_dir))
+    return spec
 
 
 def mismatch_error(cache_dir: Path, old_fields: dict, new_fields: dict) -> FingerprintMismatch:
@@ -79,8 +116,13 @@ def init_or_check_spec(cache_dir: str | Path, spec: dict, overwrite: bool = Fals
     """Create the spec, or check the existing one. Returns 'new' | 'match' | 'overwritten'."""
     cache_dir = Path(cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)
-    old = load_spec(cache_dir)
-    if old is not None and old.get("fingerprint") == spec["fingerprint"]:
+    try:
+        old = load_spec(cache_dir)
+    except CacheError:
+        if not overwrite:
+            raise
+        old = {}  # a damaged spec: --overwrite deletes the cache like any other
+    if old and old.get("fingerprint") == spec["fingerprint"]:
         if old.get("num_shards") != spec["num_shards"]:
             raise CacheError(f"{cache_dir}: spec says {old.get('num_shards')} shards, this run {spec['num_shards']}")
         return "match"
@@ -121,7 +163,7 @@ def committed_shards(cache_dir: str | Path, spec: dict) -> dict[int, dict]:
         side = sidecar_path(cache_dir, i, n)
         if not side.exists():
             continue
-        sc = _read_json(side, "shard sidecar")
+        sc = _read_json(side, "shard sidecar", sidecar_hint(side))
         if sc.get("fingerprint") != spec["fingerprint"]:
             raise CacheError(f"{side}: belongs to a cache with another fingerprint",
                              "a foreign shard was copied here; remove it or use --overwrite")
@@ -156,12 +198,32 @@ def try_finalize(cache_dir: str | Path, spec: dict) -> dict | None:
                 "totals": totals, "stats": stats}
     old = None
     try:
-        old = _read_json(cache_dir / MANIFEST_FILE, "manifest")
-    except FileNotFoundError:
-        pass
+        old = _read_json(cache_dir / MANIFEST_FILE, "manifest", "")
+    except (FileNotFoundError, CacheError):
+        pass  # none yet, or damaged: it is rewritten from the sidecars below
+    head = head_file_record(cache_dir, spec, (old or {}).get("head_file"))
+    if head is not None:
+        manifest["head_file"] = head
     if old != manifest:
         atomic_write_json(cache_dir / MANIFEST_FILE, manifest)
     return manifest
+
+
+def head_file_record(cache_dir: Path, spec: dict, old: dict | None) -> dict | None:
+    """Size and sha256 of the target head file for the manifest (`cache verify` checks them). The
+    old manifest's sha256 is kept while size and mtime are unchanged (hashing a 27B target's 5 GB head
+    on every finalize would cost seconds per rank); None for caches without a head file."""
+    name = spec.get("features", {}).get("head_file")
+    if not name:
+        return None
+    path = safe_child(cache_dir, name, f"{cache_dir / SPEC_FILE} field features.head_file")
+    if not path.is_file():
+        return None
+    st = path.stat()
+    if (isinstance(old, dict) and old.get("path") == name and old.get("bytes") == st.st_size
+            and old.get("mtime_ns") == st.st_mtime_ns and old.get("sha256")):
+        return old
+    return {"path": name, "bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha256_file(path)}
 
 
 def merge_stats(parts: list[dict]) -> dict:
@@ -189,22 +251,23 @@ def load_manifest(cache_dir: str | Path) -> dict:
     cache_dir = Path(cache_dir)
     path = cache_dir / MANIFEST_FILE
     try:
-        man = _read_json(path, "manifest")
+        man = _read_json(path, "manifest", manifest_hint(cache_dir))
     except FileNotFoundError:
         hint = ("extraction has not finished (or was interrupted): rerun `dflash-pipe extract` to resume"
                 if (cache_dir / SPEC_FILE).exists() else "run `dflash-pipe extract` first or fix --cache-dir")
         raise CacheError(f"{cache_dir}: no {MANIFEST_FILE}", hint) from None
     for key in ("fingerprint", "fingerprint_fields", "features", "target", "shards", "num_shards"):
         if key not in man:
-            raise CacheError(f"{path}: field '{key}' is missing", "regenerate the cache with `dflash-pipe extract`")
+            raise CacheError(f"{path}: field '{key}' is missing", manifest_hint(cache_dir))
     if man.get("format_version") != FORMAT_VERSION:
         raise CacheError(f"{path}: format_version {man.get('format_version')} is not {FORMAT_VERSION}",
                          "this cache was written by another dflash-pipe version; re-extract it")
     if fingerprint_of(man["fingerprint_fields"]) != man["fingerprint"]:
         raise CacheError(f"{path}: field 'fingerprint' does not match 'fingerprint_fields' (edited by hand?)",
-                         "regenerate the manifest with `dflash-pipe extract` (it resumes and rewrites it)")
+                         manifest_hint(cache_dir))
     if len(man["shards"]) != man["num_shards"]:
-        raise CacheError(f"{path}: lists {len(man['shards'])} shards, field 'num_shards' says {man['num_shards']}")
+        raise CacheError(f"{path}: lists {len(man['shards'])} shards, field 'num_shards' says {man['num_shards']}",
+                         manifest_hint(cache_dir))
     for i, entry in enumerate(man["shards"]):
         entry["abs_path"] = str(safe_child(cache_dir, str(entry.get("path", "")), f"{path} shards[{i}].path"))
     return man

@@ -42,8 +42,8 @@ import torch
 
 from ..config import RunConfig
 from ..data import DataStats, load_conversations
-from ..errors import RuntimeFailure, UsageError, ValidationError
-from ..io_utils import atomic_write_json
+from ..errors import UsageError, ValidationError
+from ..io_utils import append_durably, atomic_write_json
 from ..progress import progress_bar
 from ..target import load_target
 from .runner import encode_prompt, resolve_device
@@ -94,27 +94,18 @@ def scan_output(output: Path) -> set[str]:
 
 
 class JsonlAppender:
-    """Append-only JSONL output: one write per batch, then flush + fsync."""
+    """Append-only JSONL output: one durable append per batch (fsynced; cut back on a disk error)."""
 
     def __init__(self, path: Path):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = open(path, "ab")
         self.path = path
 
     def append(self, rows: list[dict]) -> None:
         if not rows:
             return
-        data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode("utf-8")
-        try:
-            self._f.write(data)
-            self._f.flush()
-            os.fsync(self._f.fileno())
-        except OSError as exc:
-            raise RuntimeFailure(f"cannot append to {self.path}: {exc}",
-                                 "free space and rerun the same command; finished rows are kept") from exc
+        append_durably(self.path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode("utf-8"))
 
     def close(self) -> None:
-        self._f.close()
+        pass
 
 
 # --------------------------------------------------------------------------- generation

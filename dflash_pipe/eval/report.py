@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from ..io_utils import read_jsonl
+from ..io_utils import read_jsonl, write_optional
 from .specdecode import SpecResult
 
 BASELINE = "ngram"
@@ -175,7 +175,7 @@ def acceptance_markdown(report: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-def plot_acceptance(report: dict, out_png: Path) -> Path:
+def plot_acceptance(report: dict, out_png: Path) -> Path | None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -197,6 +197,6 @@ def plot_acceptance(report: dict, out_png: Path) -> Path:
     ax.set_title("per-position acceptance: DFlash vs n-gram")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out_png, dpi=110)
+    ok = write_optional(out_png, lambda tmp: fig.savefig(tmp, dpi=110, format="png"), "acceptance plot")
     plt.close(fig)
-    return out_png
+    return out_png if ok else None
