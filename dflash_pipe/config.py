@@ -346,6 +346,9 @@ def normalize(cfg: RunConfig) -> RunConfig:
         (tr.loss_chunk_tokens >= 1, "--loss-chunk-tokens must be >= 1"),
         (tr.val_every >= 1 and tr.val_batches >= 1, "--val-every and --val-batches must be >= 1"),
         (tr.epochs >= 1 or tr.max_steps > 0, "--epochs must be >= 1 (or set --max-steps)"),
+        ("heldout" not in cfg.eval.prompts.replace("_", "").replace("-", "").lower() or cfg.data.skip_samples > 0,
+         "[eval] prompts asks for the 'heldout' set (the first data.skip_samples conversations, never trained on) "
+         "but --data-skip-samples is 0: set it > 0 (extraction then skips those) or drop 'heldout'"),
     ]
     for ok, message in checks:
         if not ok:
