@@ -96,8 +96,8 @@ class _HashingFile:
 
     def close(self) -> None:
         if not self.closed:
-            self._f.close()
             self.closed = True
+            self._f.close()  # may raise (the buffered tail does not fit on a full disk); the fd is closed anyway
 
     @property
     def hexdigest(self) -> str:
@@ -222,7 +222,10 @@ class ShardWriter:
             self._writer.close()
         except Exception:  # noqa: BLE001 - already failing; the temp file is removed below
             pass
-        self._file.close()
+        try:
+            self._file.close()
+        except OSError:  # a full disk fails the buffered tail again: the file is being discarded anyway
+            pass
         self.tmp_path.unlink(missing_ok=True)
 
 
