@@ -132,7 +132,7 @@ def test_ctrl_c_exits_130_and_leaves_a_resumable_cache(tmp_path):
 
 
 @pytest.mark.slow
-def test_tiny_manifest_runs_every_stage(reference, tmp_path, capsys):
+def test_tiny_manifest_runs_every_stage(reference, tmp_path):
     """manifests/tiny-qwen3.5.toml through plan -> extract -> train -> eval on its heldout prompts (the
     stages run_pipeline.sh chains; its shell is tested in test_pipeline_plan.py), at the reference
     cache's sizes so stage 1 finds every shard committed instead of extracting again."""
