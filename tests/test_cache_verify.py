@@ -185,3 +185,16 @@ def test_every_problem_is_reported_at_once(cache):
     for name in (SPEC_FILE, "shard-00000-of-00003.json", "resolved_config.toml", "shard-00002-of-00003.parquet"):
         assert str(cache / name) in msg
     assert msg.count("fix: ") == 4
+
+
+def test_overwrite_also_removes_the_old_targets_head_file(tmp_path):
+    """extract writes the head file only when it is absent: --overwrite must not keep another target's."""
+    from dflash_pipe.cache import init_or_check_spec, make_spec
+    from tests.cache_helpers import fields_for, make_docs, write_cache
+
+    write_cache(tmp_path, make_docs(3, 8), 8, 2, num_shards=1)
+    (tmp_path / HEAD).write_bytes(b"the old target's embeddings")
+    (tmp_path / "notes.txt").write_text("kept")
+    other = make_spec(fields_for(8, 2, "lossless", 4, "another-target"), {}, {}, 1, {})
+    assert init_or_check_spec(tmp_path, other, overwrite=True) == "overwritten"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [SPEC_FILE, "notes.txt"]

@@ -28,6 +28,7 @@ from .writer import ShardInfo
 
 SPEC_FILE = "cache_spec.json"
 MANIFEST_FILE = "manifest.json"
+HEAD_FILE = "target_head.safetensors"       # the target's embeddings + lm_head (extract writes it when absent)
 RESOLVED_FILE = "resolved_config.toml"   # the settings of the last extract run (config.write_resolved)
 SPEC_KEYS = ("fingerprint", "fingerprint_fields", "features", "target", "num_shards")
 LAYER_CONVENTION = "0-based decoder layer index; feature = that layer's output = HF output_hidden_states[id + 1]"
@@ -139,7 +140,9 @@ def init_or_check_spec(cache_dir: str | Path, spec: dict, overwrite: bool = Fals
 def delete_cache_files(cache_dir: Path) -> None:
     """Remove what extract writes (and nothing else the user may keep there)."""
     for p in cache_dir.iterdir():
-        if p.name in (SPEC_FILE, MANIFEST_FILE) or (p.name.startswith("shard-") and p.suffix in (".parquet", ".json")):
+        # the head file too: extract only writes it when absent, so another target's would be kept
+        if p.name in (SPEC_FILE, MANIFEST_FILE, HEAD_FILE) or (p.name.startswith("shard-")
+                                                               and p.suffix in (".parquet", ".json")):
             p.unlink()
     remove_stale_temps(cache_dir)
 

@@ -26,7 +26,7 @@ import torch
 
 from ..cache import init_or_check_spec, make_spec, shard_name, try_finalize, write_sidecar
 from ..cache.codec import FP8, fp8_error_terms
-from ..cache.manifest import LAYER_CONVENTION, committed_shards
+from ..cache.manifest import HEAD_FILE, LAYER_CONVENTION, committed_shards
 from ..cache.schema import shard_meta
 from ..cache.writer import ShardWriter
 from ..config import RunConfig, parse_shard_subset, write_resolved
@@ -43,7 +43,6 @@ from .staging import max_batch_bytes
 from .sanity import feature_stats, layer_rms_summary
 
 log = logging.getLogger("dflash_pipe.extract")
-HEAD_FILE = "target_head.safetensors"
 
 
 @dataclass

@@ -120,7 +120,8 @@ class CacheIndex:
         if (self.cache_dir / MANIFEST_FILE).exists():
             man = load_manifest(self.cache_dir)
             if man["fingerprint"] != self.spec["fingerprint"]:
-                raise CacheError(f"{self.cache_dir}: manifest and cache_spec.json disagree on the fingerprint")
+                raise CacheError(f"{self.cache_dir}: manifest and cache_spec.json disagree on the fingerprint",
+                                 f"`dflash-pipe cache verify {self.cache_dir}` prints the fix")
             shards = {e["index"]: Path(e["abs_path"]) for e in man["shards"]}
             self.final = True
         elif self.follow:

@@ -55,7 +55,11 @@ class StepLogger:
                 from torch.utils.tensorboard import SummaryWriter
 
                 self.tb = SummaryWriter(str(out_dir / "tensorboard"))
-            except Exception:  # noqa: BLE001 - tensorboard is optional
+            except ImportError:  # tensorboard is optional
+                self.tb = None
+            except Exception as exc:  # noqa: BLE001 - e.g. a full disk: the run goes on without it
+                log.warning("TensorBoard not started in %s (%s); continuing without TensorBoard",
+                            out_dir / "tensorboard", exc)
                 self.tb = None
 
     def truncate_history(self, after_step: int) -> None:
