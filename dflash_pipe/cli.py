@@ -145,6 +145,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     except KeyboardInterrupt:
         typer.echo("interrupted: committed shards/checkpoints are kept; rerun the same command to resume", err=True)
         sys.exit(130)
+    except OSError as exc:  # one no stage turned into a RuntimeFailure (e.g. an unwritable --output-dir)
+        from .io_utils import disk_error
+
+        typer.echo(f"error: {disk_error(exc, Path(exc.filename or '?'), 'accessing')}", err=True)
+        sys.exit(4)
     except Exception as exc:  # click's own exceptions (typer may vendor click, so match by shape)
         name = type(exc).__name__
         if name == "Abort":

@@ -360,3 +360,22 @@ def test_every_listed_write_site_is_covered():
     named = {ln.split("|")[2].strip() for ln in rows}
     assert named == covered, (named ^ covered)
     assert len(rows) == len(covered) == 18
+
+
+def test_an_unwritable_output_path_is_exit_4_naming_it_not_a_traceback(tmp_path, capsys):
+    from dflash_pipe.cli import main
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(SystemExit) as ex:
+        main(["train", "--cache-dir", str(tmp_path / "cache"), "--output-dir", str(blocker / "out")])
+    err = capsys.readouterr().err
+    assert ex.value.code == 4 and str(blocker) in err and "Traceback" not in err
+
+
+def test_verify_of_a_directory_that_is_no_cache_says_so(tmp_path):
+    from dflash_pipe.cache import verify_cache
+    from dflash_pipe.errors import CacheError
+
+    with pytest.raises(CacheError, match="not a dflash-pipe cache"):
+        verify_cache(tmp_path)

@@ -46,6 +46,9 @@ def verify_cache(cache_dir: str | Path, checksums: bool = True, decode: bool = F
     cache_dir = Path(cache_dir)
     if not cache_dir.is_dir():
         raise CacheError(f"{cache_dir}: no such cache directory", "pass the [extract].cache_dir of a run")
+    if not (cache_dir / SPEC_FILE).exists() and not (cache_dir / MANIFEST_FILE).exists():
+        raise CacheError(f"{cache_dir}: not a dflash-pipe cache (no {SPEC_FILE}, no {MANIFEST_FILE})",
+                         "pass the [extract].cache_dir of a run, or run `dflash-pipe extract` first")
     problems: list[Problem] = []
     spec = _spec(cache_dir, problems)
     man = _manifest(cache_dir, spec, problems)

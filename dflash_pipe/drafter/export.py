@@ -119,8 +119,7 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
 
 def export_drafter(model: DFlashDrafter, cfg: DrafterModelConfig, out_dir: str | Path) -> Path:
     """Write config.json + model.safetensors (bf16) into out_dir, atomically. Returns out_dir."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = Path(out_dir)  # created by atomic_output (an unwritable path is then exit 4 naming it)
     model = unwrap_model(model)
     tensors = {name: t.detach().to(device="cpu", dtype=EXPORT_DTYPE).contiguous()
                for name, t in model.state_dict().items()}
