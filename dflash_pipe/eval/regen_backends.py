@@ -69,7 +69,8 @@ class EngineBackend:
                  check_every: int = 8, prefill_tokens: int | None = None, use_graphs: str = "auto"):
         self.engine = StaticKVEngine(model, batch, max_len, use_graphs=use_graphs)
         dev = self.engine.device
-        self.B, self.max_new, self.dec, self.check_every = batch, max_new_tokens, dec, check_every
+        self.B, self.max_new, self.dec = batch, max_new_tokens, dec
+        self.check_every = max(1, min(check_every, max_new_tokens - 1))   # an answer ends after max_new - 1 steps
         self.prefill_tokens = prefill_tokens or (65536 if dev.type == "cuda" else 2048)
         self.slots: list[TurnRequest | None] = [None] * batch
         with torch.inference_mode():
@@ -83,7 +84,7 @@ class EngineBackend:
         self.decode_steps = 0
         self.prefill_rows = 0
         mode = "CUDA graphs" if self.engine.use_graphs else "eager"
-        self.describe = f"{self.name} ({mode}, batch {batch}, check every {check_every} steps)"
+        self.describe = f"{self.name} ({mode}, batch {batch}, check every {self.check_every} steps)"
 
     def busy(self) -> bool:
         return any(s is not None for s in self.slots)
