@@ -1,14 +1,15 @@
 """How `regenerate` turns prompts into answers: continuous batching on the static-KV engine, or HF `generate`.
 
 Both backends take `TurnRequest`s from the front of a ready list (the driver keeps it in input
-order) and hand back `Completion`s, in any order.
+order) in `launch` and hand back `Completion`s, in any order, from `collect`; between the two the
+host is free (the driver tokenizes and writes there while the GPU decodes).
 
 `EngineBackend` (attention-only targets, `dflash_pipe.target.static_forward`): `batch` slots.
-Every `step` first fills the free slots from the ready list (one right-padded prefill per group
+Every `launch` first fills the free slots from the ready list (one right-padded prefill per group
 of similar-length prompts, at most `prefill_tokens` tokens a group), then runs `check_every`
 decode steps on all slots at once (a CUDA graph each on CUDA). Token choice, the per-row answer
-buffers and the stopping masks (EOS / max_new_tokens) stay on the device; the host looks at them
-once per step (one sync), frees finished slots and returns their answers. A finished row idles
+buffers and the stopping masks (EOS / max_new_tokens) stay on the device; `collect` looks at them
+(one sync), frees finished slots and returns their answers. A finished row idles
 until then (at most check_every - 1 wasted steps), and costs nothing in attention (its length
 stops growing).
 
@@ -96,7 +97,8 @@ class EngineBackend:
         return back
 
     @torch.inference_mode()
-    def step(self, ready: list[TurnRequest]) -> list[Completion]:
+    def launch(self, ready: list[TurnRequest]) -> None:
+        """Fill free slots from the front of `ready` and queue check_every decode steps (no host sync)."""
         free = [i for i, s in enumerate(self.slots) if s is None]
         take = ready[:len(free)]
         if take:
@@ -105,11 +107,9 @@ class EngineBackend:
             for r, req in zip(rows, take):
                 self.slots[r] = req
             self._prefill(rows, take)
-        if not self.busy():
-            return []
-        for _ in range(self.check_every):
-            self._decode()
-        return self._collect()
+        if self.busy():
+            for _ in range(self.check_every):
+                self._decode()
 
     def _start(self, logits, rows: torch.Tensor, keys: torch.Tensor) -> None:
         """First token of freshly prefilled `rows`."""
@@ -164,7 +164,9 @@ class EngineBackend:
         self._advance(out.logits[:, 0])
         self.decode_steps += 1
 
-    def _collect(self) -> list[Completion]:
+    @torch.inference_mode()
+    def collect(self) -> list[Completion]:
+        """Wait for the queued steps; the finished answers (their slots are freed)."""
         live = [i for i, s in enumerate(self.slots) if s is not None]
         flags = self.active.tolist()                           # the one sync of a step
         done = [i for i in live if not flags[i]]
@@ -177,6 +179,7 @@ class EngineBackend:
             n, ended, toks = row[0], bool(row[1]), row[2:2 + row[0]]
             comps.append(Completion(self.slots[r], toks[:-1] if ended else toks, ended))
             self.slots[r] = None
+        self.engine.reset(done)            # idle rows then attend over nothing until refilled
         return comps
 
 
@@ -190,20 +193,25 @@ class HFBackend:
         self.device = next(model.parameters()).device
         self.describe = f"{self.name} (batch {batch}{'; ' + why if why else ''})"
         self.decode_steps = 0
+        self._done: list[Completion] = []
 
     def busy(self) -> bool:
-        return False
+        return bool(self._done)
 
     def take_back(self) -> list[TurnRequest]:
         return []
 
-    def step(self, ready: list[TurnRequest]) -> list[Completion]:
+    def collect(self) -> list[Completion]:
+        done, self._done = self._done, []
+        return done
+
+    def launch(self, ready: list[TurnRequest]) -> None:
         from transformers import GenerationConfig
 
         take = ready[:self.B]
         del ready[:len(take)]
         if not take:
-            return []
+            return
         prompts = [r.prompt for r in take]
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), self.pad, dtype=torch.long)
@@ -223,6 +231,5 @@ class HFBackend:
         comps = []
         for req, row in zip(take, out[:, width:].tolist()):
             cut = next((i for i, t in enumerate(row) if t in self.eos), None)
-            comps.append(Completion(req, row[:cut] if cut is not None else row, cut is not None))
+            self._done.append(Completion(req, row[:cut] if cut is not None else row, cut is not None))
         self.decode_steps += out.shape[1] - width
-        return comps

@@ -256,8 +256,10 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
         last_flush = time.perf_counter()
 
     try:
+        completions: list[Completion] = []
         while True:
-            while not exhausted and len(inflight) < 4 * backend.B:
+            # admit conversations until every slot could be refilled (bounded by the in-order window)
+            while not exhausted and len(ready) < backend.B and len(inflight) < 4 * backend.B:
                 conv = next(convs, None)
                 if conv is None:
                     exhausted = True
@@ -270,17 +272,19 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
                     order += 1
                     inflight.append(st)
                     _queue(ready, regen.next_request(st))
+            launched = False
             if ready or backend.busy():
                 try:
-                    completions = backend.step(ready)
+                    backend.launch(ready)
+                    launched = True
                 except torch.OutOfMemoryError:
                     for req in backend.take_back():
                         _queue(ready, req)
                     backend = make_backend(bundle, eos, pad, _halve(backend.B), cfg.extract.max_length,
                                            max_new_tokens, dec, engine)
-                    continue
-                for c in completions:
-                    _queue(ready, regen.complete(c))
+            # host work while the device decodes: the last answers, the next turns, the output
+            for c in completions:
+                _queue(ready, regen.complete(c))
             head = 0
             while head < len(inflight) and inflight[head].done:
                 head += 1
@@ -292,6 +296,9 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
                 flush()
             if finished:
                 break
+            completions = backend.collect() if launched else []
+            if not launched and not ready and exhausted:
+                raise RuntimeFailure(f"regenerate stalled with {len(inflight)} conversations in flight (a bug)")
     finally:
         writer.close()
         bar.close()

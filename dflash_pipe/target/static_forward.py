@@ -15,8 +15,8 @@ empties rows.
 
 The weights are the HF module's own (its projections, norms, MLPs, rotary embedding and head are
 called as they are; nothing is copied); only the attention and the cache are ours. On CUDA a call
-with ``rows=None`` (rows 0..B-1) runs as a CUDA graph captured once per (B, T, attended length,
-last_only): a whole decode step is one launch. The attended length is the rows' largest possible
+with ``rows=None`` (rows 0..B-1) and T <= 16 (decode / verify shapes; prefills run eagerly) runs as
+a CUDA graph captured once per (B, T, attended length, last_only): a whole step is one launch. The attended length is the rows' largest possible
 length rounded up to `kv_bucket` (the host tracks an upper bound per row, so choosing it never
 syncs), so SDPA does not read the whole padded buffer. Outputs of a graphed call are static
 buffers, overwritten by the next call: copy what you keep. On the CPU everything runs eagerly.
@@ -170,7 +170,7 @@ class StaticKVEngine:
         kv_len = self.attended_length(host_rows, T)
         for r in host_rows:
             self._bound[r] = min(self._bound[r] + T, self.max_len)
-        if rows is None and self.use_graphs:
+        if rows is None and self.use_graphs and T <= GROUPED_QUERY_MAX_T:
             return self._replay(ids, nn_, kv_len, last_only)
         row_t = None if rows is None else torch.tensor(host_rows, dtype=torch.long, device=self.device)
         return self._compute(ids, nn_, row_t, kv_len, last_only)
