@@ -122,3 +122,4 @@ def test_hybrid_target_falls_back_to_hf_generate_and_refuses_sampling(cfg, tmp_p
         _run(cfg, hybrid, tmp_path / "h2.jsonl", temperature=1.0)
     with pytest.raises(UsageError, match="--engine static"):
         _run(cfg, hybrid, tmp_path / "h3.jsonl", engine="static")
+
