@@ -114,7 +114,7 @@ class EngineBackend:
     def _start(self, logits, rows: torch.Tensor, keys: torch.Tensor) -> None:
         """First token of freshly prefilled `rows`."""
         tok = next_tokens(logits, keys, torch.zeros_like(keys), self.dec)
-        hit = torch.isin(tok, self.eos)
+        hit = (tok[:, None] == self.eos).any(dim=-1)
         self.out[rows, 0] = tok
         self.cur[rows] = tok
         self.keys[rows] = keys
@@ -128,7 +128,7 @@ class EngineBackend:
         act = self.active.clone()
         col = torch.where(act, self.n_gen, self.max_new)
         self.out.scatter_(1, col[:, None], tok[:, None])
-        hit = act & torch.isin(tok, self.eos)
+        hit = act & (tok[:, None] == self.eos).any(dim=-1)
         self.ended |= hit
         self.n_gen += act.long()
         self.active.copy_(act & ~hit & (self.n_gen < self.max_new))

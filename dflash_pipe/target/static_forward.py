@@ -23,6 +23,14 @@ buffers, overwritten by the next call: copy what you keep. On the CPU everything
 
 Usage limits: a row's length + its real new tokens must stay <= max_len (writes beyond go to a
 single spare slot and are lost); ``truncate`` only shrinks.
+
+Speculative verification at batch 1 (the eval's use)::
+
+    eng = StaticKVEngine(model, max_batch=1, max_len=4096, capture_layer_ids=drafter_layer_ids)
+    out = eng.forward(prompt_ids[None], last_only=True)     # logits [1, V]; hidden [1, P, n*H]
+    ...
+    out = eng.forward(block[None])                          # block = [last token, d_1..d_k]: logits [1, k+1, V]
+    eng.truncate(0, p + 1 + accepted)                       # keep the accepted prefix, drop the rest
 """
 
 from __future__ import annotations
@@ -74,7 +82,8 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 @dataclass
 class EngineOutput:
     logits: torch.Tensor               # [B, T, V], or [B, V] with last_only
-    hidden: torch.Tensor | None        # [B, T, n_layers * H] in capture_layer_ids order, or None
+    hidden: torch.Tensor | None        # [B, T, n_layers * H] in capture_layer_ids order (all T, also with
+                                       # last_only), or None
 
 
 class StaticKVEngine:
