@@ -122,7 +122,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--prompts", type=int, default=8192, help="conversations for the timed regenerate run")
     ap.add_argument("--new-tokens", type=int, default=256)
-    ap.add_argument("--max-length", type=int, default=1024, help="prompt + new tokens limit (the engine's max_len)")
+XX
     ap.add_argument("--batch", type=int, default=0, help="0 = regenerate's default (auto)")
     ap.add_argument("--hf-prompts", type=int, default=256)
     ap.add_argument("--hf-batch", type=int, default=256)

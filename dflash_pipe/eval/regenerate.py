@@ -257,21 +257,8 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
 
     try:
         completions: list[Completion] = []
+        cap = None                           # conversations admitted per round: all at first, then a trickle
         while True:
-            # admit conversations until every slot could be refilled (bounded by the in-order window)
-            while not exhausted and len(ready) < backend.B and len(inflight) < 4 * backend.B:
-                conv = next(convs, None)
-                if conv is None:
-                    exhausted = True
-                    break
-                ids = [conv.sample_id] if dec.samples == 1 else [f"{conv.sample_id}#{k}" for k in range(dec.samples)]
-                todo = [] if conv.is_text else [sid for sid in ids if sid not in skip]
-                bar.update(len(ids) - len(todo))
-                for sid in todo:
-                    st = _ConvState(sid, conv.messages, order=order)
-                    order += 1
-                    inflight.append(st)
-                    _queue(ready, regen.next_request(st))
             launched = False
             if ready or backend.busy():
                 try:
@@ -282,9 +269,26 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
                         _queue(ready, req)
                     backend = make_backend(bundle, eos, pad, _halve(backend.B), cfg.extract.max_length,
                                            max_new_tokens, dec, engine)
-            # host work while the device decodes: the last answers, the next turns, the output
+            # host work while the device decodes: the last answers, the next turns, new prompts, the output
             for c in completions:
                 _queue(ready, regen.complete(c))
+            admitted = 0
+            cap = backend.B if cap is None else max(16, backend.B // 16)
+            while (not exhausted and admitted < cap and len(ready) < backend.B
+                   and len(inflight) < 4 * backend.B):
+                conv = next(convs, None)
+                if conv is None:
+                    exhausted = True
+                    break
+                ids = [conv.sample_id] if dec.samples == 1 else [f"{conv.sample_id}#{k}" for k in range(dec.samples)]
+                todo = [] if conv.is_text else [sid for sid in ids if sid not in skip]
+                bar.update(len(ids) - len(todo))
+                for sid in todo:
+                    st = _ConvState(sid, conv.messages, order=order)
+                    order += 1
+                    admitted += 1
+                    inflight.append(st)
+                    _queue(ready, regen.next_request(st))
             head = 0
             while head < len(inflight) and inflight[head].done:
                 head += 1
