@@ -259,16 +259,20 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
         completions: list[Completion] = []
         cap = None                           # conversations admitted per round: all at first, then a trickle
         while True:
-            launched = False
+            launched = oom = False
             if ready or backend.busy():
                 try:
                     backend.launch(ready)
                     launched = True
                 except torch.OutOfMemoryError:
-                    for req in backend.take_back():
-                        _queue(ready, req)
-                    backend = make_backend(bundle, eos, pad, _halve(backend.B), cfg.extract.max_length,
-                                           max_new_tokens, dec, engine)
+                    oom = True               # handled below, once the traceback no longer holds the engine
+            if oom:
+                for req in backend.take_back():
+                    _queue(ready, req)
+                smaller = backend.B
+                backend = None               # free its cache before allocating the smaller one
+                backend = make_backend(bundle, eos, pad, _halve(smaller), cfg.extract.max_length,
+                                       max_new_tokens, dec, engine)
             # host work while the device decodes: the last answers, the next turns, new prompts, the output
             for c in completions:
                 _queue(ready, regen.complete(c))
