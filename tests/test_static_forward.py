@@ -23,16 +23,33 @@ def llama():
     return _model("tiny-llama")
 
 
-@pytest.fixture(scope="module")
-def qwen3():
-    from transformers import AutoModelForCausalLM, Qwen3Config
+def _small(config_cls, **extra):
+    from transformers import AutoModelForCausalLM
 
-    cfg = Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                      tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+    cfg = config_cls(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                     tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1e4}, **extra)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")
+    with torch.no_grad():                         # biases (Qwen2's q/k/v) are zero at init: make them count
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0, 0.3)
     return liven(model.eval().requires_grad_(False))
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    from transformers import Qwen3Config
+
+    return _small(Qwen3Config, head_dim=16)          # q_norm / k_norm on the head dim
+
+
+@pytest.fixture(scope="module")
+def qwen2():
+    from transformers import Qwen2Config
+
+    return _small(Qwen2Config)                       # q/k/v biases
 
 
 def _rel(a, b):
@@ -45,7 +62,7 @@ def _hf(model, seq, layer_ids=()):
     return out.logits[0], hid
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3"])
+@pytest.mark.parametrize("name", ["llama", "qwen3", "qwen2"])
 def test_prefill_then_decode_steps_equal_the_full_forward_for_rows_of_different_lengths(name, request):
     model = request.getfixturevalue(name)
     V = model.config.vocab_size
