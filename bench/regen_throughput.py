@@ -132,8 +132,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8192, help="conversations for the timed regenerate run")
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--max-length", type=int, default=512,
-                    help="prompt + new tokens limit, the engine's max_len (512 as in manifests/quality-smollm2-gpu.toml; "
-                         "longer prompts are skipped and counted)")
+                    help="prompt + new tokens limit, the engine's max_len (512 as in "
+                         "manifests/quality-smollm2-gpu.toml; longer prompts are skipped and counted)")
     ap.add_argument("--batch", type=int, default=0, help="0 = regenerate's default (auto)")
     ap.add_argument("--hf-prompts", type=int, default=256)
     ap.add_argument("--hf-batch", type=int, default=256)

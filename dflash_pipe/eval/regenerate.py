@@ -175,7 +175,8 @@ def make_backend(bundle, eos: list[int], pad: int, batch: int, max_len: int, max
 
 def _halve(batch: int) -> int:
     if batch == 1:
-        raise RuntimeFailure("out of GPU memory at --batch-size 1", "use a smaller --max-length, or a larger GPU")
+        raise RuntimeFailure("out of GPU memory at --batch-size 1",
+                             "use a smaller [extract] max_length in the manifest, or a larger GPU")
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -192,7 +193,8 @@ def _validate(cfg: RunConfig, max_new_tokens: int, batch_size: int, dec: Decodin
     if batch_size < 0:
         raise UsageError(f"--batch-size must be >= 1 (or 0 = auto), got {batch_size}")
     if cfg.extract.max_length <= max_new_tokens:
-        raise UsageError(f"--max-length ({cfg.extract.max_length}) must exceed --max-new-tokens ({max_new_tokens})")
+        raise UsageError(f"[extract] max_length ({cfg.extract.max_length}) must exceed --max-new-tokens "
+                         f"({max_new_tokens})")
     dec.validate()
 
 
@@ -311,7 +313,8 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
         writer.close()
         bar.close()
     print(f"regenerate: {output}: {state['rows_written']} conversations, {len(state['skipped'])} skipped "
-          f"({state['prompts_too_long']} prompts too long for --max-length, {state['empty_answers']} empty answers), "
+          f"({state['prompts_too_long']} prompts too long for [extract] max_length, {state['empty_answers']} empty "
+          f"answers), "
           f"{state['generated_tokens']:,} tokens generated ({state['truncated_responses']} responses hit "
           f"--max-new-tokens)", flush=True)
     return state

@@ -16,9 +16,10 @@ empties rows.
 The weights are the HF module's own (its projections, norms, MLPs, rotary embedding and head are
 called as they are; nothing is copied); only the attention and the cache are ours. On CUDA a call
 with ``rows=None`` (rows 0..B-1) and T <= 16 (decode / verify shapes; prefills run eagerly) runs as
-a CUDA graph captured once per (B, T, attended length, last_only): a whole step is one launch. The attended length is the rows' largest possible
-length rounded up to `kv_bucket` (the host tracks an upper bound per row, so choosing it never
-syncs), so SDPA does not read the whole padded buffer. Outputs of a graphed call are static
+a CUDA graph captured once per (B, T, attended length, last_only): a whole step is one launch.
+The attended length is the rows' largest possible length rounded up to `kv_bucket` (the host
+tracks an upper bound per row, so choosing it never syncs), so SDPA does not read the whole
+padded buffer. Outputs of a graphed call are static
 buffers, overwritten by the next call: copy what you keep. On the CPU everything runs eagerly.
 
 Usage limits: a row's length + its real new tokens must stay <= max_len (writes beyond go to a
