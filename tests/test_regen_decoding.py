@@ -91,6 +91,8 @@ def test_out_of_memory_halves_the_batch_and_reruns_the_answers_in_flight(cfg, ll
     log = capsys.readouterr().out
     assert "batch 4; continuing at --batch-size 2" in log and "batch 2; continuing at --batch-size 1" in log
     assert (tmp_path / "oom.jsonl").read_bytes() == (tmp_path / "ref.jsonl").read_bytes()
+    side = json.loads(sidecar_path(tmp_path / "oom.jsonl").read_text())
+    assert side["decode_path"].startswith("static-KV engine (eager, batch 1,")
 
 
 def test_a_sidecar_from_before_the_decoding_flags_resumes_as_greedy(cfg, llama, tmp_path):

@@ -228,6 +228,7 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
     regen = Regenerator(bundle.tokenizer, eos, max_new_tokens, cfg.extract.max_length, max_turns, dec)
     backend = make_backend(bundle, eos, pad, batch_size, cfg.extract.max_length, max_new_tokens, dec, engine)
     print(f"regenerate: decode path: {backend.describe}", flush=True)
+    state["decode_path"] = backend.describe          # informational (not a pinned setting)
     stats = DataStats()
     d = cfg.data
     convs = iter(load_conversations(d.source, d.format, d.strict, stats, d.skip_samples, d.max_samples))
@@ -275,6 +276,7 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
                 backend = None               # free its cache before allocating the smaller one
                 backend = make_backend(bundle, eos, pad, _halve(smaller), cfg.extract.max_length,
                                        max_new_tokens, dec, engine)
+                state["decode_path"] = backend.describe
             # host work while the device decodes: the last answers, the next turns, new prompts, the output
             for c in completions:
                 _queue(ready, regen.complete(c))
