@@ -139,8 +139,8 @@ class EngineBackend:
         self.engine.reset(rows)
         order = sorted(range(len(reqs)), key=lambda i: len(reqs[i].prompt))
         groups, cur = [], []
-        for i in order:
-            width = max([len(reqs[j].prompt) for j in cur] + [len(reqs[i].prompt)])
+        for i in order:                      # ascending lengths: the newest prompt sets the group's width
+            width = len(reqs[i].prompt)
             if cur and width * (len(cur) + 1) > self.prefill_tokens:
                 groups.append(cur)
                 cur = []
