@@ -125,3 +125,24 @@ def test_hybrid_target_falls_back_to_hf_generate_and_refuses_sampling(cfg, tmp_p
     with pytest.raises(UsageError, match="--engine static"):
         _run(cfg, hybrid, tmp_path / "h3.jsonl", engine="static")
 
+
+
+def test_engine_backend_refills_slots_and_each_answer_is_the_unbatched_greedy_one(llama):
+    """7 prompts through 3 slots, prefill groups of at most 40 tokens: every answer equals plain greedy decoding."""
+    from dflash_pipe.eval import eos_token_ids, greedy_generate
+
+    eos = eos_token_ids(llama.model, llama.tokenizer)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (9, 30, 4, 17, 25, 2, 12)]
+    be = regen_backends.EngineBackend(llama.model, eos, batch=3, max_len=64, max_new_tokens=10, dec=Decoding(),
+                                      check_every=3, prefill_tokens=40)
+    ready = [regen_backends.TurnRequest(None, p, key=0, order=i) for i, p in enumerate(prompts)]
+    got, rounds = {}, 0
+    while ready or be.busy():
+        be.launch(ready)
+        for c in be.collect():
+            got[c.request.order] = c.tokens + [eos[0]] * c.ended
+        rounds += 1
+    assert rounds > 3 and sorted(got) == list(range(7))
+    for i, p in enumerate(prompts):
+        assert got[i] == greedy_generate(llama.model, p, 10, eos), i
