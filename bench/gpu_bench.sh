@@ -12,6 +12,8 @@
 #     loader    the loader's decode rate, 256 vs 64 MiB row groups interleaved (CPU side of the host)
 #     gputests  pytest -m gpu
 #     smollm2   (first) reassemble the carried SmolLM2 GGUF and data for the steps after it
+#     regentests  pytest -m gpu tests/test_static_forward_gpu.py (static-KV engine: graphs == eager, no syncs)
+#     regen     bench/regen_throughput.py: regenerate vs the bare graphed decode loop vs HF generate (needs smollm2)
 # Wheels: .whl/gpu holds flash-linear-attention + fla-core 0.6.0 and zstandard (the image has neither);
 # carry it (device `carry: [".whl/gpu"]`). Limits per step: EXTRACT_S, FLEX_S, TRAIN_S, TESTS_S seconds.
 set -uo pipefail
@@ -70,7 +72,11 @@ for what in "$@"; do
 from bench.train_step import loader_rate; from bench.seed_shape import SeedShape
 rows = [dict(loader_rate(SeedShape(), ${LOADER_WORKERS:-12}, 8, row_group_mb=mb), row_group_mb=mb) for mb in (256, 64, 256, 64)]
 print(json.dumps(rows, indent=1)); open('$OUT/loader_rate.json', 'w').write(json.dumps(rows, indent=1))" ;;
+        regentests) step regentests "${REGEN_TESTS_S:-180}" python3 -m pytest -q -m gpu tests/test_static_forward_gpu.py ;;
+        regen) step regen "${REGEN_S:-360}" python3 bench/regen_throughput.py \
+                   --data "${SHAREGPT_FIRST_TURNS:?run the smollm2 step first}" --model-cache /tmp/quality/models \
+                   --json "$OUT/regen_throughput.json" ;;
         gputests) step gputests "${TESTS_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider tests ;;
-        *) echo "unknown step $what (extract flex train topk stats draft loader gputests)"; exit 2 ;;
+        *) echo "unknown step $what (smollm2 extract flex train topk stats draft loader regentests regen gputests)"; exit 2 ;;
     esac
 done

@@ -168,6 +168,12 @@ def main() -> None:
             b = (tmp / "regen.jsonl").read_text().splitlines()[:len(a)]
             res["hf_identical_rows"] = f"{sum(x == y for x, y in zip(a, b))}/{len(a)}"
     print(json.dumps(res, indent=2))
+    print(f"SUMMARY batch {batch}: regenerate {res['regen']['tok_s']:,.0f} tok/s ({res['regen']['conversations']} "
+          f"answers, {res['regen']['generated_tokens']:,} tokens in {res['regen']['wall_s']} s), bare loop "
+          f"{res['bare']['tok_s']:,.0f} tok/s ({res['bare']['ms_per_step']} ms/step; "
+          f"{res['bare']['tok_s_with_prefill']:,.0f} with its prefill), ratio {res['ratio_regen_to_bare']}"
+          + (f", HF generate {res['hf']['tok_s']:,.0f} tok/s at batch {args.hf_batch}, identical rows "
+             f"{res['hf_identical_rows']}" if "hf" in res else ""), flush=True)
     if args.json:
         args.json.write_text(json.dumps(res, indent=2))
 
