@@ -14,6 +14,8 @@
 #     carry   []
 #     command bash bench/quality_gpu.sh run
 #   (repeat C while it exits 75; `bash bench/quality_gpu.sh status` prints what is done without running anything)
+#   `bash bench/quality_gpu.sh exec CMD...` (as call B) runs CMD in the set-up environment instead of the stages
+#   (e.g. bench/regen_throughput.py on the real weights).
 #
 # Exit codes: 0 report complete; 75 stopped cleanly at the deadline, work left (printed; run again within
 # 30 s); 3 carry missing (machine went cold: start again at call A); other = a stage failed (log tails in $OUT).
@@ -280,11 +282,18 @@ trap 'say "interrupted"; finish 130' INT TERM
 case $MODE in
     stash) stash; exit 0 ;;
     status) snapshot; cat "$OUT/status.txt"; exit 0 ;;
-    run) ;;
-    *) echo "usage: bench/quality_gpu.sh stash|run|status" >&2; exit 2 ;;
+    run|exec) ;;
+    *) echo "usage: bench/quality_gpu.sh stash|run|status|exec CMD..." >&2; exit 2 ;;
 esac
 
 setup
+if [ "$MODE" = exec ]; then                  # `exec CMD...`: CMD with the set-up environment (GGUF, wheels, env)
+    shift
+    say "exec: $*"
+    export QUALITY_DIR=$Q QUALITY_CARRY=$CARRY OUT
+    "$@"
+    exit $?
+fi
 say "call $CALL: deadline ${QUALITY_DEADLINE_S:-540}s, device $DEVICE, $N_PROMPTS prompts x $GEN_TOKENS tokens," \
     "$TRAIN_STEPS train steps (${TRAINS[*]}), eval $EVAL_PROMPTS prompts x $EVAL_TOKENS tokens per set"
 ( trap 'kill "$s" 2>/dev/null; exit 0' TERM; while :; do sleep 30 & s=$!; wait "$s"; snapshot; done ) >/dev/null 2>&1 &
