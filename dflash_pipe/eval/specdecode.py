@@ -96,7 +96,7 @@ def speculative_generate(verifier: TargetVerifier, proposer: Proposer, prompt_id
         raise UsageError(f"block_size must be >= 2, got {block_size}")
     if max_new_tokens < 1:
         raise UsageError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if proposer.needs_features and verifier.capture is None:
+    if proposer.needs_features and not verifier.has_features:
         raise UsageError("this proposer needs target features: build the TargetVerifier with a FeatureCapture")
     eos = set(int(e) for e in eos_ids)
     sync = sync_fn(verifier.device)

@@ -221,6 +221,10 @@ class TargetVerifier:
     def __exit__(self, *exc):
         self.close()
 
+    @property
+    def has_features(self) -> bool:
+        return self.capture is not None
+
     def features(self) -> torch.Tensor:
         """The feature buffer (rows 0..p-1 final, p = len(tokens) - 1)."""
         if self.capture is None or self.capture.buffer is None:
