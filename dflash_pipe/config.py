@@ -163,6 +163,10 @@ class EvalConfig:
                                   "'rollback' (recurrent-state snapshot + re-feed, hybrid Gated DeltaNet targets), "
                                   "'recompute' (no cache, whole sequence per verify: reference), 'auto' (crop or "
                                   "rollback by the target's layers).", ("auto", "crop", "rollback", "recompute"))
+    engine: str = opt("auto", "Target forward for attention-only targets: 'static' (the static-KV engine, CUDA graphs "
+                              "on a GPU, eager on the CPU), 'hf' (the model's own forward with its HF cache), 'auto' "
+                              "(static on CUDA when the target is supported and the cache mode is auto/crop).",
+                      ("auto", "static", "hf"))
     output_dir: str = opt("", "Where the report goes (empty = <train.output_dir>/eval).")
     device: str = opt("auto", "'auto', 'cpu' or 'cuda'.")
 

@@ -87,3 +87,22 @@ def test_engine_choice_and_errors(llama, tmp_path):
     target = EngineTarget(llama.model, (1,), max_len=8, limit=20)
     with pytest.raises(UsageError, match="needs 32 positions, the target has 20"):
         engine_greedy_generate(target, list(range(3, 14)), 20, [2])
+
+
+def test_run_eval_on_the_engine_equals_the_hf_path(llama, tmp_path):
+    from dflash_pipe.drafter import export_drafter
+    from dflash_pipe.eval.runner import run_eval
+    from tests.test_eval_runner import _cfg, _untimed
+
+    drafter, dcfg = tiny_drafter(block_size=4)
+    export_drafter(drafter, dcfg, tmp_path / "train" / "export")
+    reports = {e: run_eval(_cfg(tmp_path, prompts="mtbench", max_prompts=1, mtbench_turns=2, engine=e,
+                                output_dir=str(tmp_path / e)), bundle=llama) for e in ("hf", "static")}
+    assert reports["static"]["cache_mode"] == "static" and reports["hf"]["cache_mode"] == "crop"
+    assert "static KV" in reports["static"]["target_forward"]
+    s_hf, s_en = reports["hf"]["sets"]["mtbench"], reports["static"]["sets"]["mtbench"]
+    assert s_en["generations"] == 2 and s_en["dflash"]["identical_to_target"] == 1.0
+    assert _untimed(s_en) == _untimed(s_hf)
+    assert s_en["dflash"]["speedup"] is not None
+    with pytest.raises(UsageError, match="not cache mode 'recompute'"):
+        run_eval(_cfg(tmp_path, engine="static", cache_mode="recompute"), bundle=llama)

@@ -46,6 +46,7 @@ from .progress_log import EvalProgress, run_key
 from .report import EXACT_DTYPES, acceptance_markdown, markdown_table, method_summary, plot_acceptance, training_tau
 from .specdecode import (DFlashProposer, SpecResult, eos_token_ids, make_dflash_verifier, speculative_generate,
                          sync_fn)
+from .engine_step import EngineTarget, EngineVerifier, engine_greedy_generate, resolve_engine
 from .target_step import CACHED_MODES, TargetVerifier, greedy_generate
 
 log = logging.getLogger("dflash_pipe.eval")
@@ -155,15 +156,13 @@ def run_eval(cfg: RunConfig, *, bundle: TargetBundle | None = None) -> dict:
     max_pos = min(int(getattr(bundle.config, "max_position_embeddings", 1 << 30) or 1 << 30),
                   *(d.max_position_embeddings for d in dcfgs.values()))
     max_prompt = max_pos - ev.max_new_tokens - B
-    verifiers = {m: make_dflash_verifier(model, d, bundle.num_layers, bundle.hidden_size, ev.cache_mode)
-                 for m, d in dcfgs.items()}
-    plain_verifier = TargetVerifier(model, cache_mode=ev.cache_mode)
+    verifiers, plain_verifier, greedy, engine_note = _targets(model, bundle, dcfgs, ev, device, max_pos, B)
     cache_mode = plain_verifier.mode
     methods = [(m, verifiers[m], proposers[m]) for m in dcfgs] + [("ngram", plain_verifier, NgramProposer())]
     print(f"eval: target {bundle.identity.get('model', t.model)} ({bundle.family}, {bundle.identity['dtype']}) "
           f"on {device}, drafters " + ", ".join(f"{s.method} {s.export} (layers {dcfgs[s.method].target_layer_ids})"
                                                 for s in specs) +
-          f", B={B}, cache mode {cache_mode}, {ev.max_new_tokens} new tokens", flush=True)
+          f", B={B}, cache mode {cache_mode} ({engine_note}), {ev.max_new_tokens} new tokens", flush=True)
     if bundle.identity["dtype"] not in EXACT_DTYPES:
         print(f"eval: note: in {bundle.identity['dtype']} the outputs can drift from target-only greedy decoding "
               f"after a near-tie (the report counts identical outputs); --target-dtype float32 makes them exact",
@@ -174,7 +173,8 @@ def run_eval(cfg: RunConfig, *, bundle: TargetBundle | None = None) -> dict:
                                             "num_layers": dcfgs[s.method].num_layers,
                                             "target_layer_ids": dcfgs[s.method].target_layer_ids,
                                             "mask_token_id": dcfgs[s.method].mask_token_id} for s in specs},
-                    "device": str(device), "cache_mode": cache_mode, "max_new_tokens": ev.max_new_tokens,
+                    "device": str(device), "cache_mode": cache_mode, "target_forward": engine_note,
+                    "max_new_tokens": ev.max_new_tokens,
                     "max_prompt_tokens": max_prompt, "mtbench_turns": ev.mtbench_turns, "eos_token_ids": eos,
                     "sets": {}}
     records: list[dict] = []
@@ -182,7 +182,7 @@ def run_eval(cfg: RunConfig, *, bundle: TargetBundle | None = None) -> dict:
                                              ev.max_new_tokens, B, f"{ev.prompts}|{cache_mode}"))
     if progress.done:
         print(f"eval: resuming, {len(progress.done)} generations already done ({progress.path})", flush=True)
-    run = _SetRun(model, tok, methods, B, ev.max_new_tokens, eos, max_prompt, progress, sync_fn(device))
+    run = _SetRun(greedy, tok, methods, B, ev.max_new_tokens, eos, max_prompt, progress, sync_fn(device))
     try:
         for set_name, prompts in sets.items():
             report["sets"][set_name] = run.run_set(set_name, prompts, records, cache_mode)
@@ -206,8 +206,8 @@ class _SetRun:
     are the prompt's later turns (they would be conditioned on it).
     """
 
-    def __init__(self, model, tok, methods, block_size, max_new_tokens, eos, max_prompt, progress, sync):
-        self.model, self.tok, self.methods, self.B = model, tok, methods, block_size
+    def __init__(self, greedy, tok, methods, block_size, max_new_tokens, eos, max_prompt, progress, sync):
+        self.greedy, self.tok, self.methods, self.B = greedy, tok, methods, block_size
         self.max_new, self.eos, self.max_prompt, self.progress, self.sync = max_new_tokens, eos, max_prompt, progress, sync
         self.warmed = False
 
@@ -248,9 +248,9 @@ class _SetRun:
         if done is not None:
             return done
         if not self.warmed:
-            _warm_up(self.model, ids, self.eos, self.methods, self.B)
+            _warm_up(self.greedy, ids, self.eos, self.methods, self.B)
             self.warmed = True
-        ref, wall, results = _decode_prompt(self.model, ids, self.methods, self.B, self.max_new, self.eos, self.sync)
+        ref, wall, results = _decode_prompt(self.greedy, ids, self.methods, self.B, self.max_new, self.eos, self.sync)
         self.progress.add(set_name, gen_id, ref, wall, results)
         return ref, wall, results
 
@@ -272,10 +272,32 @@ def _load_drafters(specs: list[DrafterSpec], bundle: TargetBundle):
     return dcfgs, proposers
 
 
-def _decode_prompt(model, ids, methods, block_size, max_new_tokens, eos, sync):
+def _targets(model, bundle: TargetBundle, dcfgs: dict, ev, device, max_pos: int, B: int):
+    """(verifier per drafter, the n-gram verifier, greedy(ids, n, eos), a note): on the static-KV engine
+    (engine_step.py) or on the model's HF cache (target_step.py), as --engine and --cache-mode choose."""
+    engine = ev.engine
+    if ev.cache_mode not in ("auto", "crop"):
+        if engine == "static":
+            raise UsageError(f"--engine static verifies with a static KV cache, not cache mode {ev.cache_mode!r}",
+                             "use --cache-mode auto (or crop), or --engine hf")
+        engine = "hf"
+    kind, note = resolve_engine(model, engine, device)
+    if kind == "static":
+        union = sorted(set().union(*(d.target_layer_ids for d in dcfgs.values())))
+        target = EngineTarget(model, union, max_len=min(max_pos, 2048), limit=max_pos)
+        verifiers = {m: EngineVerifier(target, d.target_layer_ids, B) for m, d in dcfgs.items()}
+        return (verifiers, EngineVerifier(target, (), B),
+                lambda ids, n, eos: engine_greedy_generate(target, ids, n, eos), note)
+    verifiers = {m: make_dflash_verifier(model, d, bundle.num_layers, bundle.hidden_size, ev.cache_mode)
+                 for m, d in dcfgs.items()}
+    return (verifiers, TargetVerifier(model, cache_mode=ev.cache_mode),
+            lambda ids, n, eos: greedy_generate(model, ids, n, eos), f"HF forward and cache ({note})")
+
+
+def _decode_prompt(greedy, ids, methods, block_size, max_new_tokens, eos, sync):
     """Target-only greedy (reference tokens, wall s), then every method's speculative generation."""
     t0 = time.perf_counter()
-    ref = greedy_generate(model, ids, max_new_tokens, eos)
+    ref = greedy(ids, max_new_tokens, eos)
     sync()
     wall = time.perf_counter() - t0
     results = {name: speculative_generate(verifier, proposer, ids, block_size=block_size,
@@ -289,11 +311,12 @@ def _set_summary(refs, ref_wall, results: dict[str, list[SpecResult]], skipped: 
     target_tok_s = target_tokens / target_wall if target_wall > 0 else None
     return {"prompts": len(refs), "skipped_too_long": skipped,
             "target_only": {"generated_tokens": target_tokens, "wall_s": target_wall, "tokens_per_s": target_tok_s},
-            **{m: method_summary(rs, refs, target_tok_s, cache_mode in CACHED_MODES) for m, rs in results.items()}}
+            **{m: method_summary(rs, refs, target_tok_s, cache_mode in CACHED_MODES + ("static",))
+               for m, rs in results.items()}}
 
 
-def _warm_up(model, ids, eos, methods, block_size) -> None:
-    greedy_generate(model, ids, WARMUP_TOKENS, eos)
+def _warm_up(greedy, ids, eos, methods, block_size) -> None:
+    greedy(ids, WARMUP_TOKENS, eos)
     for _, verifier, proposer in methods:
         speculative_generate(verifier, proposer, ids, block_size=block_size, max_new_tokens=WARMUP_TOKENS,
                              eos_ids=eos)
