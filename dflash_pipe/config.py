@@ -167,6 +167,8 @@ class EvalConfig:
                               "on a GPU, eager on the CPU), 'hf' (the model's own forward with its HF cache), 'auto' "
                               "(static on CUDA when the target is supported and the cache mode is auto/crop).",
                       ("auto", "static", "hf"))
+    draft_graphs: str = opt("auto", "DFlash drafting step at fixed shapes replayed as CUDA graphs ('auto' = on CUDA; "
+                                    "'off' = the eager proposer). Same drafts either way.", ("auto", "on", "off"))
     output_dir: str = opt("", "Where the report goes (empty = <train.output_dir>/eval).")
     device: str = opt("auto", "'auto', 'cpu' or 'cuda'.")
 

@@ -46,6 +46,7 @@ from .progress_log import EvalProgress, run_key
 from .report import EXACT_DTYPES, acceptance_markdown, markdown_table, method_summary, plot_acceptance, training_tau
 from .specdecode import (DFlashProposer, SpecResult, eos_token_ids, make_dflash_verifier, speculative_generate,
                          sync_fn)
+from .draft_graph import GraphedDFlashProposer
 from .engine_step import EngineTarget, EngineVerifier, engine_greedy_generate, resolve_engine
 from .target_step import CACHED_MODES, TargetVerifier, greedy_generate
 
@@ -148,7 +149,7 @@ def run_eval(cfg: RunConfig, *, bundle: TargetBundle | None = None) -> dict:
                              attn_implementation=t.attn_implementation)
     device = bundle.device
     model, tok = bundle.model, bundle.tokenizer
-    dcfgs, proposers = _load_drafters(specs, bundle)
+    dcfgs, proposers = _load_drafters(specs, bundle, ev.draft_graphs)
     sets = load_prompt_sets(ev.prompts, ev.max_prompts, skip_samples=cfg.data.skip_samples,
                             source=cfg.data.source, format=cfg.data.format, mtbench_turns=ev.mtbench_turns)
     eos = eos_token_ids(model, tok)
@@ -255,7 +256,7 @@ class _SetRun:
         return ref, wall, results
 
 
-def _load_drafters(specs: list[DrafterSpec], bundle: TargetBundle):
+def _load_drafters(specs: list[DrafterSpec], bundle: TargetBundle, draft_graphs: str = "auto"):
     """(method -> drafter config, method -> proposer), every drafter checked against the target; all of
     one block size (the n-gram baseline drafts blocks of that size too)."""
     dcfgs, proposers = {}, {}
@@ -267,8 +268,10 @@ def _load_drafters(specs: list[DrafterSpec], bundle: TargetBundle):
             raise ValidationError(f"drafter {spec.export} has block size {dcfg.block_size}, {specs[0].export} has "
                                   f"{first.block_size}", "compare drafters of one block size in one eval")
         dcfgs[spec.method] = dcfg
-        proposers[spec.method] = DFlashProposer(drafter, dcfg, bundle.model.get_input_embeddings().weight,
-                                                bundle.model.get_output_embeddings())
+        args = (drafter, dcfg, bundle.model.get_input_embeddings().weight, bundle.model.get_output_embeddings())
+        graphed = draft_graphs == "on" or (draft_graphs == "auto" and bundle.device.type == "cuda")
+        proposers[spec.method] = (GraphedDFlashProposer(*args, use_graphs=draft_graphs) if graphed
+                                  else DFlashProposer(*args))
     return dcfgs, proposers
 
 
