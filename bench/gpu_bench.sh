@@ -9,6 +9,8 @@
 #     topk      bench/topk_kernel.py: torch.topk vs the two-stage top-k on one logits block
 #     stats     bench/sanity_stats_kernel.py: batched feature_stats vs the per-document loop
 #     draft     bench/draft_step.py: one inference drafting step, context K/V cache vs recompute (both shapes)
+#     hybrid    bench/hybrid_eval_step.py: speculative step time vs context (1k-8k), 27B-shaped hybrid, rollback mode
+#     evaltests pytest -m gpu of the eval's GPU tests only (hybrid rollback on the 27B shape, graphed engine/drafter)
 #     loader    the loader's decode rate, 256 vs 64 MiB row groups interleaved (CPU side of the host)
 #     gputests  pytest -m gpu
 #     smollm2   (first) reassemble the carried SmolLM2 GGUF and data for the steps after it
@@ -76,7 +78,11 @@ print(json.dumps(rows, indent=1)); open('$OUT/loader_rate.json', 'w').write(json
         regen) step regen "${REGEN_S:-360}" python3 bench/regen_throughput.py \
                    --data "${SHAREGPT_FIRST_TURNS:?run the smollm2 step first}" --model-cache /tmp/quality/models \
                    --json "$OUT/regen_throughput.json" ;;
+        hybrid) step hybrid "${HYBRID_S:-300}" python3 bench/hybrid_eval_step.py --contexts 1024,2048,4096,8192 \
+                    --json "$OUT/hybrid_eval_step.json" ;;
+        evaltests) step evaltests "${EVALTESTS_S:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider \
+                       tests/test_eval_hybrid_gpu.py tests/test_eval_engine_gpu.py tests/test_eval_specdecode.py ;;
         gputests) step gputests "${TESTS_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider tests ;;
-        *) echo "unknown step $what (smollm2 extract flex train topk stats draft loader regentests regen gputests)"; exit 2 ;;
+        *) echo "unknown step $what (smollm2 extract flex train topk stats draft loader regentests regen hybrid evaltests gputests)"; exit 2 ;;
     esac
 done
