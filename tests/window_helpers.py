@@ -61,11 +61,20 @@ def env(fault: str | None = None, trace: Path | None = None) -> dict:
     return e
 
 
+def _popen(cmd, environ, log: Path) -> subprocess.Popen:
+    """Output goes to a file (a pipe nobody reads while the test polls would fill and block the child)."""
+    f = open(log, "a")
+    proc = subprocess.Popen(cmd, env=environ, stdout=f, stderr=subprocess.STDOUT, text=True)
+    proc.log_path = log
+    f.close()
+    return proc
+
+
 def start_extractor(staged: Path, live: Path, max_gib: float, passes: int, fault: str | None = None,
                     timeout_s: float = 120.0) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "tests.window_helpers", str(staged), str(live), repr(max_gib), str(passes),
            str(timeout_s)]
-    return subprocess.Popen(cmd, env=env(fault), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return _popen(cmd, env(fault), live.parent / "extract.log")
 
 
 WINDOW_TRAIN_ARGS = ["--drafter-num-layers", "1", "--drafter-block-size", "4", "--context-tokens", "96",
@@ -79,12 +88,13 @@ def start_trainer(live: Path, out: Path, passes: int, trace: Path, fault: str | 
                 if nproc > 1 else [sys.executable])
     cmd = [*launcher, "-m", "dflash_pipe", "train", "--cache-dir", str(live), "--output-dir", str(out),
            "--passes-per-shard", str(passes), *WINDOW_TRAIN_ARGS, *extra]
-    return subprocess.Popen(cmd, env=env(fault, trace), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return _popen(cmd, env(fault, trace), out.parent / "train.log")
 
 
 def finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[int, str]:
-    out, err = proc.communicate(timeout=timeout)
-    return proc.returncode, out + err
+    """Wait for the process; returns (exit code, its log so far: every run of that role in this test)."""
+    proc.wait(timeout=timeout)
+    return proc.returncode, Path(proc.log_path).read_text()
 
 
 def losses(out: Path) -> dict:
@@ -111,5 +121,8 @@ def doc_passes(trace: Path, live: Path, num_shards: int, rank: int = 0) -> Count
 
 
 if __name__ == "__main__":
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     replay(Path(sys.argv[1]), Path(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4]),
            float(sys.argv[5]) if len(sys.argv) > 5 else 120.0)

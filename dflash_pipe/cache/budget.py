@@ -26,6 +26,10 @@ GIB = 1 << 30
 LOCK_FILE = ".window-space.lock"
 
 
+def _gib(n: int) -> str:
+    return f"{n / GIB:.3g}"
+
+
 def _writer_alive(name: str) -> bool:
     """Temp names carry the writer's pid (io_utils.temp_path_for); a dead writer's leftover is not held."""
     try:
@@ -118,15 +122,15 @@ class DiskBudget:
                     t_progress = now  # the timeout counts from the last time space was freed
                 last_held = held
                 if last_report is None or now - last_report >= self.report_every_s:
-                    log.info("waiting for space: %.2f of %.2f GiB held by %d shards still to be trained "
-                             "(+%d being written, next shard ~%.2f GiB)", held / GIB, self.limit / GIB, files,
-                             inflight, est / GIB)
+                    log.info("waiting for space: %s of %s GiB held by %d shards still to be trained "
+                             "(+%d being written, next shard ~%s GiB; waited %.0fs)", _gib(held), _gib(self.limit),
+                             files, inflight, _gib(est), now - t0)
                     last_report = now
                 if now - t_progress > self.timeout_s:
                     self.waited_s += now - t0
                     raise RuntimeFailure(
-                        f"no space freed in {self.cache_dir} for {self.timeout_s:.0f}s: {held / GIB:.2f} of "
-                        f"{self.limit / GIB:.2f} GiB held by {files} shards; the trainer seems gone",
+                        f"no space freed in {self.cache_dir} for {self.timeout_s:.0f}s: {_gib(held)} of "
+                        f"{_gib(self.limit)} GiB held by {files} shards; the trainer seems gone",
                         "start or resume `dflash-pipe train --follow --passes-per-shard K` on this cache (it "
                         "deletes consumed shards), then rerun extract; or raise --space-wait-timeout-s")
                 time.sleep(self.poll_s)

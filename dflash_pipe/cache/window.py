@@ -161,3 +161,21 @@ def reset_consumed(cache_dir: str | Path, spec: dict, sidecar_of) -> list[int]:
     ledger_path(cache_dir).unlink(missing_ok=True)
     fsync_dir(Path(cache_dir))
     return redo
+
+
+def window_status(cache_dir: str | Path, spec: dict) -> dict | None:
+    """`cache info`'s view of the window: shards held / retired / deleted / pending, bytes on disk."""
+    led = load_ledger(cache_dir, spec)
+    if led is None:
+        return None
+    from .schema import shard_name
+
+    n = int(spec["num_shards"])
+    on_disk = {i: p.stat().st_size for i in range(n) if (p := Path(cache_dir) / shard_name(i, n)).exists()}
+    known = set(led.order())
+    return {"passes_per_shard": led.passes_per_shard, "owner": led.owner, "finished": led.finished,
+            "consumed": led.finished and bool(led.deleted_indices()),
+            "commit_order": led.order(),
+            "held": [e.index for e in led.in_state(HELD)], "retired": [e.index for e in led.in_state(RETIRED)],
+            "deleted": sorted(led.deleted_indices()), "pending": [i for i in range(n) if i not in known],
+            "bytes_on_disk": sum(on_disk.values()), "shard_files_on_disk": len(on_disk)}
