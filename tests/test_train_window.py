@@ -120,14 +120,14 @@ def test_uninterrupted_window_run_trains_every_document_exactly_K_times(referenc
     assert sorted(got) == list(range(len(got))) and {e for e, *_ in got.values()} == set(range(SHARDS + K - 1))
 
 
-# each case costs two trainer and up to two extractor start-ups (~10 s of CPU on an idle runner): a handful of
-# points that cover mid-round, between retirement and its checkpoint, between checkpoint and deletion, and the
-# extractor's commit
+# each case costs two trainer and two extractor start-ups (~10 s of CPU on an idle runner), so one case kills
+# both processes, each at its own point, and restarts whichever died while the other keeps running: mid-round /
+# before a sidecar, and after a retirement while writing the round's checkpoint / before a rename (the third
+# case, between the boundary checkpoint and the deletions, is `test_both_killed_and_restarted_in_either_order`)
 KILLS = [
-    pytest.param("train.after_step@7", None, id="trainer-mid-round"),
-    pytest.param("train.window.before_delete@2", None, id="trainer-before-delete"),
-    pytest.param("train.checkpoint.before_rename@3", None, id="trainer-after-retire-mid-checkpoint"),
-    pytest.param(None, "extract.before_sidecar@2", id="extractor-before-sidecar"),
+    pytest.param("train.after_step@7", "extract.before_sidecar@2", id="trainer-mid-round+extractor-before-sidecar"),
+    pytest.param("train.checkpoint.before_rename@3", "extract.before_rename@3",
+                 id="trainer-after-retire-mid-checkpoint+extractor-before-rename"),
 ]
 
 
