@@ -186,3 +186,26 @@ def test_real_disk_full_mid_shard_leaves_nothing_partial(tmp_path):
     finally:
         subprocess.run(["umount", str(mnt)], check=False)
 
+
+
+def test_resuming_a_checkpoint_older_than_a_deletion_is_refused_by_name(tmp_path):
+    import torch
+
+    from dflash_pipe.train.loader import CacheIndex
+    from dflash_pipe.train.window_run import WindowCoordinator
+
+    spec = write_train_cache(tmp_path / "c", num_docs=12, num_shards=3)
+    index = CacheIndex(tmp_path / "c")
+    coord = WindowCoordinator(index, tmp_path / "out", 1, 0, 1, torch.device("cpu"), 0.01, 1.0, 0, 96, 8)
+    coord.wait_round(1)
+    assert coord.order == [0, 1, 2] and load_ledger(tmp_path / "c", spec).order() == [0, 1, 2]
+
+    class _Loader:
+        def forget_shard(self, shard):
+            pass
+
+    coord.end_round(0, _Loader())
+    assert coord.collect(1) == [0] and not (tmp_path / "c" / "shard-00000-of-00003.parquet").exists()
+    with pytest.raises(CacheError, match="already deleted.*older than the deletion"):
+        coord.wait_round(0)
+    assert [e.state for e in load_ledger(tmp_path / "c", spec).shards] == ["deleted", "held", "held"]
