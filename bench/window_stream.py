@@ -10,7 +10,7 @@ the same time on the same GPU (or the CPU with --smoke), samples the cache direc
     by step time (the wait for the next shard at a round start counts as the first step's data wait);
   * the time extraction spent waiting for space, and the wall time of both stages.
 
-    python bench/window_stream.py --json OUT.json             # H200: SmolLM2 + ShareGPT, 0.5 GiB budget
+    python bench/window_stream.py --json OUT.json             # H200: SmolLM2 + ShareGPT, 0.3 GiB budget
     python bench/window_stream.py --smoke --json OUT.json     # CPU toy size (tiny random target)
 """
 
@@ -98,7 +98,7 @@ def main() -> int:
     a = p.parse_args()
     smoke = dict(budget_gib=0.0006, shards=16, samples=64, max_length=256, token_budget=1024, context_tokens=512,
                  num_anchors=32, loader_workers=1)
-    h200 = dict(budget_gib=0.5, shards=128, samples=3000, max_length=2048, token_budget=16384,
+    h200 = dict(budget_gib=0.3, shards=96, samples=2400, max_length=2048, token_budget=16384,
                 context_tokens=16384, num_anchors=512, loader_workers=8)
     for k, v in (smoke if a.smoke else h200).items():
         if getattr(a, k) is None:

@@ -209,3 +209,28 @@ def test_resuming_a_checkpoint_older_than_a_deletion_is_refused_by_name(tmp_path
     with pytest.raises(CacheError, match="already deleted.*older than the deletion"):
         coord.wait_round(0)
     assert [e.state for e in load_ledger(tmp_path / "c", spec).shards] == ["deleted", "held", "held"]
+
+
+def test_follow_trainer_started_before_extraction_waits_for_the_spec_and_head(tmp_path):
+    import shutil
+
+    from dflash_pipe.train.loader import CacheIndex
+
+    write_train_cache(tmp_path / "staged", num_docs=4, num_shards=1)
+    live = tmp_path / "live"
+    live.mkdir()
+
+    def extraction_starts():
+        time.sleep(0.5)  # loading the target
+        shutil.copy(tmp_path / "staged" / "cache_spec.json", live / "cache_spec.json")
+        time.sleep(0.5)
+        shutil.copy(tmp_path / "staged" / "target_head.safetensors", live / "target_head.safetensors")
+
+    t = threading.Thread(target=extraction_starts)
+    t.start()
+    t0 = time.monotonic()
+    index = CacheIndex(live, follow=True, wait_s=30)
+    t.join()
+    assert index.spec is not None and time.monotonic() - t0 >= 1.0 and (live / "target_head.safetensors").exists()
+    with pytest.raises(CacheError, match="no cache_spec.json"):
+        CacheIndex(tmp_path / "nothing", follow=True, wait_s=0.2)  # and it does give up

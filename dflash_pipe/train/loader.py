@@ -102,10 +102,10 @@ def shard_subset(spec: dict, shards: str) -> list[int] | None:
 class CacheIndex:
     """What the trainer knows about a cache: spec, which shards exist, document lengths."""
 
-    def __init__(self, cache_dir: str | Path, follow: bool = False, shards: str = ""):
+    def __init__(self, cache_dir: str | Path, follow: bool = False, shards: str = "", wait_s: float = 0.0):
         self.cache_dir = Path(cache_dir)
         self.follow = follow
-        self.spec = load_spec(self.cache_dir)
+        self.spec = self._wait_for_spec(wait_s) if follow and wait_s > 0 else load_spec(self.cache_dir)
         if self.spec is None:
             raise CacheError(f"{self.cache_dir}: no cache_spec.json (not a dflash-pipe cache)",
                              "run `dflash-pipe extract` first or fix --cache-dir")
@@ -116,6 +116,23 @@ class CacheIndex:
         self.final = False
         self._readers: dict[tuple[int, int], ShardReader] = {}
         self._lock = threading.Lock()
+
+    def _wait_for_spec(self, wait_s: float, poll_s: float = 1.0) -> dict | None:
+        """--follow started together with extraction: the spec and the head file appear once the target is
+        loaded (minutes for a large one). Wait for both, up to `wait_s`."""
+        t0 = time.monotonic()
+        said = False
+        while True:
+            spec = load_spec(self.cache_dir)
+            if spec is not None and (self.cache_dir / spec["features"].get("head_file", "")).is_file():
+                return spec
+            if time.monotonic() - t0 > wait_s:
+                return spec  # the caller names what is missing
+            if not said:
+                log.info("follow: waiting for extraction to write %s/cache_spec.json and the target head",
+                         self.cache_dir)
+                said = True
+            time.sleep(poll_s)
 
     def refresh(self) -> bool:
         """Pick up newly committed shards. Returns whether the data is final (manifest written)."""

@@ -78,7 +78,8 @@ def run_train(cfg: RunConfig) -> dict:
     if info.is_main:
         write_resolved(cfg, out_dir)
 
-    index = CacheIndex(cfg.train_cache_dir, follow=tr.follow, shards=tr.shards)
+    index = CacheIndex(cfg.train_cache_dir, follow=tr.follow, shards=tr.shards,
+                       wait_s=tr.follow_timeout_s if tr.follow else 0.0)
     spec = index.spec
     dcfg = build_drafter_config(cfg, spec, device)
     check_against_cache(dcfg, spec, "drafter config")
