@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -96,7 +97,7 @@ def main() -> int:
     p.add_argument("--sample-s", type=float, default=0.2)
     p.add_argument("--limit-s", type=float, default=420.0, help="kill both stages after this long")
     a = p.parse_args()
-    smoke = dict(budget_gib=0.0006, shards=16, samples=64, max_length=256, token_budget=1024, context_tokens=512,
+    smoke = dict(budget_gib=0.0012, shards=16, samples=64, max_length=256, token_budget=1024, context_tokens=512,
                  num_anchors=32, loader_workers=1)
     h200 = dict(budget_gib=0.3, shards=96, samples=2400, max_length=2048, token_budget=16384,
                 context_tokens=16384, num_anchors=512, loader_workers=8)
@@ -128,6 +129,9 @@ def main() -> int:
             for name, proc in (("extract", ext), ("train", trn)):
                 if name not in walls and proc.poll() is not None:
                     walls[name] = time.time() - t0
+            if ext.poll() not in (None, 0) and trn.poll() is None:
+                trn.send_signal(signal.SIGINT)  # extraction failed: the trainer checkpoints and stops
+                trn.wait()
             if time.time() - t0 > a.limit_s:
                 for proc in (ext, trn):
                     if proc.poll() is None:
