@@ -82,7 +82,9 @@ print(json.dumps(rows, indent=1)); open('$OUT/loader_rate.json', 'w').write(json
                     --json "$OUT/hybrid_eval_step.json" ;;
         evaltests) step evaltests "${EVALTESTS_S:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider \
                        tests/test_eval_hybrid_gpu.py tests/test_eval_engine_gpu.py tests/test_eval_specdecode.py ;;
+        window) step window "${WINDOW_S:-300}" python3 bench/window_stream.py --data /tmp/quality/regenerated.jsonl --samples 4000 \
+                    --limit-s "$(( ${WINDOW_S:-300} - 30 ))" --json "$OUT/window_stream.json" ;;
         gputests) step gputests "${TESTS_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider tests ;;
-        *) echo "unknown step $what (smollm2 extract flex train topk stats draft loader regentests regen hybrid evaltests gputests)"; exit 2 ;;
+        *) echo "unknown step $what (smollm2 extract flex train topk stats draft loader regentests regen hybrid evaltests window gputests)"; exit 2 ;;
     esac
 done

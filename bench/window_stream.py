@@ -63,6 +63,8 @@ def build_manifest(a, work: Path) -> Path:
     cfg = load_manifest(ROOT / "manifests" / ("tiny-qwen3.5.toml" if a.smoke else "default.toml"))
     ex, tr, d = cfg.extract, cfg.train, cfg.data
     d.skip_samples, d.max_samples = a.skip_samples, a.samples
+    if a.data:
+        d.source, d.format = a.data, "auto"
     ex.cache_dir, ex.num_shards, ex.max_length, ex.token_budget = str(work / "cache"), a.shards, a.max_length, a.token_budget
     ex.max_cache_gib, ex.space_wait_timeout_s = a.budget_gib, a.space_timeout_s
     if a.compress_workers:
@@ -82,6 +84,8 @@ def main() -> int:
     p.add_argument("--smoke", action="store_true", help="CPU toy size: tiny random target, a few hundred KB")
     p.add_argument("--work", default="", help="work directory (default: a fresh one under /tmp)")
     p.add_argument("--json", default="", help="write the summary here")
+    p.add_argument("--data", default="", help="conversations to extract (default: the manifest's source; on the "
+                   "GPU image, which lacks the sharegpt package, the regenerated SmolLM2 JSONL)")
     p.add_argument("--budget-gib", type=float, default=None)
     p.add_argument("--passes", type=int, default=2, help="K: reads of every shard")
     p.add_argument("--shards", type=int, default=None)
