@@ -40,6 +40,11 @@ def extract_cmd(cfg: RunConfig):
                + (f" = {s.tokens / s.seconds:,.0f} tok/s" if s.seconds else ""))
     if s.shards_done:
         typer.echo(f"extract: bottleneck: {s.bottleneck}")
+    if cfg.extract.max_cache_gib > 0:
+        typer.echo(f"extract: disk budget {cfg.extract.max_cache_gib:g} GiB; {s.space_wait_s:.1f}s waiting for the "
+                   "window trainer to free space")
+    if s.reextracted_consumed:
+        typer.echo(f"extract: re-extracted shards {s.reextracted_consumed} that a finished window run had consumed")
     typer.echo("extract: manifest.json " + ("written, cache complete" if s.complete else
                                             "not yet written (other shards are still missing)"))
 
@@ -73,15 +78,25 @@ def eval_cmd(cfg: RunConfig):
 def regenerate_cmd(cfg: RunConfig, output: Path = typer.Option(..., "--output", "-o",
                                                                 help="JSONL file of regenerated conversations."),
                    max_new_tokens: int = typer.Option(512, help="Tokens generated per response."),
-                   batch_size: int = typer.Option(16, help="Prompts generated together."),
+                   batch_size: int = typer.Option(0, help="Sequences decoded together (0 = auto: 16 on the CPU, "
+                                                          "up to 1024 on CUDA as memory allows; halved on OOM)."),
                    device: str = typer.Option("auto", help="'auto', 'cpu' or 'cuda'."),
                    max_turns: int = typer.Option(0, help="Regenerate at most this many assistant turns per "
-                                                         "conversation (0 = all, turn by turn).")):
+                                                         "conversation (0 = all, turn by turn)."),
+                   samples: int = typer.Option(1, help="Answers per conversation (ids <id>#0..; needs "
+                                                       "--temperature > 0 when > 1)."),
+                   temperature: float = typer.Option(0.0, help="Sampling temperature (0 = greedy)."),
+                   top_p: float = typer.Option(1.0, help="Nucleus sampling: keep the smallest set of tokens "
+                                                         "holding this probability, in (0, 1]."),
+                   seed: int = typer.Option(0, help="Sampling seed; an answer depends on (seed, id, turn) only."),
+                   engine: str = typer.Option("auto", help="'auto' (static-KV engine where the target allows, "
+                                                           "else HF generate), 'static' or 'hf'.")):
     """Regenerate the assistant turns with the target itself (drafters must learn the target's outputs)."""
     from .eval.regenerate import run_regenerate
 
     run_regenerate(cfg, output, max_new_tokens=max_new_tokens, batch_size=batch_size, device=device,
-                   max_turns=max_turns)
+                   max_turns=max_turns, samples=samples, temperature=temperature, top_p=top_p, seed=seed,
+                   engine=engine)
 
 
 @app.command("export")
@@ -95,11 +110,20 @@ def export_cmd(checkpoint: Path = typer.Argument(..., help="Training output dir 
 
 @cache_app.command("info")
 def cache_info(cache_dir: Path = typer.Argument(..., help="Cache directory.")):
-    """Print the manifest summary (fingerprint fields, features, totals); exit 3 on a damaged spec or manifest."""
+    """Print the manifest summary (fingerprint fields, features, totals) and, for a window run's cache, its
+    held / retired / deleted / pending shards (also while extraction is still writing: no manifest yet).
+    Exit 3 on a damaged spec or manifest."""
     from .cache import load_manifest, load_spec
     from .errors import CacheError
+    from .cache.manifest import MANIFEST_FILE
+    from .cache.window import window_status
 
     spec = load_spec(cache_dir)  # refuses a damaged cache_spec.json, naming the fix
+    window = window_status(cache_dir, spec) if spec is not None else None
+    if window is not None and not (cache_dir / MANIFEST_FILE).exists():
+        _echo_json({k: spec[k] for k in ("fingerprint", "fingerprint_fields", "features", "num_shards",
+                                         "tool_version") if k in spec} | {"complete": False, "window": window})
+        return
     man = load_manifest(cache_dir)
     if spec is not None and spec["fingerprint"] != man["fingerprint"]:
         raise CacheError(f"{cache_dir}: cache_spec.json and manifest.json have different fingerprints",
@@ -108,7 +132,8 @@ def cache_info(cache_dir: Path = typer.Argument(..., help="Cache directory.")):
                                     "tool_version") if k in man}
                | {"data_stats": man.get("stats", {}).get("data_reader"),
                   "feature_rms_mean": man.get("stats", {}).get("feature_rms_mean"),
-                  "fp8_error": man.get("stats", {}).get("fp8_error")})
+                  "fp8_error": man.get("stats", {}).get("fp8_error")}
+               | ({"window": window} if window is not None else {}))
 
 
 @cache_app.command("verify")

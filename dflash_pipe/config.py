@@ -84,6 +84,11 @@ class ExtractConfig:
     device: str = opt("auto", "'auto', 'cpu', 'cuda' or 'cuda:N' (under torchrun: the local rank's GPU).")
     overwrite: bool = opt(False, "Delete an existing cache whose fingerprint differs instead of refusing.")
     sanity_check: bool = opt(True, "Refuse non-finite, all-zero or collapsed features at write time.")
+    max_cache_gib: float = opt(0.0, "Disk budget of the cache in GiB (0 = unbounded): before opening a shard a rank "
+                               "waits until the shards not yet deleted by a `train --follow --passes-per-shard K` "
+                               "run, its own in-flight shard and the next one fit. Must hold K + 1 shards.")
+    space_wait_timeout_s: float = opt(1800.0, "With --max-cache-gib: give up (exit 4) when no space was freed "
+                                      "for this long (the trainer seems gone).")
 
 
 @dataclass
@@ -141,6 +146,12 @@ class TrainConfig:
                       "(shards are deterministic slices of the dataset) without a new extraction.")
     follow: bool = opt(False, "Consume shards while extraction is still writing; epoch 0 ends when it finishes.")
     follow_poll_s: float = opt(2.0, "Seconds between looks for new shards in --follow mode.")
+    passes_per_shard: int = opt(0, "Window mode (with --follow; 0 = off = whole-cache epochs): read every shard K "
+                                "times as it streams in (round r reads the shards committed r-K+1..r, shuffled "
+                                "together), then retire it; its file is deleted after the next complete "
+                                "checkpoint, so the cache stays within [extract] max_cache_gib. --epochs is unused.")
+    follow_timeout_s: float = opt(1800.0, "--follow: stop (exit 4, checkpoint kept) when no new shard was committed "
+                                  "for this long while the trainer waits for one (the extractor seems gone).")
     val_cache_dir: str = opt("", "A second cache (same target, layers and tokenizer; documents the training cache "
                              "does not hold) on which loss, accuracy and simulated tau are measured without "
                              "gradients every --val-every steps and at the end; empty = no validation.")
@@ -156,7 +167,19 @@ class EvalConfig:
                            "n-gram then run once per prompt; methods are reported as dflash:<name>).")
     prompts: str = opt("mtbench,humaneval", "Comma list of prompt sets: mtbench, humaneval, heldout.")
     max_prompts: int = opt(0, "Prompts per set (0 = all).")
-    max_new_tokens: int = opt(256, "Tokens generated per prompt.")
+    mtbench_turns: int = opt(2, "MT-Bench turns per question: 2 = the second turn too, asked after the target's own "
+                                "greedy first answer; 1 = the first turn only.")
+    max_new_tokens: int = opt(256, "Tokens generated per prompt (per turn).")
+    cache_mode: str = opt("auto", "Target cache during speculative decoding: 'crop' (attention-only targets), "
+                                  "'rollback' (recurrent-state snapshot + re-feed, hybrid Gated DeltaNet targets), "
+                                  "'recompute' (no cache, whole sequence per verify: reference), 'auto' (crop or "
+                                  "rollback by the target's layers).", ("auto", "crop", "rollback", "recompute"))
+    engine: str = opt("auto", "Target forward for attention-only targets: 'static' (the static-KV engine, CUDA graphs "
+                              "on a GPU, eager on the CPU), 'hf' (the model's own forward with its HF cache), 'auto' "
+                              "(static on CUDA when the target is supported and the cache mode is auto/crop).",
+                      ("auto", "static", "hf"))
+    draft_graphs: str = opt("auto", "DFlash drafting step at fixed shapes replayed as CUDA graphs ('auto' = on CUDA; "
+                                    "'off' = the eager proposer). Same drafts either way.", ("auto", "on", "off"))
     output_dir: str = opt("", "Where the report goes (empty = <train.output_dir>/eval).")
     device: str = opt("auto", "'auto', 'cpu' or 'cuda'.")
 
@@ -346,6 +369,10 @@ def normalize(cfg: RunConfig) -> RunConfig:
         (tr.loss_chunk_tokens >= 1, "--loss-chunk-tokens must be >= 1"),
         (tr.val_every >= 1 and tr.val_batches >= 1, "--val-every and --val-batches must be >= 1"),
         (tr.epochs >= 1 or tr.max_steps > 0, "--epochs must be >= 1 (or set --max-steps)"),
+        (ex.max_cache_gib >= 0, "--max-cache-gib must be >= 0"),
+        (ex.space_wait_timeout_s > 0 and tr.follow_timeout_s > 0, "--space-wait-timeout-s and --follow-timeout-s "
+                                                                  "must be > 0"),
+        (tr.passes_per_shard >= 0, "--passes-per-shard must be >= 0"),
         ("heldout" not in cfg.eval.prompts.replace("_", "").replace("-", "").lower() or cfg.data.skip_samples > 0,
          "[eval] prompts asks for the 'heldout' set (the first data.skip_samples conversations, never trained on) "
          "but --data-skip-samples is 0: set it > 0 (extraction then skips those) or drop 'heldout'"),

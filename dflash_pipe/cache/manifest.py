@@ -158,10 +158,16 @@ def write_sidecar(cache_dir: str | Path, spec: dict, info: ShardInfo, stats: dic
 
 
 def committed_shards(cache_dir: str | Path, spec: dict) -> dict[int, dict]:
-    """Shards whose file and sidecar both exist and agree (size, fingerprint). Others are redone."""
+    """Shards whose file and sidecar both exist and agree (size, fingerprint). Others are redone.
+
+    A shard that a window run has consumed (window.json says `deleted`) has only its sidecar left and
+    still counts as committed (entry field "deleted": true): extraction must not redo it."""
+    from .window import load_ledger
+
     cache_dir = Path(cache_dir)
     out: dict[int, dict] = {}
     n = spec["num_shards"]
+    missing: dict[int, dict] = {}
     for i in range(n):
         side = sidecar_path(cache_dir, i, n)
         if not side.exists():
@@ -173,7 +179,16 @@ def committed_shards(cache_dir: str | Path, spec: dict) -> dict[int, dict]:
         data = safe_child(cache_dir, sc.get("path", ""), f"{side} field 'path'")
         if data.exists() and data.stat().st_size == sc.get("bytes"):
             out[i] = sc
-    return out
+        elif not data.exists():
+            missing[i] = sc
+    # read the ledger after looking at the files: the trainer marks a shard deleted before it unlinks it,
+    # so every file seen missing above was either consumed by then or never committed
+    ledger = load_ledger(cache_dir, spec)
+    consumed = ledger.deleted_indices() if ledger is not None else set()
+    for i, sc in missing.items():
+        if i in consumed:
+            out[i] = {**sc, "deleted": True}
+    return dict(sorted(out.items()))
 
 
 def try_finalize(cache_dir: str | Path, spec: dict) -> dict | None:

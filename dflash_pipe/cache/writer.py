@@ -96,8 +96,8 @@ class _HashingFile:
 
     def close(self) -> None:
         if not self.closed:
+            self._f.close()
             self.closed = True
-            self._f.close()  # may raise (the buffered tail does not fit on a full disk); the fd is closed anyway
 
     @property
     def hexdigest(self) -> str:
@@ -224,9 +224,10 @@ class ShardWriter:
             pass
         try:
             self._file.close()
-        except OSError:  # a full disk fails the buffered tail again: the file is being discarded anyway
+        except OSError:  # a disk-full flush of the buffered tail: the file is discarded anyway
             pass
-        self.tmp_path.unlink(missing_ok=True)
+        finally:
+            self.tmp_path.unlink(missing_ok=True)
 
 
 def make_row(sample_id: str, doc_index: int, input_ids: np.ndarray, loss_mask: np.ndarray, enc_hidden,

@@ -6,6 +6,8 @@ Public API (see each module's docstring):
   ngram.py        NgramProposer, ngram_propose
   runner.py       run_eval(cfg)                     -> `dflash-pipe eval`
   regenerate.py   run_regenerate(cfg, output, ...)  -> `dflash-pipe regenerate`
+                  (regen_backends.py: continuous batching on the static-KV engine / HF generate;
+                   regen_sampling.py: batch-independent sampling; regen_output.py: JSONL + sidecar)
 """
 
 from .ngram import NgramProposer, ngram_propose
