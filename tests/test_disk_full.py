@@ -199,6 +199,13 @@ def site_val_metrics(d: Path):
     return d / "val_metrics.jsonl"
 
 
+def site_window_ledger(d: Path):
+    from dflash_pipe.cache.window import Ledger, ledger_path, save_ledger
+
+    save_ledger(d, Ledger("f" * 64, 2, "runs/x/train"))
+    return ledger_path(d)
+
+
 def site_history_truncation(d: Path):
     path = d / "metrics.jsonl"
     if not path.exists():
@@ -221,7 +228,8 @@ DURABLE = [("head file", site_head_file, "target_head.safetensors"),
            ("eval report", site_eval_report, "eval_report.json"),
            ("eval progress", site_eval_progress, "eval_progress.jsonl"),
            ("regenerate output", site_regenerate_output, "regen.jsonl"),
-           ("history truncation", site_history_truncation, "metrics.jsonl")]
+           ("history truncation", site_history_truncation, "metrics.jsonl"),
+           ("window ledger", site_window_ledger, "window.json")]
 SAFETENSORS = [("head file", site_head_file, "safetensors.torch", "target_head.safetensors"),  # imported in the call
                ("checkpoint", site_checkpoint, "dflash_pipe.train.checkpoint", "ckpt-00000002"),
                ("export", site_export, "dflash_pipe.drafter.export", "export/model.safetensors")]
@@ -359,7 +367,7 @@ def test_every_listed_write_site_is_covered():
         "training plot", "acceptance plot", "tensorboard", "embedded conversion"}
     named = {ln.split("|")[2].strip() for ln in rows}
     assert named == covered, (named ^ covered)
-    assert len(rows) == len(covered) == 18
+    assert len(rows) == len(covered) == 19
 
 
 def test_an_unwritable_output_path_is_exit_4_naming_it_not_a_traceback(tmp_path, capsys):

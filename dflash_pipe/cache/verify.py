@@ -7,6 +7,7 @@
     target_head.safetensors  readable, the tensors and shapes the spec's target has, the size and
                              sha256 the manifest records (``decode=True``: every value finite)
     resolved_config.toml     valid TOML (the settings of the last extract run; the repair hints use it)
+    window.json              a window run's ledger, if any: checksum, fields, the cache's fingerprint
     shard-i-of-N.parquet     present with the recorded size and sha256, the cache's fingerprint in its
                              metadata, the recorded row count; ``decode=True``: every row decodes (page
                              CRCs, zstd frames, lengths). No foreign Parquet files.
@@ -59,6 +60,7 @@ def verify_cache(cache_dir: str | Path, checksums: bool = True, decode: bool = F
     else:
         head = None
     _resolved_config(cache_dir, problems)
+    _window_ledger(cache_dir, spec, problems)
     rows = tokens = 0
     if man is not None:
         rows, tokens = _shards(cache_dir, man, checksums, decode, problems)
@@ -204,6 +206,17 @@ def _resolved_config(cache_dir: Path, problems: list[Problem]) -> None:
         problems.append(Problem(path, "", f"not valid TOML ({exc})",
                                 f"delete it and rerun `dflash-pipe extract --cache-dir {cache_dir}` with the manifest "
                                 "that made this cache (it rewrites the file and resumes)"))
+
+
+def _window_ledger(cache_dir: Path, spec: dict | None, problems: list[Problem]) -> None:
+    """window.json of a window run (`train --passes-per-shard`): its checksum, fields and fingerprint."""
+    from .window import ledger_path, load_ledger
+
+    try:
+        load_ledger(cache_dir, spec)
+    except CacheError as exc:
+        problems.append(Problem(ledger_path(cache_dir), _field_of(exc.message), exc.message.split(": ", 1)[-1],
+                                exc.hint or ""))
 
 
 def _shards(cache_dir: Path, man: dict, checksums: bool, decode: bool, problems: list[Problem]) -> tuple[int, int]:
