@@ -45,7 +45,8 @@ def random_drafter(bundle, out: Path, layers: int, block: int) -> Path:
                                  "num_key_value_heads": bundle.config.num_key_value_heads,
                                  "intermediate_size": bundle.config.intermediate_size,
                                  "vocab_size": bundle.vocab_size, "num_layers": bundle.num_layers},
-                                target_layer_ids=default_target_layer_ids(min(5, bundle.num_layers), bundle.num_layers), num_layers=layers,
+                                target_layer_ids=default_target_layer_ids(min(5, bundle.num_layers), bundle.num_layers),
+                                num_layers=layers,
                                 block_size=block, mask_token_id=bundle.vocab_size - 1, attention="sdpa")
     torch.manual_seed(0)
     export_drafter(DFlashDrafter(cfg, attention="sdpa"), cfg, out)
@@ -91,8 +92,8 @@ def main() -> int:
     cfg.data.source, cfg.data.skip_samples = args.heldout_source, FULL["heldout"]
     ev = cfg.eval
     ev.drafter, ev.prompts, ev.max_prompts = str(drafter), args.sets, args.per_set
-    ev.max_new_tokens, ev.output_dir, ev.device, ev.engine = args.max_new_tokens, str(work / "eval"), str(device), args.engine
-    ev.draft_graphs = args.draft_graphs
+    ev.max_new_tokens, ev.output_dir, ev.device = args.max_new_tokens, str(work / "eval"), str(device)
+    ev.engine, ev.draft_graphs = args.engine, args.draft_graphs
     t0 = time.perf_counter()
     report = run_eval(cfg, bundle=bundle)
     eval_wall = time.perf_counter() - t0

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dflash_pipe.errors import UsageError
-from dflash_pipe.eval import DFlashProposer, TargetVerifier, eos_token_ids, greedy_generate, make_dflash_verifier
+from dflash_pipe.eval import DFlashProposer, eos_token_ids, greedy_generate, make_dflash_verifier
 from dflash_pipe.eval import speculative_generate
 from dflash_pipe.eval.engine_step import EngineTarget, EngineVerifier, engine_greedy_generate, resolve_engine
 from dflash_pipe.eval.runner import encode_prompt
