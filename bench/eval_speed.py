@@ -12,8 +12,8 @@ shape (tau ~ 1, the slowest case for DFlash: every step commits one token; a tra
 steps are fewer by its tau, so the projection is an upper bound for it).
 
     # H200, inside bench/quality_gpu.sh's environment (GGUF, prompt files, wheels; see its header):
-    bash bench/quality_gpu.sh exec python3 bench/eval_speed.py --per-set 40 \
-        --heldout-source "$QUALITY_CARRY/data/sharegpt_first_turns.jsonl" --json "$OUT/eval_speed.json"
+    # (there, --heldout-source defaults to $QUALITY_CARRY/data/sharegpt_first_turns.jsonl, --json to $OUT/eval_speed.json)
+    bash bench/quality_gpu.sh exec python3 bench/eval_speed.py --per-set 40
     python bench/eval_speed.py --smoke          # CPU: tiny random Llama, 2 prompts per set, 12 tokens
 """
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -44,7 +45,8 @@ def random_drafter(bundle, out: Path, layers: int, block: int) -> Path:
                                  "num_key_value_heads": bundle.config.num_key_value_heads,
                                  "intermediate_size": bundle.config.intermediate_size,
                                  "vocab_size": bundle.vocab_size, "num_layers": bundle.num_layers},
-                                target_layer_ids=default_target_layer_ids(min(5, bundle.num_layers), bundle.num_layers), num_layers=layers,
+                                target_layer_ids=default_target_layer_ids(min(5, bundle.num_layers), bundle.num_layers),
+                                num_layers=layers,
                                 block_size=block, mask_token_id=bundle.vocab_size - 1, attention="sdpa")
     torch.manual_seed(0)
     export_drafter(DFlashDrafter(cfg, attention="sdpa"), cfg, out)
@@ -61,18 +63,20 @@ def main() -> int:
     ap.add_argument("--block", type=int, default=16)
     ap.add_argument("--sets", default="mtbench,humaneval,heldout")
     ap.add_argument("--per-set", type=int, default=40, help="prompts run per set (the projection scales up)")
-    ap.add_argument("--heldout-source", default="embedded:sharegpt", help="conversations whose first 300 are heldout")
+    carry = os.environ.get("QUALITY_CARRY", "")
+    ap.add_argument("--heldout-source", default=f"{carry}/data/sharegpt_first_turns.jsonl" if carry else "embedded:sharegpt",
+                    help="conversations whose first 300 are the heldout set")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--engine", default="auto", choices=("auto", "static", "hf"))
+    ap.add_argument("--draft-graphs", default="auto", choices=("auto", "on", "off"))
     ap.add_argument("--device", default="auto")
     ap.add_argument("--out-dir", default="", help="eval output (default: a temp dir)")
     ap.add_argument("--smoke", action="store_true", help="CPU, random:tiny-llama, 2 prompts per set, 12 tokens")
-    ap.add_argument("--json", default="")
+    ap.add_argument("--json", default=f"{os.environ['OUT']}/eval_speed.json" if os.environ.get("OUT") else "")
     args = ap.parse_args()
     if args.smoke:
         args.target, args.per_set, args.max_new_tokens, args.device = "random:tiny-llama", 2, 12, "cpu"
         args.drafter_layers, args.block = 1, 4
-    import os
 
     cache_dir = args.model_cache_dir or (str(Path(os.environ["QUALITY_DIR"]) / "models") if os.environ.get("QUALITY_DIR")
                                          else "~/.cache/dflash-pipe/models")
@@ -88,7 +92,8 @@ def main() -> int:
     cfg.data.source, cfg.data.skip_samples = args.heldout_source, FULL["heldout"]
     ev = cfg.eval
     ev.drafter, ev.prompts, ev.max_prompts = str(drafter), args.sets, args.per_set
-    ev.max_new_tokens, ev.output_dir, ev.device, ev.engine = args.max_new_tokens, str(work / "eval"), str(device), args.engine
+    ev.max_new_tokens, ev.output_dir, ev.device = args.max_new_tokens, str(work / "eval"), str(device)
+    ev.engine, ev.draft_graphs = args.engine, args.draft_graphs
     t0 = time.perf_counter()
     report = run_eval(cfg, bundle=bundle)
     eval_wall = time.perf_counter() - t0
@@ -118,6 +123,7 @@ def main() -> int:
           f"projected for the whole sets ({', '.join(f'{k} {FULL.get(k)}' for k in report['sets'])}): "
           f"{total:.0f}s = decode {decode_projected:.0f}s + one-time {overhead:.0f}s (goal <= 600 s)")
     result = {"target": args.target, "dtype": args.target_dtype, "device": str(device), "engine": args.engine,
+              "draft_graphs": args.draft_graphs,
               "target_forward": report.get("target_forward"), "cache_mode": report.get("cache_mode"),
               "per_set": args.per_set, "max_new_tokens": args.max_new_tokens, "drafter": str(drafter),
               "random_drafter": not args.drafter, "eval_wall_s": eval_wall, "load_s": t_loaded - t_start,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dflash_pipe.errors import UsageError
-from dflash_pipe.eval import DFlashProposer, TargetVerifier, eos_token_ids, greedy_generate, make_dflash_verifier
+from dflash_pipe.eval import DFlashProposer, eos_token_ids, greedy_generate, make_dflash_verifier
 from dflash_pipe.eval import speculative_generate
 from dflash_pipe.eval.engine_step import EngineTarget, EngineVerifier, engine_greedy_generate, resolve_engine
 from dflash_pipe.eval.runner import encode_prompt
@@ -89,15 +89,16 @@ def test_engine_choice_and_errors(llama, tmp_path):
         engine_greedy_generate(target, list(range(3, 14)), 20, [2])
 
 
-def test_run_eval_on_the_engine_equals_the_hf_path(llama, tmp_path):
+def test_run_eval_on_the_engine_with_fixed_shape_drafting_equals_the_hf_path(llama, tmp_path):
     from dflash_pipe.drafter import export_drafter
     from dflash_pipe.eval.runner import run_eval
     from tests.test_eval_runner import _cfg, _untimed
 
     drafter, dcfg = tiny_drafter(block_size=4)
     export_drafter(drafter, dcfg, tmp_path / "train" / "export")
-    reports = {e: run_eval(_cfg(tmp_path, prompts="mtbench", max_prompts=1, mtbench_turns=2, engine=e,
-                                output_dir=str(tmp_path / e)), bundle=llama) for e in ("hf", "static")}
+    reports = {e: run_eval(_cfg(tmp_path, prompts="mtbench", max_prompts=1, mtbench_turns=2, engine=e, draft_graphs=g,
+                                output_dir=str(tmp_path / e)), bundle=llama)
+               for e, g in (("hf", "off"), ("static", "on"))}             # "on" on the CPU: the fixed-shape step, eager
     assert reports["static"]["cache_mode"] == "static" and reports["hf"]["cache_mode"] == "crop"
     assert "static KV" in reports["static"]["target_forward"]
     s_hf, s_en = reports["hf"]["sets"]["mtbench"], reports["static"]["sets"]["mtbench"]

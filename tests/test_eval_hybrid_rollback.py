@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from dflash_pipe.errors import UsageError
-from dflash_pipe.eval import TargetVerifier, eos_token_ids, make_dflash_verifier, resolve_cache_mode, speculative_generate
+from dflash_pipe.eval import (TargetVerifier, eos_token_ids, make_dflash_verifier, resolve_cache_mode,
+                              speculative_generate)
 from dflash_pipe.eval.recurrent_state import RecurrentSnapshot, cache_tensors
 from dflash_pipe.eval.runner import encode_prompt
 from dflash_pipe.eval.target_step import cache_kwarg_name, new_dynamic_cache

@@ -209,7 +209,8 @@ class _SetRun:
 
     def __init__(self, greedy, tok, methods, block_size, max_new_tokens, eos, max_prompt, progress, sync):
         self.greedy, self.tok, self.methods, self.B = greedy, tok, methods, block_size
-        self.max_new, self.eos, self.max_prompt, self.progress, self.sync = max_new_tokens, eos, max_prompt, progress, sync
+        self.max_new, self.eos, self.max_prompt = max_new_tokens, eos, max_prompt
+        self.progress, self.sync = progress, sync
         self.warmed = False
 
     def run_set(self, set_name: str, prompts: list[Prompt], records: list[dict], cache_mode: str) -> dict:
