@@ -101,7 +101,7 @@ def test_cache_is_byte_identical_to_the_per_shard_read_and_parses_the_source_onc
 
     def cfg(cache):
         c = small_cfg(cache, num_shards=4)
-        c.data.source, c.data.skip_samples, c.data.max_samples = str(src), 1, 12
+        c.data.source, c.data.skip_samples, c.data.max_samples = str(src), 1, 9
         return c
 
     with monkeypatch.context() as m:

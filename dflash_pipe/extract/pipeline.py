@@ -5,10 +5,10 @@ Order of work (every rank):
   2. rank 0 creates or checks ``cache_spec.json`` (a different fingerprint is refused) and writes
      the frozen ``target_head.safetensors`` (embeddings + lm_head, all stage 2 needs of the target);
   3. each rank takes every world-th shard of the requested subset and skips committed ones;
-  4. per shard: stream its conversations, tokenize, pack up to the token budget, forward, hand
-     the features to the host pipeline (copy / compress / write overlapped); the shard's commit
-     and sidecar run on the pipeline's writer thread while the next shard's forwards run (one
-     pipeline per rank, see host_pipeline.py);
+  4. per shard: take its conversations (the source is read once per rank, shard_docs.py),
+     tokenize, pack up to the token budget, forward, hand the features to the host pipeline
+     (copy / compress / write overlapped); the shard's commit and sidecar run on the pipeline's
+     writer thread while the next shard's forwards run (one pipeline per rank, see host_pipeline.py);
   5. once all of its commits finished, every rank tries to finalize ``manifest.json``
      (idempotent; done once all shards exist).
 """
