@@ -132,3 +132,24 @@ def test_fault_injection_skipping_the_restore_is_caught(qwen, cases, monkeypatch
         wrong += r.tokens != ref
     assert checker.max_err > 1e-2                                  # the stale state is visible in the cache
     assert wrong >= 1                                              # and in the output
+
+
+def test_bf16_rollback_state_is_bitwise_the_same_chunk_path_and_within_the_noise_floor():
+    """The GPU test's bound (tests/test_eval_hybrid_gpu.py) at CPU size: in bf16 the rolled-back cache
+    is bitwise the cache of the same committed tokens fed in the same chunks with no rejected step,
+    so its error against a one-pass prefill is exactly that path's (the noise floor); a skipped
+    restore is neither."""
+    from dflash_pipe.target.loading import build_random_model
+    from tests.hybrid_helpers import bitwise_equal, fed_cache, rollback_path, worst_rel_error
+
+    model = build_random_model("tiny-qwen3.5", seed=0, device=torch.device("cpu"), dtype=torch.bfloat16).eval()
+    prompt = torch.randint(3, VOCAB, (90,), generator=torch.Generator().manual_seed(2)).tolist()
+    accepts = (4, 15, 0, 9)
+    verifier, chunks = rollback_path(model, prompt, accepts, block=16, seed=3)
+    broken, _ = rollback_path(model, prompt, accepts, block=16, seed=3, skip_restore=True)
+    same_chunks, fresh = fed_cache(model, chunks), fed_cache(model, [[t for c in chunks for t in c]])
+    assert bitwise_equal(verifier.cache, same_chunks)
+    assert not bitwise_equal(fresh, same_chunks)                   # the floor is not zero in bf16
+    floor = worst_rel_error(same_chunks, fresh)
+    assert worst_rel_error(verifier.cache, fresh) == floor
+    assert worst_rel_error(broken.cache, fresh) > 2 * (2 * floor + 1e-3)
