@@ -10,11 +10,12 @@ from dflash_pipe.eval.recurrent_state import RecurrentSnapshot, cache_tensors
 from dflash_pipe.eval.target_step import TargetVerifier, cache_kwarg_name, new_dynamic_cache
 
 
-def rollback_path(model, prompt: list[int], accepts, block: int, seed: int, skip_restore: bool = False):
+def rollback_path(model, prompt: list[int], accepts, block: int, seed: int, skip_restore: bool = False,
+                  refeed: str = "forward"):
     """Prefill `prompt`, then one verify of `block - 1` random drafts + commit per entry of `accepts`.
     Returns (verifier, chunks): chunks are the token runs the cache ends up having been fed with
     (the prompt, then per step the last token + accepted drafts), the committed prefix in order."""
-    verifier = TargetVerifier(model)
+    verifier = TargetVerifier(model, refeed=refeed)
     if skip_restore:                                         # fault injection: a stale recurrent state
         verifier.snapshot.restore = lambda cache: None
     assert isinstance(verifier.snapshot, RecurrentSnapshot)
