@@ -31,17 +31,19 @@ def test_27b_shape_fp32_rollback_is_identical_to_target_greedy():
     types = ["linear_attention"] * 3 + ["full_attention"]
     model = build_random_model("qwen3.5-27b-shape", seed=0, device=torch.device("cuda"), dtype=torch.float32,
                                num_hidden_layers=8, layer_types=types * 2).eval()
-    verifier = TargetVerifier(model)
-    assert verifier.mode == "rollback"
+    verifiers = [TargetVerifier(model, refeed=refeed) for refeed in ("forward", "states")]
+    assert verifiers[0].mode == "rollback"
     for ids in _prompts([5, 70, 300]):                      # around FLA's 64-token chunks
         ref = hf_greedy(model, ids, NEW, [0])
         assert len(set(ref)) > 3, "degenerate greedy output: the identity check would be vacuous"
         assert greedy_generate(model, ids, NEW, [0]) == ref
-        oracle = CorruptingOracle(ids + ref, lambda step: (0, 3, 99, 1, 8)[step % 5], VOCAB)
-        r = speculative_generate(verifier, oracle, ids, block_size=16, max_new_tokens=NEW, eos_ids=[0])
-        assert r.tokens == ref
-        assert r.refeeds > 0 and r.refeeds < r.steps          # rejections and full acceptances both ran
-    verifier.close()
+        for verifier in verifiers:
+            oracle = CorruptingOracle(ids + ref, lambda step: (0, 3, 99, 1, 8)[step % 5], VOCAB)
+            r = speculative_generate(verifier, oracle, ids, block_size=16, max_new_tokens=NEW, eos_ids=[0])
+            assert r.tokens == ref
+            assert r.refeeds > 0 and r.refeeds < r.steps      # rejections and full acceptances both ran
+    for verifier in verifiers:
+        verifier.close()
 
 
 def test_27b_shape_bf16_rollback_state_is_within_the_noise_floor_and_a_skipped_restore_is_not():
@@ -64,13 +66,17 @@ def test_27b_shape_bf16_rollback_state_is_within_the_noise_floor_and_a_skipped_r
     floor = worst_rel_error(same_chunks, fresh)
     err, err_broken = worst_rel_error(verifier.cache, fresh), worst_rel_error(broken.cache, fresh)
     vs_same = worst_rel_error(verifier.cache, same_chunks)
+    states, _ = rollback_path(model, ids, accepts, block=16, seed=3, refeed="states")   # no re-feed forward
+    err_states = worst_rel_error(states.cache, fresh)
     bound = 2.0 * floor + 1e-3
     summary = (f"floor {floor:.4g}, rollback {err:.4g} (vs the same-chunk path {vs_same:.3g}, bitwise "
-               f"{bitwise_equal(verifier.cache, same_chunks)}), skipped restore {err_broken:.4g}, bound {bound:.4g}")
+               f"{bitwise_equal(verifier.cache, same_chunks)}), refeed=states {err_states:.4g}, "
+               f"skipped restore {err_broken:.4g}, bound {bound:.4g}")
     print(summary)
     assert err <= bound, summary
+    assert err_states <= bound, summary
     assert err_broken > 2 * bound, summary                    # the bound still catches a stale state
-    verifier.close()
-    broken.close()
-    del model, verifier, broken, fresh, same_chunks
+    for v in (verifier, broken, states):
+        v.close()
+    del model, verifier, broken, states, fresh, same_chunks
     torch.cuda.empty_cache()
