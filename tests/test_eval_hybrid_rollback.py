@@ -51,6 +51,8 @@ def test_auto_is_rollback_for_hybrid_and_refused_for_attention_only(qwen):
     assert resolve_cache_mode(qwen.model, "recompute") == "recompute"
     with pytest.raises(UsageError, match="recurrent state"):
         resolve_cache_mode(qwen.model, "crop")
+    with pytest.raises(UsageError, match="re-feed must be one of"):
+        TargetVerifier(qwen.model, refeed="replay")
     llama = load_target("random:tiny-llama", dtype="float32")
     with pytest.raises(UsageError, match="has none"):
         resolve_cache_mode(llama.model, "rollback")
