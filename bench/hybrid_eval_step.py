@@ -6,6 +6,8 @@ O(sequence): time per step at context 8 k <= 1.2x the time at 1 k. A step is wha
 forward, and commits `--accept` drafts (restore + attention crop + re-feed of accept + 1 tokens when
 a draft is rejected). Three timings per context, median over --reps steps, each synchronised:
   * step_reject: verify + commit with `--accept` of B-1 drafts accepted (the common case);
+  * step_reject_states: the same with refeed="states" (no re-feed forward: only the GDN states
+    are advanced from the verify's projections, eval/gdn_refeed.py);
   * step_full:   verify + commit with every draft accepted (no re-feed);
   * decode:      one target-only T=1 decode step with the same cache (the baseline's unit);
 and, with --recompute-at, the 'recompute' reference mode's step (the whole sequence per verify) at
@@ -28,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.cuda_timing import median_ms  # noqa: E402
+from dflash_pipe.eval.gdn_refeed import GDNStateRefeed  # noqa: E402
 from dflash_pipe.eval.target_step import TargetVerifier, cache_kwarg_name  # noqa: E402
 from dflash_pipe.target.loading import build_random_model  # noqa: E402
 
@@ -54,6 +57,8 @@ def measure(model, context: int, block: int, accept: int, reps: int, device, rec
     out["prefill_s"] = time.perf_counter() - t0
     out["step_reject_ms"] = median_ms(_steps(verifier, block, accept, vocab, gen), reps, device=device)
     out["step_full_ms"] = median_ms(_steps(verifier, block, block - 1, vocab, gen), reps, device=device)
+    verifier.state_refeed = GDNStateRefeed(model)       # refeed="states" on the same cache (no second prefill)
+    out["step_reject_states_ms"] = median_ms(_steps(verifier, block, accept, vocab, gen), reps, device=device)
     kw = cache_kwarg_name(model)
     x = torch.tensor([[5]], device=device)
 
@@ -94,17 +99,19 @@ def main() -> int:
           f"accept {args.accept} of {args.block - 1} in step_reject", flush=True)
     recompute_at = {int(c) for c in args.recompute_at.split(",") if c.strip()}
     rows = []
-    print(f"{'context':>8s} {'prefill s':>9s} {'step reject ms':>15s} {'step full ms':>13s} {'decode ms':>10s} "
-          f"{'recompute ms':>13s}", flush=True)
+    print(f"{'context':>8s} {'prefill s':>9s} {'step reject ms':>15s} {'reject states ms':>17s} {'step full ms':>13s} "
+          f"{'decode ms':>10s} {'recompute ms':>13s}", flush=True)
     for c in (int(x) for x in args.contexts.split(",")):
         r = measure(model, c, args.block, args.accept, args.reps, device, c in recompute_at)
         rows.append(r)
         rc = r.get("recompute_step_ms")
-        print(f"{c:>8d} {r['prefill_s']:>9.2f} {r['step_reject_ms']:>15.2f} {r['step_full_ms']:>13.2f} "
+        print(f"{c:>8d} {r['prefill_s']:>9.2f} {r['step_reject_ms']:>15.2f} {r['step_reject_states_ms']:>17.2f} "
+              f"{r['step_full_ms']:>13.2f} "
               f"{r['decode_ms']:>10.2f} {'-' if rc is None else f'{rc:.2f}':>13s}", flush=True)
     first, last = rows[0], rows[-1]
     ratio = last["step_reject_ms"] / first["step_reject_ms"]
     print(f"step_reject at {last['context']} / at {first['context']}: {ratio:.2f}x (goal <= 1.2x); "
+          f"states {last['step_reject_states_ms'] / first['step_reject_states_ms']:.2f}x; "
           f"step_full {last['step_full_ms'] / first['step_full_ms']:.2f}x; decode "
           f"{last['decode_ms'] / first['decode_ms']:.2f}x", flush=True)
     result = {"preset": args.preset, "dtype": args.dtype, "device": str(device), "block": args.block,

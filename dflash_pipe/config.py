@@ -174,6 +174,10 @@ class EvalConfig:
                                   "'rollback' (recurrent-state snapshot + re-feed, hybrid Gated DeltaNet targets), "
                                   "'recompute' (no cache, whole sequence per verify: reference), 'auto' (crop or "
                                   "rollback by the target's layers).", ("auto", "crop", "rollback", "recompute"))
+    rollback_refeed: str = opt("forward", "After a rejected draft in rollback mode: 'forward' (re-run the model on the "
+                                          "accepted tokens) or 'states' (advance only the Gated DeltaNet states from "
+                                          "the verify's own projections: no second forward; same tokens).",
+                               ("forward", "states"))
     engine: str = opt("auto", "Target forward for attention-only targets: 'static' (the static-KV engine, CUDA graphs "
                               "on a GPU, eager on the CPU), 'hf' (the model's own forward with its HF cache), 'auto' "
                               "(static on CUDA when the target is supported and the cache mode is auto/crop).",

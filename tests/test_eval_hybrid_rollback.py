@@ -51,15 +51,21 @@ def test_auto_is_rollback_for_hybrid_and_refused_for_attention_only(qwen):
     assert resolve_cache_mode(qwen.model, "recompute") == "recompute"
     with pytest.raises(UsageError, match="recurrent state"):
         resolve_cache_mode(qwen.model, "crop")
+    with pytest.raises(UsageError, match="re-feed must be one of"):
+        TargetVerifier(qwen.model, refeed="replay")
     llama = load_target("random:tiny-llama", dtype="float32")
     with pytest.raises(UsageError, match="has none"):
         resolve_cache_mode(llama.model, "rollback")
 
 
-def test_rollback_output_and_acceptance_identical_to_target_greedy(qwen, cases):
+REFEEDS = pytest.mark.parametrize("refeed", ["forward", "states"])
+
+
+@REFEEDS
+def test_rollback_output_and_acceptance_identical_to_target_greedy(qwen, cases, refeed):
     eos, items = cases
     assert all(len(set(ref)) > NEW // 3 for _, ref in items) and items[0][1] != items[1][1]   # not degenerate
-    verifier = TargetVerifier(qwen.model)
+    verifier = TargetVerifier(qwen.model, refeed=refeed)
     assert verifier.mode == "rollback"
     for ids, ref in items:
         oracle = CorruptingOracle(ids + ref, _pattern, VOCAB)
@@ -102,13 +108,14 @@ class _StateChecker:
         self.kinds.add("rejected" if drop else "all accepted")
 
 
-def test_cache_and_features_after_each_commit_equal_a_fresh_forward(qwen, cases):
+@REFEEDS
+def test_cache_and_features_after_each_commit_equal_a_fresh_forward(qwen, cases, refeed):
     eos, items = cases
     from tests.eval_helpers import tiny_drafter
 
     _, cfg = tiny_drafter(block_size=5, layer_ids=(1, 3, 7))       # 3 = attention, 7 = last layer (final norm)
     ids, ref = items[1]
-    with make_dflash_verifier(qwen.model, cfg, qwen.num_layers, qwen.hidden_size) as verifier:
+    with make_dflash_verifier(qwen.model, cfg, qwen.num_layers, qwen.hidden_size, refeed=refeed) as verifier:
         checker = _StateChecker(verifier, qwen.model)
         oracle = CorruptingOracle(ids + ref, _pattern, VOCAB, needs_features=True)
         r = speculative_generate(verifier, oracle, ids, block_size=5, max_new_tokens=NEW, eos_ids=eos)
@@ -120,10 +127,11 @@ def test_cache_and_features_after_each_commit_equal_a_fresh_forward(qwen, cases)
         torch.testing.assert_close(feats, want, rtol=1e-4, atol=1e-4)
 
 
-def test_fault_injection_skipping_the_restore_is_caught(qwen, cases, monkeypatch):
+@REFEEDS
+def test_fault_injection_skipping_the_restore_is_caught(qwen, cases, monkeypatch, refeed):
     eos, items = cases
     monkeypatch.setattr(RecurrentSnapshot, "restore", lambda self, cache: None)
-    verifier = TargetVerifier(qwen.model)
+    verifier = TargetVerifier(qwen.model, refeed=refeed)
     checker = _StateChecker(verifier, qwen.model)
     wrong = 0
     for ids, ref in items[:2]:
@@ -132,3 +140,26 @@ def test_fault_injection_skipping_the_restore_is_caught(qwen, cases, monkeypatch
         wrong += r.tokens != ref
     assert checker.max_err > 1e-2                                  # the stale state is visible in the cache
     assert wrong >= 1                                              # and in the output
+
+
+def test_bf16_rollback_state_is_bitwise_the_same_chunk_path_and_within_the_noise_floor():
+    """The GPU test's bound (tests/test_eval_hybrid_gpu.py) at CPU size: in bf16 the rolled-back cache
+    is bitwise the cache of the same committed tokens fed in the same chunks with no rejected step,
+    so its error against a one-pass prefill is exactly that path's (the noise floor); a skipped
+    restore is neither. The state-only re-feed (refeed="states") stays within the GPU test's bound."""
+    from dflash_pipe.target.loading import build_random_model
+    from tests.hybrid_helpers import bitwise_equal, fed_cache, rollback_path, worst_rel_error
+
+    model = build_random_model("tiny-qwen3.5", seed=0, device=torch.device("cpu"), dtype=torch.bfloat16).eval()
+    prompt = torch.randint(3, VOCAB, (90,), generator=torch.Generator().manual_seed(2)).tolist()
+    accepts = (4, 15, 0, 9)
+    verifier, chunks = rollback_path(model, prompt, accepts, block=16, seed=3)
+    broken, _ = rollback_path(model, prompt, accepts, block=16, seed=3, skip_restore=True)
+    same_chunks, fresh = fed_cache(model, chunks), fed_cache(model, [[t for c in chunks for t in c]])
+    assert bitwise_equal(verifier.cache, same_chunks)
+    assert not bitwise_equal(fresh, same_chunks)                   # the floor is not zero in bf16
+    floor = worst_rel_error(same_chunks, fresh)
+    assert worst_rel_error(verifier.cache, fresh) == floor
+    assert worst_rel_error(broken.cache, fresh) > 2 * (2 * floor + 1e-3)
+    states, _ = rollback_path(model, prompt, accepts, block=16, seed=3, refeed="states")   # no re-feed forward
+    assert worst_rel_error(states.cache, fresh) <= 2 * floor + 1e-3

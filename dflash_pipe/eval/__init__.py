@@ -3,6 +3,7 @@
 Public API (see each module's docstring):
   target_step.py  TargetVerifier, FeatureCapture, greedy_generate, resolve_cache_mode
                   (recurrent_state.py: the hybrid cache's snapshot/restore for the 'rollback' mode)
+                  (gdn_refeed.py: the rollback's state-only re-feed, --rollback-refeed states)
   engine_step.py  EngineVerifier, engine_greedy_generate: the same on the static-KV engine (CUDA graphs)
   draft_graph.py  GraphedDFlashProposer: the DFlash drafting step at fixed shapes (CUDA graphs)
   specdecode.py   speculative_generate, SpecResult, DFlashProposer, make_dflash_verifier, eos_token_ids

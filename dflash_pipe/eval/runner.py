@@ -292,9 +292,10 @@ def _targets(model, bundle: TargetBundle, dcfgs: dict, ev, device, max_pos: int,
         verifiers = {m: EngineVerifier(target, d.target_layer_ids, B) for m, d in dcfgs.items()}
         return (verifiers, EngineVerifier(target, (), B),
                 lambda ids, n, eos: engine_greedy_generate(target, ids, n, eos), note)
-    verifiers = {m: make_dflash_verifier(model, d, bundle.num_layers, bundle.hidden_size, ev.cache_mode)
+    verifiers = {m: make_dflash_verifier(model, d, bundle.num_layers, bundle.hidden_size, ev.cache_mode,
+                                         ev.rollback_refeed)
                  for m, d in dcfgs.items()}
-    return (verifiers, TargetVerifier(model, cache_mode=ev.cache_mode),
+    return (verifiers, TargetVerifier(model, cache_mode=ev.cache_mode, refeed=ev.rollback_refeed),
             lambda ids, n, eos: greedy_generate(model, ids, n, eos), f"HF forward and cache ({note})")
 
 

@@ -237,10 +237,10 @@ class DFlashProposer:
 
 
 def make_dflash_verifier(model: torch.nn.Module, cfg: DrafterModelConfig, num_layers: int, hidden_size: int,
-                         cache_mode: str = "auto") -> TargetVerifier:
+                         cache_mode: str = "auto", refeed: str = "forward") -> TargetVerifier:
     """A verifier whose hooks capture the drafter's `target_layer_ids` (call .capture.close() after)."""
     capture = FeatureCapture(model, cfg.target_layer_ids, num_layers, hidden_size)
-    return TargetVerifier(model, cache_mode=cache_mode, capture=capture)
+    return TargetVerifier(model, cache_mode=cache_mode, capture=capture, refeed=refeed)
 
 
 def eos_token_ids(model: torch.nn.Module, tokenizer) -> list[int]:

@@ -23,7 +23,9 @@ Cache modes:
     restores the snapshot, crops the attention layers by the whole block and re-feeds the
     accepted tokens (one more forward of accepted + 1 tokens, without feature capture: the
     verify already wrote those rows from the same prefix). A fully accepted block needs neither.
-    A step costs O(block), not O(sequence).
+    A step costs O(block), not O(sequence). With ``refeed="states"`` the re-feed is no forward at all:
+    the attention layers keep the verify's keys/values of the accepted positions and only the GDN
+    states are advanced from the verify's own projections (`gdn_refeed.py`).
   * ``recompute`` (reference for recurrent targets): no cache, every verify re-runs the whole
     sequence. Tokens and acceptance are exact; wall-clock numbers are not representative of a
     serving engine, so the report omits speedups in this mode.
@@ -42,10 +44,12 @@ import torch
 
 from ..errors import UsageError
 from ..target.runner_utils import decoder_layers, final_norm, layer_kinds
+from .gdn_refeed import GDNStateRefeed
 from .recurrent_state import RecurrentSnapshot, crop_attention
 
 CACHE_MODES = ("auto", "crop", "rollback", "recompute")
 CACHED_MODES = ("crop", "rollback")
+REFEEDS = ("forward", "states")
 
 
 def cache_kwarg_name(model: torch.nn.Module) -> str:
@@ -123,9 +127,12 @@ class FeatureCapture:
 class TargetVerifier:
     """Greedy target for one speculative generation (see the module docstring)."""
 
-    def __init__(self, model: torch.nn.Module, *, cache_mode: str = "auto", capture: FeatureCapture | None = None):
+    def __init__(self, model: torch.nn.Module, *, cache_mode: str = "auto", capture: FeatureCapture | None = None,
+                 refeed: str = "forward"):
         self.model = model
         self.mode = resolve_cache_mode(model, cache_mode)
+        if refeed not in REFEEDS:
+            raise UsageError(f"rollback re-feed must be one of {', '.join(REFEEDS)}, got {refeed!r}")
         self.capture = capture
         self.cache_kw = cache_kwarg_name(model)
         self.device = next(model.parameters()).device
@@ -135,6 +142,7 @@ class TargetVerifier:
         self.refeeds = 0                  # rollback re-feed forwards (rejected drafts on a recurrent target)
         self._pending: list[int] = []     # tokens fed by the last verify
         self.snapshot = RecurrentSnapshot() if self.mode == "rollback" else None
+        self.state_refeed = GDNStateRefeed(model) if self.mode == "rollback" and refeed == "states" else None
 
     def _forward(self, ids: list[int], offset: int, keep_logits: int, capture: bool = True) -> torch.Tensor:
         """Forward `ids` (positions offset..); returns argmax ids of the last `keep_logits` positions."""
@@ -180,7 +188,13 @@ class TargetVerifier:
         if self.snapshot is not None:
             self.snapshot.save(self.cache)
         if self.mode in CACHED_MODES:
-            argmax = self._forward(fed, p, len(fed))
+            if self.state_refeed is not None:
+                self.state_refeed.active = True
+            try:
+                argmax = self._forward(fed, p, len(fed))
+            finally:
+                if self.state_refeed is not None:
+                    self.state_refeed.active = False
         else:
             argmax = self._forward(self.tokens[:p] + fed, 0, len(fed))
         self.forwards += 1
@@ -205,14 +219,20 @@ class TargetVerifier:
     def _roll_back(self, fed: list[int], accepted: int) -> None:
         """Cache back to before the verify (snapshot + attention crop), then feed the kept tokens again."""
         self.snapshot.restore(self.cache)
-        crop_attention(self.cache, len(fed))
-        self._forward(fed[:1 + accepted], len(self.tokens) - 1, 1, capture=False)
+        if self.state_refeed is not None:
+            crop_attention(self.cache, len(fed) - 1 - accepted)
+            self.state_refeed.advance(self.cache, 1 + accepted)
+        else:
+            crop_attention(self.cache, len(fed))
+            self._forward(fed[:1 + accepted], len(self.tokens) - 1, 1, capture=False)
         self.refeeds += 1
 
     def close(self) -> None:
         """Remove the capture hooks and drop the cache (the model is a plain HF model again)."""
         if self.capture is not None:
             self.capture.close()
+        if self.state_refeed is not None:
+            self.state_refeed.close()
         self.cache = None
 
     def __enter__(self):
