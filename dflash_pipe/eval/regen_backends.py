@@ -82,8 +82,12 @@ class EngineBackend:
             self.keys = torch.zeros(batch, dtype=torch.long, device=dev)
             self.out = torch.zeros((batch, max_new_tokens + 1), dtype=torch.long, device=dev)  # + spare column
             self.eos = torch.tensor(sorted(set(eos)), dtype=torch.long, device=dev)
+            self.live_row_steps = torch.zeros((), dtype=torch.long, device=dev)   # occupancy, summed per step
         self.decode_steps = 0
-        self.prefill_rows = 0
+        self.prefill_rows = self.prefill_calls = self.prefill_tokens = self.prefill_padded = 0
+        self.cuda = dev.type == "cuda"
+        self._events: list[tuple] = []                   # (start, after prefill, after decode) of uncollected launches
+        self.gpu_s = {"prefill": 0.0, "decode": 0.0}     # device time (CUDA events; host time on the CPU)
         mode = "CUDA graphs" if self.engine.use_graphs else "eager"
         self.describe = f"{self.name} ({mode}, batch {batch}, check every {self.check_every} steps)"
 
@@ -96,20 +100,53 @@ class EngineBackend:
         self.slots = [None] * self.B
         return back
 
+    def _mark(self):
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        import time
+        return time.perf_counter()
+
     @torch.inference_mode()
     def launch(self, ready: list[TurnRequest]) -> None:
         """Fill free slots from the front of `ready` and queue check_every decode steps (no host sync)."""
         free = [i for i, s in enumerate(self.slots) if s is None]
         take = ready[:len(free)]
+        m0 = self._mark()
         if take:
             del ready[:len(take)]
             rows = free[:len(take)]
             for r, req in zip(rows, take):
                 self.slots[r] = req
             self._prefill(rows, take)
+        m1 = self._mark()
         if self.busy():
             for _ in range(self.check_every):
                 self._decode()
+        self._events.append((m0, m1, self._mark()))
+
+    def _account(self) -> None:
+        """Add the device time of the launches waited for (call after a sync)."""
+        for m0, m1, m2 in self._events:
+            if self.cuda:
+                self.gpu_s["prefill"] += m0.elapsed_time(m1) / 1e3
+                self.gpu_s["decode"] += m1.elapsed_time(m2) / 1e3
+            else:
+                self.gpu_s["prefill"] += m1 - m0
+                self.gpu_s["decode"] += m2 - m1
+        self._events.clear()
+
+    def stats(self) -> dict:
+        """Counters of the run so far (one host sync): decode steps, mean live rows per step, prefill work."""
+        steps = max(1, self.decode_steps)
+        live = int(self.live_row_steps)
+        return {"decode_steps": self.decode_steps, "mean_live_rows": round(live / steps, 1),
+                "occupancy": round(live / (steps * self.B), 3),
+                "prefill_calls": self.prefill_calls, "prefill_rows": self.prefill_rows,
+                "prefill_pad_share": round(1 - self.prefill_tokens / max(1, self.prefill_padded), 3),
+                "device_prefill_s": round(self.gpu_s["prefill"], 3),
+                "device_decode_s": round(self.gpu_s["decode"], 3)}
 
     def _start(self, logits, rows: torch.Tensor, keys: torch.Tensor) -> None:
         """First token of freshly prefilled `rows`."""
@@ -133,6 +170,7 @@ class EngineBackend:
         self.n_gen += act.long()
         self.active.copy_(act & ~hit & (self.n_gen < self.max_new))
         self.cur.copy_(torch.where(act, tok, self.cur))
+        self.live_row_steps += act.sum()
 
     def _prefill(self, rows: list[int], reqs: list[TurnRequest]) -> None:
         dev = self.engine.device
@@ -154,11 +192,15 @@ class EngineBackend:
             lens = torch.tensor([len(reqs[i].prompt) for i in g], dtype=torch.long)
             slot_rows = [rows[i] for i in g]
             out = self.engine.forward(ids, lens, rows=slot_rows, last_only=True)
-            rt = torch.tensor(slot_rows, dtype=torch.long, device=dev)
-            keys = torch.tensor([reqs[i].key for i in g], dtype=torch.long, device=dev)
+            rt = torch.tensor(slot_rows, dtype=torch.long).to(dev, non_blocking=True)   # no sync (not: device=)
+            keys = torch.tensor([reqs[i].key for i in g], dtype=torch.long).to(dev, non_blocking=True)
             self._start(out.logits, rt, keys)
             self.prefill_rows += len(g)
+            self.prefill_calls += 1
+            self.prefill_tokens += int(lens.sum())
+            self.prefill_padded += len(g) * T
 
+    @torch.inference_mode()
     def _decode(self) -> None:
         out = self.engine.forward(self.cur[:, None], self.active.long())
         self._advance(out.logits[:, 0])
@@ -169,10 +211,11 @@ class EngineBackend:
         """Wait for the queued steps; the finished answers (their slots are freed)."""
         live = [i for i, s in enumerate(self.slots) if s is not None]
         flags = self.active.tolist()                           # the one sync of a step
+        self._account()
         done = [i for i in live if not flags[i]]
         if not done:
             return []
-        dt = torch.tensor(done, dtype=torch.long, device=self.engine.device)
+        dt = torch.tensor(done, dtype=torch.long).to(self.engine.device, non_blocking=True)
         table = torch.cat([self.n_gen[dt, None], self.ended[dt, None].long(), self.out[dt]], dim=1).tolist()
         comps = []
         for r, row in zip(done, table):

@@ -151,7 +151,7 @@ class StaticKVEngine:
         idx = list(rows)
         if not idx:
             return
-        self.lengths.index_fill_(0, torch.tensor(idx, device=self.device), 0)
+        self.lengths.index_fill_(0, torch.tensor(idx).to(self.device, non_blocking=True), 0)   # no host sync
         for r in idx:
             self._bound[r] = 0
 
@@ -182,7 +182,7 @@ class StaticKVEngine:
             self._bound[r] = min(self._bound[r] + T, self.max_len)
         if rows is None and self.use_graphs and T <= GROUPED_QUERY_MAX_T:
             return self._replay(ids, nn_, kv_len, last_only)
-        row_t = None if rows is None else torch.tensor(host_rows, dtype=torch.long, device=self.device)
+        row_t = None if rows is None else torch.tensor(host_rows, dtype=torch.long).to(self.device, non_blocking=True)
         return self._compute(ids, nn_, row_t, kv_len, last_only)
 
     def _compute(self, ids, num_new, row_t, kv_len: int, last_only: bool) -> EngineOutput:
