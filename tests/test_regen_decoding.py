@@ -182,3 +182,32 @@ def test_batched_prompt_encoding_equals_the_one_by_one_encoding(llama):
             return {"input_ids": [[len(t), 7] for t in texts] if isinstance(texts, list) else [len(texts), 7]}
 
     assert encode_prompts(Plain(), convs) == [encode_prompt(Plain(), c) for c in convs]
+
+
+def test_tail_compaction_moves_rows_and_keeps_every_answer_the_unbatched_greedy_one(llama):
+    """8 slots fed one prompt a round: in the tail the live rows move down and the steps run on 4, 2, 1 rows;
+    every answer still equals plain greedy decoding of its prompt."""
+    from dflash_pipe.eval import greedy_generate
+
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (9, 30, 4, 17, 25, 2, 12, 6, 21, 3)]
+    be = regen_backends.EngineBackend(llama.model, [], batch=8, max_len=64, max_new_tokens=12, dec=Decoding(),
+                                      check_every=2, compact=True)
+    be.min_width = 1
+    moved = []
+    move = be.engine.move_rows
+    be.engine.move_rows = lambda s, d: (moved.extend(s), move(s, d))[1]
+    incoming = [regen_backends.TurnRequest(None, p, key=0, order=i) for i, p in enumerate(prompts)]
+    ready, got, widths = [], {}, []
+    while incoming or ready or be.busy():
+        if incoming:
+            ready.append(incoming.pop(0))               # one new prompt a round: staggered finishing times
+        be.launch(ready)
+        widths.append(be.width)
+        for c in be.collect():
+            got[c.request.order] = c.tokens
+    assert sorted(got) == list(range(len(prompts)))
+    assert moved and min(widths) == 1 and max(widths) == 8, (moved, widths)
+    for i, p in enumerate(prompts):
+        assert got[i] == greedy_generate(llama.model, p, 12, []), i
+    assert be.stats()["mean_decode_width"] < 8

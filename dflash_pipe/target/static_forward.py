@@ -155,6 +155,19 @@ class StaticKVEngine:
         for r in idx:
             self._bound[r] = 0
 
+    @torch.inference_mode()
+    def move_rows(self, src: Sequence[int], dst: Sequence[int], chunk: int = 64) -> None:
+        """Move rows `src` (K/V, lengths) to the empty rows `dst`, then empty `src` (no host sync)."""
+        for i in range(0, len(src), chunk):
+            s = torch.tensor(list(src[i:i + chunk])).to(self.device, non_blocking=True)
+            d = torch.tensor(list(dst[i:i + chunk])).to(self.device, non_blocking=True)
+            self.k_cache[:, d] = self.k_cache[:, s]
+            self.v_cache[:, d] = self.v_cache[:, s]
+            self.lengths[d] = self.lengths[s]
+        for a, b in zip(src, dst):
+            self._bound[b] = self._bound[a]
+        self.reset(src)
+
     def length(self, row: int) -> int:
         """The row's length (a host sync; for tests and debugging)."""
         return int(self.lengths[row])
