@@ -91,3 +91,25 @@ def test_decode_steps_do_not_sync_the_host():
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert be.engine.graph_count >= 1
+
+
+def test_tail_compaction_on_graphs_gives_the_same_answers():
+    """Staggered prompts through 8 graphed slots, fp32: compacted tail (steps on 4, 2, 1 rows) == full width."""
+    model = _model(torch.float32)
+    runs = {}
+    for compact in (False, True):
+        be = EngineBackend(model, [], batch=8, max_len=160, max_new_tokens=24, dec=Decoding(), check_every=4,
+                           compact=compact)
+        be.min_width = 1
+        incoming = [TurnRequest(None, p, key=i, order=i) for i, p in enumerate(_prompts() + _prompts()[:3])]
+        ready, got, widths = [], {}, set()
+        while incoming or ready or be.busy():
+            if incoming:
+                ready.append(incoming.pop(0))
+            be.launch(ready)
+            widths.add(be.width)
+            for c in be.collect():
+                got[c.request.order] = c.tokens
+        runs[compact] = got
+        assert (min(widths) == 1) == compact
+    assert runs[True] == runs[False] and len(runs[True]) == 11

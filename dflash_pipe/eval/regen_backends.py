@@ -26,6 +26,7 @@ smaller batch (the driver's `rebuild`).
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -112,7 +113,6 @@ class EngineBackend:
             ev = torch.cuda.Event(enable_timing=True)
             ev.record()
             return ev
-        import time
         return time.perf_counter()
 
     @torch.inference_mode()

@@ -26,7 +26,9 @@ How (regen_backends): on attention-only targets a static-KV engine runs `batch_s
 continuous batching (finished slots refilled with the next prompts, CUDA graphs on CUDA); other
 targets (hybrid / recurrent layers) fall back to HF `generate`, greedy, named in the log. Up to
 4 x batch_size conversations are in flight; their ready turns are served oldest conversation
-first, and the answers are written in input order.
+first, and the answers are written in input order. While the device runs a launch, the host
+detokenizes the answers just collected and tokenizes the round's new prompts in one batched call
+(`encode_prompts`); the time of each phase is logged at the end and kept in the sidecar's "timing".
 
 Prefix-stable, resumable and crash-safe: rows are appended in input order only (a finished
 conversation waits for the earlier ones), so a file made with max_samples = N is the prefix of
