@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..target.static_forward import StaticKVEngine
+from ..target.static_forward import StaticKVEngine, to_device
 from .regen_sampling import Decoding, next_tokens
 
 log = logging.getLogger("dflash_pipe.eval")
@@ -149,8 +149,8 @@ class EngineBackend:
         dst = [i for i in range(w) if self.slots[i] is None][:len(src)]
         if src:
             self.engine.move_rows(src, dst)
-            s = torch.tensor(src).to(self.engine.device, non_blocking=True)
-            d = torch.tensor(dst).to(self.engine.device, non_blocking=True)
+            s = to_device(src, self.engine.device)
+            d = to_device(dst, self.engine.device)
             for t in (self.cur, self.active, self.ended, self.n_gen, self.keys, self.out):
                 t[d] = t[s]
             self.active[s] = False
@@ -226,8 +226,8 @@ class EngineBackend:
             lens = torch.tensor([len(reqs[i].prompt) for i in g], dtype=torch.long)
             slot_rows = [rows[i] for i in g]
             out = self.engine.forward(ids, lens, rows=slot_rows, last_only=True)
-            rt = torch.tensor(slot_rows, dtype=torch.long).to(dev, non_blocking=True)   # no sync (not: device=)
-            keys = torch.tensor([reqs[i].key for i in g], dtype=torch.long).to(dev, non_blocking=True)
+            rt = to_device(slot_rows, dev)       # no host sync (torch.tensor(device=) syncs)
+            keys = to_device([reqs[i].key for i in g], dev)
             self._start(out.logits, rt, keys)
             self.prefill_rows += len(g)
             self.prefill_calls += 1
@@ -251,7 +251,7 @@ class EngineBackend:
         done = [i for i in live if not flags[i]]
         if not done:
             return []
-        dt = torch.tensor(done, dtype=torch.long).to(self.engine.device, non_blocking=True)
+        dt = to_device(done, self.engine.device)
         table = torch.cat([self.n_gen[dt, None], self.ended[dt, None].long(), self.out[dt]], dim=1).tolist()
         comps = []
         for r, row in zip(done, table):
