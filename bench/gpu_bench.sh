@@ -77,7 +77,7 @@ from bench.train_step import loader_rate; from bench.seed_shape import SeedShape
 rows = [dict(loader_rate(SeedShape(), ${LOADER_WORKERS:-12}, 8, row_group_mb=mb), row_group_mb=mb) for mb in (256, 64, 256, 64)]
 print(json.dumps(rows, indent=1)); open('$OUT/loader_rate.json', 'w').write(json.dumps(rows, indent=1))" ;;
         regentests) step regentests "${REGEN_TESTS_S:-180}" python3 -m pytest -q -m gpu tests/test_static_forward_gpu.py ;;
-        regen) step regen "${REGEN_S:-360}" python3 bench/regen_throughput.py \
+        regen) step regen "${REGEN_S:-240}" python3 bench/regen_throughput.py \
                    --data "${SHAREGPT_FIRST_TURNS:?run the smollm2 step first}" --model-cache /tmp/quality/models \
                    --json "$OUT/regen_throughput.json" ;;
         hybrid) step hybrid "${HYBRID_S:-300}" python3 bench/hybrid_eval_step.py --contexts 1024,2048,4096,8192 \

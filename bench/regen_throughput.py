@@ -10,10 +10,13 @@ Three measurements, same target, same prompts (ShareGPT first turns), same --new
           steps), CUDA events around the loop only.
   hf      `run_regenerate --engine hf` (left-padded HF generate, dynamic cache) on the first --hf-prompts
           prompts at --hf-batch, the old path, as a baseline.
-The ratio regen / bare is the share of the bare loop's rate the command keeps (goal >= 0.9; it pays for
-prefills, EOS-idle slots until the next check, the tail where slots run empty, and host work). `bare`
-also reports its own prefill time (eager, 64 prompts a call) and the rate with it included, which
-bounds what any scheduler can reach at these prompt lengths.
+Two ratios: `ratio_regen_to_bare` is regen / the bare loop's decode-only rate (the issue's goal >= 0.9; it
+pays for prefills, EOS-idle slots until the next check, the tail where slots run empty, and host work);
+`ratio_regen_to_bare_with_prefill` is regen / the bare loop's rate with its own prefill (eager, 64 prompts a
+call) included: the honest ceiling for a scheduler that must prefill every prompt. `regen.split` says where
+regenerate's wall time went (the sidecar's "timing": host time in launch / collect (the wait for the device) /
+tokenize / detokenize / write, device time of prefills and decode steps, decode steps, mean live rows per step
+and occupancy = live rows / batch, prefill calls and the share of padding in them).
 
     python bench/regen_throughput.py --data /tmp/quality/carry/data/sharegpt_first_turns.jsonl \
         --model-cache /tmp/quality/models --json out.json          # H200, real SmolLM2 weights (bf16)
@@ -60,7 +63,8 @@ def run_regen(args, bundle, out: Path, n: int, skip: int = 0, **kw) -> dict:
     wall = time.perf_counter() - t0
     return {"conversations": state["rows_written"], "skipped": len(state["skipped"]),
             "generated_tokens": state["generated_tokens"], "truncated": state["truncated_responses"],
-            "wall_s": round(wall, 3), "tok_s": round(state["generated_tokens"] / wall, 1)}
+            "wall_s": round(wall, 3), "tok_s": round(state["generated_tokens"] / wall, 1),
+            "split": state.get("timing", {})}
 
 
 @torch.inference_mode()
@@ -122,6 +126,13 @@ def bare_loop(args, bundle, batch: int) -> dict:
             "tok_s_with_prefill": round(batch * args.new_tokens / (secs + prefill_s), 1)}
 
 
+def _split_line(t: dict) -> str:
+    """The regen run's time split as one line: host phases, device time, occupancy."""
+    keys = ("wall_s", "launch_s", "collect_s", "tokenize_s", "detokenize_s", "write_s", "device_prefill_s",
+            "device_decode_s", "decode_steps", "occupancy", "mean_live_rows", "prefill_calls", "prefill_pad_share")
+    return ", ".join(f"{k} {t[k]}" for k in keys if k in t)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="embedded:smollm2-135m-instruct")
@@ -159,6 +170,7 @@ def main() -> None:
         res["bare"] = bare_loop(args, bundle, batch)
         print("bare", res["bare"], flush=True)
         res["ratio_regen_to_bare"] = round(res["regen"]["tok_s"] / res["bare"]["tok_s"], 3)
+        res["ratio_regen_to_bare_with_prefill"] = round(res["regen"]["tok_s"] / res["bare"]["tok_s_with_prefill"], 3)
         if args.hf_prompts:
             res["hf"] = run_regen(args, bundle, tmp / "hf.jsonl", args.hf_prompts, batch_size=args.hf_batch,
                                   engine="hf")
@@ -171,7 +183,10 @@ def main() -> None:
     print(f"SUMMARY batch {batch}: regenerate {res['regen']['tok_s']:,.0f} tok/s ({res['regen']['conversations']} "
           f"answers, {res['regen']['generated_tokens']:,} tokens in {res['regen']['wall_s']} s), bare loop "
           f"{res['bare']['tok_s']:,.0f} tok/s ({res['bare']['ms_per_step']} ms/step; "
-          f"{res['bare']['tok_s_with_prefill']:,.0f} with its prefill), ratio {res['ratio_regen_to_bare']}"
+          f"{res['bare']['tok_s_with_prefill']:,.0f} with its prefill), ratio {res['ratio_regen_to_bare']} "
+          f"to the decode loop (goal >= 0.9), {res['ratio_regen_to_bare_with_prefill']} to the loop with its prefill "
+          f"(the ceiling of a scheduler that must prefill)"
+          + f"; regen split: {_split_line(res['regen'].get('split', {}))}"
           + (f", HF generate {res['hf']['tok_s']:,.0f} tok/s at batch {args.hf_batch}, identical rows "
              f"{res['hf_identical_rows']}" if "hf" in res else ""), flush=True)
     if args.json:

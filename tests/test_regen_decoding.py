@@ -146,3 +146,68 @@ def test_engine_backend_refills_slots_and_each_answer_is_the_unbatched_greedy_on
     assert rounds > 3 and sorted(got) == list(range(7))
     for i, p in enumerate(prompts):
         assert got[i] == greedy_generate(llama.model, p, 10, eos), i
+
+
+def test_decode_steps_called_outside_inference_mode_work(llama):
+    """The GPU no-sync test's call sequence on the CPU: launch + collect, then bare `_decode` calls from plain
+    (non-inference-mode) code. The buffers made under inference mode used to refuse the in-place update."""
+    be = regen_backends.EngineBackend(llama.model, [2], batch=4, max_len=96, max_new_tokens=32,
+                                      dec=Decoding(temperature=0.8, top_p=0.9), check_every=4)
+    g = torch.Generator().manual_seed(0)
+    ready = [regen_backends.TurnRequest(None, torch.randint(3, 49152, (n,), generator=g).tolist(), key=i, order=i)
+             for i, n in enumerate((5, 20, 9, 1))]
+    be.launch(ready)
+    be.collect()
+    before = be.n_gen.clone()
+    for _ in range(4):
+        be._decode()
+    assert be.decode_steps == 8
+    assert torch.equal(be.n_gen, before + 4 * (before < 32).long())   # every unfinished row took 4 more tokens
+
+
+def test_batched_prompt_encoding_equals_the_one_by_one_encoding(llama):
+    """regenerate tokenizes a round's prompts in one batch; the ids must be encode_prompt's, template or not."""
+    from dflash_pipe.eval.runner import encode_prompt, encode_prompts
+    from tests.test_eval_regenerate import ROWS
+
+    convs = [r["messages"] for r in ROWS if "messages" in r] + [[{"role": "user", "content": "é ü 你好 \n\n  x"}]]
+    convs = [[m for m in c if m["role"] != "assistant" or i] for i, c in enumerate(convs)]
+    assert encode_prompts(llama.tokenizer, convs) == [encode_prompt(llama.tokenizer, c) for c in convs]
+    assert encode_prompts(llama.tokenizer, []) == []
+
+    class Plain:                          # no chat template: plain text, the tokenizer's own special tokens
+        chat_template = None
+
+        def __call__(self, texts, **kw):
+            return {"input_ids": [[len(t), 7] for t in texts] if isinstance(texts, list) else [len(texts), 7]}
+
+    assert encode_prompts(Plain(), convs) == [encode_prompt(Plain(), c) for c in convs]
+
+
+def test_tail_compaction_moves_rows_and_keeps_every_answer_the_unbatched_greedy_one(llama):
+    """8 slots fed one prompt a round: in the tail the live rows move down and the steps run on 4, 2, 1 rows;
+    every answer still equals plain greedy decoding of its prompt."""
+    from dflash_pipe.eval import greedy_generate
+
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (9, 30, 4, 17, 25, 2, 12, 6, 21, 3)]
+    be = regen_backends.EngineBackend(llama.model, [], batch=8, max_len=64, max_new_tokens=12, dec=Decoding(),
+                                      check_every=2, compact=True)
+    be.min_width = 1
+    moved = []
+    move = be.engine.move_rows
+    be.engine.move_rows = lambda s, d: (moved.extend(s), move(s, d))[1]
+    incoming = [regen_backends.TurnRequest(None, p, key=0, order=i) for i, p in enumerate(prompts)]
+    ready, got, widths = [], {}, []
+    while incoming or ready or be.busy():
+        if incoming:
+            ready.append(incoming.pop(0))               # one new prompt a round: staggered finishing times
+        be.launch(ready)
+        widths.append(be.width)
+        for c in be.collect():
+            got[c.request.order] = c.tokens
+    assert sorted(got) == list(range(len(prompts)))
+    assert moved and min(widths) == 1 and max(widths) == 8, (moved, widths)
+    for i, p in enumerate(prompts):
+        assert got[i] == greedy_generate(llama.model, p, 12, []), i
+    assert be.stats()["mean_decode_width"] < 8

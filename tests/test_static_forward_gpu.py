@@ -91,3 +91,46 @@ def test_decode_steps_do_not_sync_the_host():
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert be.engine.graph_count >= 1
+
+
+def test_tail_compaction_on_graphs_gives_the_same_answers():
+    """Staggered prompts through 8 graphed slots, fp32: compacted tail (steps on 4, 2, 1 rows) == full width."""
+    model = _model(torch.float32)
+    runs = {}
+    for compact in (False, True):
+        be = EngineBackend(model, [], batch=8, max_len=160, max_new_tokens=24, dec=Decoding(), check_every=4,
+                           compact=compact)
+        be.min_width = 1
+        incoming = [TurnRequest(None, p, key=i, order=i) for i, p in enumerate(_prompts() + _prompts()[:3])]
+        ready, got, widths = [], {}, set()
+        while incoming or ready or be.busy():
+            if incoming:
+                ready.append(incoming.pop(0))
+            be.launch(ready)
+            widths.add(be.width)
+            for c in be.collect():
+                got[c.request.order] = c.tokens
+        runs[compact] = got
+        assert (min(widths) == 1) == compact
+    assert runs[True] == runs[False] and len(runs[True]) == 11
+
+
+def test_launches_with_refills_do_not_sync_the_host():
+    """Whole launches (refill prefills, tail compaction, decode steps) under sync-debug 'error' mode; a first
+    pass over the same prompts captures every graph (capturing syncs), the second one must not sync at all."""
+    model = _model(torch.bfloat16)
+    be = EngineBackend(model, [2], batch=8, max_len=256, max_new_tokens=64, dec=Decoding(temperature=0.8, top_p=0.9),
+                       check_every=4)
+    for strict in (False, True):
+        ready = [TurnRequest(None, p, key=i, order=i) for i, p in enumerate(_prompts() + _prompts()[:4])]
+        answers = 0
+        while ready or be.busy():
+            torch.cuda.synchronize()
+            if strict:
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                be.launch(ready)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+            answers += len(be.collect())                 # collect syncs by design (one read of the masks)
+        assert answers == 12

@@ -7,7 +7,9 @@ host is free (the driver tokenizes and writes there while the GPU decodes).
 `EngineBackend` (attention-only targets, `dflash_pipe.target.static_forward`): `batch` slots.
 Every `launch` first fills the free slots from the ready list (one right-padded prefill per group
 of similar-length prompts, at most `prefill_tokens` tokens a group), then runs `check_every`
-decode steps on all slots at once (a CUDA graph each on CUDA). Token choice, the per-row answer
+decode steps on all slots at once (a CUDA graph each on CUDA). In the tail (nothing left to refill;
+`compact`, on by default on CUDA) the live rows are moved to the lowest slots (K/V copied) and the steps
+run on only the first batch/2, /4 or /8 rows while the live ones fit. Token choice, the per-row answer
 buffers and the stopping masks (EOS / max_new_tokens) stay on the device; `collect` looks at them
 (one sync), frees finished slots and returns their answers. A finished row idles
 until then (at most check_every - 1 wasted steps), and costs nothing in attention (its length
@@ -24,11 +26,12 @@ smaller batch (the driver's `rebuild`).
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
 
-from ..target.static_forward import StaticKVEngine
+from ..target.static_forward import StaticKVEngine, to_device
 from .regen_sampling import Decoding, next_tokens
 
 log = logging.getLogger("dflash_pipe.eval")
@@ -67,13 +70,18 @@ class EngineBackend:
     name = "static-KV engine"
 
     def __init__(self, model, eos: list[int], batch: int, max_len: int, max_new_tokens: int, dec: Decoding,
-                 check_every: int = 8, prefill_tokens: int | None = None, use_graphs: str = "auto"):
+                 check_every: int = 8, prefill_tokens: int | None = None, use_graphs: str = "auto",
+                 compact: bool | None = None):
         self.engine = StaticKVEngine(model, batch, max_len, use_graphs=use_graphs)
         dev = self.engine.device
         self.B, self.max_new, self.dec = batch, max_new_tokens, dec
         self.check_every = max(1, min(check_every, max_new_tokens - 1))   # an answer ends after max_new - 1 steps
         self.prefill_tokens = prefill_tokens or (65536 if dev.type == "cuda" else 2048)
         self.slots: list[TurnRequest | None] = [None] * batch
+        # tail compaction: with nothing waiting, live rows move down and steps run on the first `width` rows
+        self.compact = dev.type == "cuda" if compact is None else compact
+        self.width, self.min_width = batch, max(1, batch // 8)
+        self.width_row_steps = 0
         with torch.inference_mode():
             self.cur = torch.zeros(batch, dtype=torch.long, device=dev)        # chosen, not yet fed
             self.active = torch.zeros(batch, dtype=torch.bool, device=dev)
@@ -82,8 +90,12 @@ class EngineBackend:
             self.keys = torch.zeros(batch, dtype=torch.long, device=dev)
             self.out = torch.zeros((batch, max_new_tokens + 1), dtype=torch.long, device=dev)  # + spare column
             self.eos = torch.tensor(sorted(set(eos)), dtype=torch.long, device=dev)
+            self.live_row_steps = torch.zeros((), dtype=torch.long, device=dev)   # occupancy, summed per step
         self.decode_steps = 0
-        self.prefill_rows = 0
+        self.prefill_rows = self.prefill_calls = self.prefill_tokens = self.prefill_padded = 0
+        self.cuda = dev.type == "cuda"
+        self._events: list[tuple] = []                   # (start, after prefill, after decode) of uncollected launches
+        self.gpu_s = {"prefill": 0.0, "decode": 0.0}     # device time (CUDA events; host time on the CPU)
         mode = "CUDA graphs" if self.engine.use_graphs else "eager"
         self.describe = f"{self.name} ({mode}, batch {batch}, check every {self.check_every} steps)"
 
@@ -96,20 +108,78 @@ class EngineBackend:
         self.slots = [None] * self.B
         return back
 
+    def _mark(self):
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
     @torch.inference_mode()
     def launch(self, ready: list[TurnRequest]) -> None:
         """Fill free slots from the front of `ready` and queue check_every decode steps (no host sync)."""
         free = [i for i, s in enumerate(self.slots) if s is None]
         take = ready[:len(free)]
+        m0 = self._mark()
         if take:
             del ready[:len(take)]
             rows = free[:len(take)]
             for r, req in zip(rows, take):
                 self.slots[r] = req
+            if rows[-1] >= self.width:
+                self.width = self.B        # back to full width (rows past the old width are empty and inactive)
             self._prefill(rows, take)
+        if self.compact and not ready:
+            self._shrink()
+        m1 = self._mark()
         if self.busy():
             for _ in range(self.check_every):
                 self._decode()
+        self._events.append((m0, m1, self._mark()))
+
+    def _shrink(self) -> None:
+        """Halve the decode width while the live rows fit in half of it (min batch / 8), moving rows down."""
+        live = [i for i, s in enumerate(self.slots) if s is not None]
+        w = self.width
+        while w // 2 >= max(len(live), self.min_width):
+            w //= 2
+        if w == self.width:
+            return
+        src = [i for i in live if i >= w]
+        dst = [i for i in range(w) if self.slots[i] is None][:len(src)]
+        if src:
+            self.engine.move_rows(src, dst)
+            s = to_device(src, self.engine.device)
+            d = to_device(dst, self.engine.device)
+            for t in (self.cur, self.active, self.ended, self.n_gen, self.keys, self.out):
+                t[d] = t[s]
+            self.active[s] = False
+            for a, b in zip(src, dst):
+                self.slots[b], self.slots[a] = self.slots[a], None
+        self.width = w
+
+    def _account(self) -> None:
+        """Add the device time of the launches waited for (call after a sync)."""
+        for m0, m1, m2 in self._events:
+            if self.cuda:
+                self.gpu_s["prefill"] += m0.elapsed_time(m1) / 1e3
+                self.gpu_s["decode"] += m1.elapsed_time(m2) / 1e3
+            else:
+                self.gpu_s["prefill"] += m1 - m0
+                self.gpu_s["decode"] += m2 - m1
+        self._events.clear()
+
+    def stats(self) -> dict:
+        """Counters of the run so far (one host sync): decode steps, mean live rows per step, prefill work."""
+        steps = max(1, self.decode_steps)
+        live = int(self.live_row_steps)
+        return {"decode_steps": self.decode_steps, "mean_live_rows": round(live / steps, 1),
+                "occupancy": round(live / (steps * self.B), 3),
+                "mean_decode_width": round(self.width_row_steps / steps, 1),
+                "prefill_calls": self.prefill_calls, "prefill_rows": self.prefill_rows,
+                "prefill_pad_share": round(1 - self.prefill_tokens / max(1, self.prefill_padded), 3),
+                "device_prefill_s": round(self.gpu_s["prefill"], 3),
+                "device_decode_s": round(self.gpu_s["decode"], 3)}
 
     def _start(self, logits, rows: torch.Tensor, keys: torch.Tensor) -> None:
         """First token of freshly prefilled `rows`."""
@@ -122,17 +192,19 @@ class EngineBackend:
         self.ended[rows] = hit
         self.active[rows] = ~hit & (self.max_new > 1)
 
-    def _advance(self, logits) -> None:
-        """Next token of every live row; finished rows write to the spare column and stay put."""
-        tok = next_tokens(logits, self.keys, self.n_gen, self.dec)
-        act = self.active.clone()
-        col = torch.where(act, self.n_gen, self.max_new)
-        self.out.scatter_(1, col[:, None], tok[:, None])
+    def _advance(self, logits, w: int) -> None:
+        """Next token of every live row of the first `w`; finished rows write to the spare column and stay put."""
+        keys, n_gen, active, cur = self.keys[:w], self.n_gen[:w], self.active[:w], self.cur[:w]
+        tok = next_tokens(logits, keys, n_gen, self.dec)
+        act = active.clone()
+        col = torch.where(act, n_gen, self.max_new)
+        self.out[:w].scatter_(1, col[:, None], tok[:, None])
         hit = act & (tok[:, None] == self.eos).any(dim=-1)
-        self.ended |= hit
-        self.n_gen += act.long()
-        self.active.copy_(act & ~hit & (self.n_gen < self.max_new))
-        self.cur.copy_(torch.where(act, tok, self.cur))
+        self.ended[:w] |= hit
+        n_gen += act.long()
+        active.copy_(act & ~hit & (n_gen < self.max_new))
+        cur.copy_(torch.where(act, tok, cur))
+        self.live_row_steps += act.sum()
 
     def _prefill(self, rows: list[int], reqs: list[TurnRequest]) -> None:
         dev = self.engine.device
@@ -154,25 +226,32 @@ class EngineBackend:
             lens = torch.tensor([len(reqs[i].prompt) for i in g], dtype=torch.long)
             slot_rows = [rows[i] for i in g]
             out = self.engine.forward(ids, lens, rows=slot_rows, last_only=True)
-            rt = torch.tensor(slot_rows, dtype=torch.long, device=dev)
-            keys = torch.tensor([reqs[i].key for i in g], dtype=torch.long, device=dev)
+            rt = to_device(slot_rows, dev)       # no host sync (torch.tensor(device=) syncs)
+            keys = to_device([reqs[i].key for i in g], dev)
             self._start(out.logits, rt, keys)
             self.prefill_rows += len(g)
+            self.prefill_calls += 1
+            self.prefill_tokens += int(lens.sum())
+            self.prefill_padded += len(g) * T
 
+    @torch.inference_mode()
     def _decode(self) -> None:
-        out = self.engine.forward(self.cur[:, None], self.active.long())
-        self._advance(out.logits[:, 0])
+        w = self.width
+        out = self.engine.forward(self.cur[:w, None], self.active[:w].long())
+        self._advance(out.logits[:, 0], w)
         self.decode_steps += 1
+        self.width_row_steps += w
 
     @torch.inference_mode()
     def collect(self) -> list[Completion]:
         """Wait for the queued steps; the finished answers (their slots are freed)."""
         live = [i for i, s in enumerate(self.slots) if s is not None]
         flags = self.active.tolist()                           # the one sync of a step
+        self._account()
         done = [i for i in live if not flags[i]]
         if not done:
             return []
-        dt = torch.tensor(done, dtype=torch.long, device=self.engine.device)
+        dt = to_device(done, self.engine.device)
         table = torch.cat([self.n_gen[dt, None], self.ended[dt, None].long(), self.out[dt]], dim=1).tolist()
         comps = []
         for r, row in zip(done, table):

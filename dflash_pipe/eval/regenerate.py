@@ -26,7 +26,9 @@ How (regen_backends): on attention-only targets a static-KV engine runs `batch_s
 continuous batching (finished slots refilled with the next prompts, CUDA graphs on CUDA); other
 targets (hybrid / recurrent layers) fall back to HF `generate`, greedy, named in the log. Up to
 4 x batch_size conversations are in flight; their ready turns are served oldest conversation
-first, and the answers are written in input order.
+first, and the answers are written in input order. While the device runs a launch, the host
+detokenizes the answers just collected and tokenizes the round's new prompts in one batched call
+(`encode_prompts`); the time of each phase is logged at the end and kept in the sidecar's "timing".
 
 Prefix-stable, resumable and crash-safe: rows are appended in input order only (a finished
 conversation waits for the earlier ones), so a file made with max_samples = N is the prefix of
@@ -60,7 +62,7 @@ from ..target.static_forward import engine_support
 from .regen_backends import Completion, EngineBackend, HFBackend, TurnRequest, auto_batch_size
 from .regen_output import JsonlAppender, load_sidecar, scan_output, settings_of, sidecar_path  # noqa: F401
 from .regen_sampling import Decoding, answer_key
-from .runner import encode_prompt, resolve_device
+from .runner import encode_prompts, resolve_device
 from .specdecode import eos_token_ids
 
 log = logging.getLogger("dflash_pipe.eval")
@@ -113,24 +115,33 @@ class Regenerator:
 
     def next_request(self, st: _ConvState) -> TurnRequest | None:
         """The conversation's next turn to generate, or None (it is finished)."""
-        if st.done:
-            return None
-        if self.max_turns and st.turns >= self.max_turns:
-            st.finish("")
-            return None
-        msgs = st.next_prompt()
-        if msgs is None:
-            return None
-        ids = encode_prompt(self.tokenizer, msgs)
-        if len(ids) + self.max_new_tokens > self.max_length:
-            st.counts["prompts_too_long"] += 1
-            st.finish(f"{'first' if not st.turns else 'a'} prompt of {len(ids)} tokens + max_new_tokens "
-                      f"exceeds max_length {self.max_length}")
-            return None
-        return TurnRequest(st, ids, answer_key(self.dec.seed, st.sample_id, st.turns), st.order)
+        reqs = self.next_requests([st])
+        return reqs[0] if reqs else None
 
-    def complete(self, c: Completion) -> TurnRequest | None:
-        """Record an answer; the conversation's next request (or None)."""
+    def next_requests(self, states: list[_ConvState]) -> list[TurnRequest]:
+        """The next turn of each conversation that has one, all prompts tokenized in one batch."""
+        todo = []
+        for st in states:
+            if st.done:
+                continue
+            if self.max_turns and st.turns >= self.max_turns:
+                st.finish("")
+                continue
+            msgs = st.next_prompt()
+            if msgs is not None:
+                todo.append((st, msgs))
+        reqs = []
+        for (st, _), ids in zip(todo, encode_prompts(self.tokenizer, [m for _, m in todo])):
+            if len(ids) + self.max_new_tokens > self.max_length:
+                st.counts["prompts_too_long"] += 1
+                st.finish(f"{'first' if not st.turns else 'a'} prompt of {len(ids)} tokens + max_new_tokens "
+                          f"exceeds max_length {self.max_length}")
+                continue
+            reqs.append(TurnRequest(st, ids, answer_key(self.dec.seed, st.sample_id, st.turns), st.order))
+        return reqs
+
+    def record(self, c: Completion) -> _ConvState | None:
+        """Record an answer; its conversation if it may continue (else None: it is finished)."""
         st: _ConvState = c.request.state
         st.counts["generated_tokens"] += len(c.tokens) + c.ended
         st.counts["truncated_responses"] += not c.ended
@@ -142,7 +153,12 @@ class Regenerator:
         st.out.append({"role": "assistant", "content": text})
         st.cursor += 1
         st.turns += 1
-        return self.next_request(st)
+        return st
+
+    def complete(self, c: Completion) -> TurnRequest | None:
+        """Record an answer; the conversation's next request (or None)."""
+        st = self.record(c)
+        return None if st is None else self.next_request(st)
 
 
 def _queue(ready: list[TurnRequest], req: TurnRequest | None) -> None:
@@ -171,6 +187,13 @@ def make_backend(bundle, eos: list[int], pad: int, batch: int, max_len: int, max
             return EngineBackend(bundle.model, eos, batch, max_len, max_new, dec)
         except torch.OutOfMemoryError:
             batch = _halve(batch)
+
+
+def _timing(split: dict, backend, wall: float) -> dict:
+    """Where the run's wall time went (host phases of the driver loop, plus the backend's own counters)."""
+    out = {"wall_s": round(wall, 3), **{k: round(v, 3) for k, v in split.items()}}
+    out.update(backend.stats() if hasattr(backend, "stats") else {"decode_steps": backend.decode_steps})
+    return out
 
 
 def _halve(batch: int) -> int:
@@ -260,15 +283,19 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
 
     try:
         completions: list[Completion] = []
+        split = dict.fromkeys(("launch_s", "detokenize_s", "tokenize_s", "write_s", "collect_s"), 0.0)
         cap = None                           # conversations admitted per round: all at first, then a trickle
         while True:
             launched = oom = False
+            t_a = time.perf_counter()
             if ready or backend.busy():
                 try:
                     backend.launch(ready)
                     launched = True
                 except torch.OutOfMemoryError:
                     oom = True               # handled below, once the traceback no longer holds the engine
+            t_b = time.perf_counter()
+            split["launch_s"] += t_b - t_a
             if oom:
                 for req in backend.take_back():
                     _queue(ready, req)
@@ -278,9 +305,12 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
                                        max_new_tokens, dec, engine)
                 state["decode_path"] = backend.describe
             # host work while the device decodes: the last answers, the next turns, new prompts, the output
-            for c in completions:
-                _queue(ready, regen.complete(c))
-            admitted = 0
+            going = [st for st in (regen.record(c) for c in completions) if st is not None]   # detokenizes
+            t_c = time.perf_counter()
+            split["detokenize_s"] += t_c - t_b
+            for req in regen.next_requests(going):
+                _queue(ready, req)
+            admitted, fresh = 0, []
             cap = backend.B if cap is None else max(16, backend.B // 16)
             while (not exhausted and admitted < cap and len(ready) < backend.B
                    and len(inflight) < 4 * backend.B):
@@ -296,7 +326,11 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
                     order += 1
                     admitted += 1
                     inflight.append(st)
-                    _queue(ready, regen.next_request(st))
+                    fresh.append(st)
+            for req in regen.next_requests(fresh):           # one batched tokenizer call per round
+                _queue(ready, req)
+            t_d = time.perf_counter()
+            split["tokenize_s"] += t_d - t_c
             head = 0
             while head < len(inflight) and inflight[head].done:
                 head += 1
@@ -306,14 +340,20 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
             if pending_rows and (finished or len(pending_rows) >= backend.B
                                  or time.perf_counter() - last_flush >= FLUSH_SECONDS):
                 flush()
+            t_e = time.perf_counter()
+            split["write_s"] += t_e - t_d
             if finished:
                 break
             completions = backend.collect() if launched else []
+            split["collect_s"] += time.perf_counter() - t_e
             if not launched and not ready and exhausted:
                 raise RuntimeFailure(f"regenerate stalled with {len(inflight)} conversations in flight (a bug)")
     finally:
         writer.close()
         bar.close()
+    state["timing"] = _timing(split, backend, time.perf_counter() - t0)    # informational, this run only
+    atomic_write_json(sidecar_path(output), state)
+    print("regenerate: time split: " + ", ".join(f"{k} {v}" for k, v in state["timing"].items()), flush=True)
     print(f"regenerate: {output}: {state['rows_written']} conversations, {len(state['skipped'])} skipped "
           f"({state['prompts_too_long']} prompts too long for [extract] max_length, {state['empty_answers']} empty "
           f"answers), "

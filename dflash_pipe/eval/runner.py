@@ -71,6 +71,20 @@ def encode_prompt(tokenizer, messages: list[dict[str, str]]) -> list[int]:
     return [int(t) for t in tokenizer("\n\n".join(m["content"] for m in messages))["input_ids"]]
 
 
+def encode_prompts(tokenizer, conversations: list[list[dict[str, str]]]) -> list[list[int]]:
+    """`encode_prompt` of many prompts at once: the templates rendered as text, then one batched tokenizer call
+    (the Rust tokenizer's parallel path; `apply_chat_template(tokenize=True)` tokenizes its text the same way,
+    without special tokens)."""
+    if not conversations:
+        return []
+    if getattr(tokenizer, "chat_template", None):
+        texts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in conversations]
+        enc = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    else:
+        enc = tokenizer(["\n\n".join(m["content"] for m in msgs) for msgs in conversations])["input_ids"]
+    return [[int(t) for t in ids] for ids in enc]
+
+
 def check_drafter_fits(dcfg: DrafterModelConfig, bundle: TargetBundle, where: str) -> None:
     """Refuse a drafter trained for another target, naming every field that differs."""
     expect = {"hidden_size": bundle.hidden_size, "num_target_layers": bundle.num_layers,

@@ -75,6 +75,16 @@ def engine_support(model: torch.nn.Module) -> str | None:
     return None
 
 
+def to_device(x, device: torch.device) -> torch.Tensor:
+    """A host list / tensor on `device` without a host sync: on CUDA through pinned memory and an async copy
+    (the caching host allocator keeps the pinned block until the copy is done); a copy from pageable memory
+    may wait for the device."""
+    t = x if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=torch.long)
+    if device.type != "cuda" or t.device.type == "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -151,9 +161,22 @@ class StaticKVEngine:
         idx = list(rows)
         if not idx:
             return
-        self.lengths.index_fill_(0, torch.tensor(idx, device=self.device), 0)
+        self.lengths.index_fill_(0, to_device(idx, self.device), 0)   # no host sync
         for r in idx:
             self._bound[r] = 0
+
+    @torch.inference_mode()
+    def move_rows(self, src: Sequence[int], dst: Sequence[int], chunk: int = 64) -> None:
+        """Move rows `src` (K/V, lengths) to the empty rows `dst`, then empty `src` (no host sync)."""
+        for i in range(0, len(src), chunk):
+            s = to_device(list(src[i:i + chunk]), self.device)
+            d = to_device(list(dst[i:i + chunk]), self.device)
+            self.k_cache[:, d] = self.k_cache[:, s]
+            self.v_cache[:, d] = self.v_cache[:, s]
+            self.lengths[d] = self.lengths[s]
+        for a, b in zip(src, dst):
+            self._bound[b] = self._bound[a]
+        self.reset(src)
 
     def length(self, row: int) -> int:
         """The row's length (a host sync; for tests and debugging)."""
@@ -174,15 +197,15 @@ class StaticKVEngine:
         host_rows = list(range(B)) if rows is None else [int(r) for r in rows]
         if len(host_rows) != B or B > self.max_batch or any(not 0 <= r < self.max_batch for r in host_rows):
             raise UsageError(f"forward: {B} input rows for rows {host_rows[:8]}... of a {self.max_batch}-row cache")
-        ids = input_ids.to(self.device, torch.long, non_blocking=True)
+        ids = to_device(input_ids.long(), self.device)
         nn_ = (torch.full((B,), T, dtype=torch.long, device=self.device) if num_new is None
-               else num_new.to(self.device, torch.long, non_blocking=True))
+               else to_device(num_new.long(), self.device))
         kv_len = self.attended_length(host_rows, T)
         for r in host_rows:
             self._bound[r] = min(self._bound[r] + T, self.max_len)
         if rows is None and self.use_graphs and T <= GROUPED_QUERY_MAX_T:
             return self._replay(ids, nn_, kv_len, last_only)
-        row_t = None if rows is None else torch.tensor(host_rows, dtype=torch.long, device=self.device)
+        row_t = None if rows is None else to_device(host_rows, self.device)
         return self._compute(ids, nn_, row_t, kv_len, last_only)
 
     def _compute(self, ids, num_new, row_t, kv_len: int, last_only: bool) -> EngineOutput:
