@@ -189,6 +189,9 @@ def main() -> int:
         "train_data_wait_share_window_full": wait_share,
         "train_tok_s_window_full": (sum(r["tok_s"] * r["step_s"] for r in full) / sum(r["step_s"] for r in full))
         if full else None,
+        # wall time of the trainer outside its steps: start-up, the round-boundary checkpoints and deletions
+        "train_step_s_sum": sum(r["step_s"] for r in recs),
+        "train_outside_steps_s": (walls["train"] - sum(r["step_s"] for r in recs)) if "train" in walls else None,
         "extract_space_wait_s": space_wait, "extract_wall_s": walls.get("extract"), "train_wall_s": walls.get("train"),
         "work": str(work),
     }
