@@ -77,7 +77,7 @@ def data_file(source: str, work: Path) -> str:
 def build_manifest(a, work: Path) -> Path:
     cfg = load_manifest(ROOT / "manifests" / ("tiny-qwen3.5.toml" if a.smoke else "default.toml"))
     ex, tr, d = cfg.extract, cfg.train, cfg.data
-    d.source, d.format = data_file(a.data_source, work), "auto"
+    d.source, d.format = data_file(a.data, work), "auto"
     d.skip_samples, d.max_samples = a.skip_samples, a.samples
     if a.model_cache_dir:
         cfg.target.model_cache_dir = a.model_cache_dir
@@ -88,6 +88,7 @@ def build_manifest(a, work: Path) -> Path:
         ex.compress_workers = a.compress_workers
     tr.output_dir, tr.follow, tr.passes_per_shard = str(work / "train"), True, a.passes
     tr.follow_poll_s, tr.follow_timeout_s = 0.2, a.space_timeout_s
+    tr.window_checkpoint_rounds = a.checkpoint_rounds
     tr.context_tokens, tr.num_anchors, tr.max_anchors_per_doc = a.context_tokens, a.num_anchors, a.num_anchors
     tr.checkpoint_every, tr.log_every, tr.loader_workers = 0, 1, a.loader_workers
     normalize(cfg)
@@ -103,11 +104,14 @@ def main() -> int:
     p.add_argument("--json", default="", help="write the summary here")
     p.add_argument("--budget-gib", type=float, default=None)
     p.add_argument("--passes", type=int, default=2, help="K: reads of every shard")
+    p.add_argument("--checkpoint-rounds", type=int, default=1, help="[train] window_checkpoint_rounds M (the "
+                   "budget must hold K + M shards)")
     p.add_argument("--shards", type=int, default=None)
     p.add_argument("--samples", type=int, default=None)
     p.add_argument("--skip-samples", type=int, default=300)
-    p.add_argument("--data-source", default=str(ROOT / "bench" / "data" / "smollm2_regenerated_sharegpt.jsonl.gz"),
-                   help="conversations (default: the SmolLM2-regenerated ShareGPT first turns kept in bench/data)")
+    p.add_argument("--data", default=str(ROOT / "bench" / "data" / "smollm2_regenerated_sharegpt.jsonl.gz"),
+                   help="conversations to extract, JSONL or .jsonl.gz (default: the SmolLM2-regenerated ShareGPT "
+                   "first turns kept in bench/data; the GPU image lacks the sharegpt package)")
     p.add_argument("--model-cache-dir", default="", help="[target] model_cache_dir (quality_gpu.sh passes its own)")
     p.add_argument("--attention", default="sdpa", help="drafter attention (sdpa: no compile time in the budget)")
     p.add_argument("--compile", default="off", help="[train] compile")
@@ -178,7 +182,7 @@ def main() -> int:
     summary = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "smoke": a.smoke,
         "returncodes": {"extract": ext.returncode, "train": trn.returncode},
-        "budget_gib": a.budget_gib, "passes_per_shard": a.passes, "num_shards": a.shards, "samples": a.samples,
+        "budget_gib": a.budget_gib, "passes_per_shard": a.passes, "checkpoint_rounds": a.checkpoint_rounds, "num_shards": a.shards, "samples": a.samples,
         "shards_committed": len(sides), "shard_bytes_max": max((s["bytes"] for s in sides), default=0),
         "high_water_shards_gib": disk["high_shards"] / GIB, "high_water_dir_gib": disk["high_dir"] / GIB,
         "within_budget": disk["high_shards"] <= disk["budget"], "disk_samples": disk["samples"],

@@ -78,15 +78,25 @@ def eval_cmd(cfg: RunConfig):
 def regenerate_cmd(cfg: RunConfig, output: Path = typer.Option(..., "--output", "-o",
                                                                 help="JSONL file of regenerated conversations."),
                    max_new_tokens: int = typer.Option(512, help="Tokens generated per response."),
-                   batch_size: int = typer.Option(16, help="Prompts generated together."),
+                   batch_size: int = typer.Option(0, help="Sequences decoded together (0 = auto: 16 on the CPU, "
+                                                          "up to 1024 on CUDA as memory allows; halved on OOM)."),
                    device: str = typer.Option("auto", help="'auto', 'cpu' or 'cuda'."),
                    max_turns: int = typer.Option(0, help="Regenerate at most this many assistant turns per "
-                                                         "conversation (0 = all, turn by turn).")):
+                                                         "conversation (0 = all, turn by turn)."),
+                   samples: int = typer.Option(1, help="Answers per conversation (ids <id>#0..; needs "
+                                                       "--temperature > 0 when > 1)."),
+                   temperature: float = typer.Option(0.0, help="Sampling temperature (0 = greedy)."),
+                   top_p: float = typer.Option(1.0, help="Nucleus sampling: keep the smallest set of tokens "
+                                                         "holding this probability, in (0, 1]."),
+                   seed: int = typer.Option(0, help="Sampling seed; an answer depends on (seed, id, turn) only."),
+                   engine: str = typer.Option("auto", help="'auto' (static-KV engine where the target allows, "
+                                                           "else HF generate), 'static' or 'hf'.")):
     """Regenerate the assistant turns with the target itself (drafters must learn the target's outputs)."""
     from .eval.regenerate import run_regenerate
 
     run_regenerate(cfg, output, max_new_tokens=max_new_tokens, batch_size=batch_size, device=device,
-                   max_turns=max_turns)
+                   max_turns=max_turns, samples=samples, temperature=temperature, top_p=top_p, seed=seed,
+                   engine=engine)
 
 
 @app.command("export")

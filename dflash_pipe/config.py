@@ -151,6 +151,9 @@ class TrainConfig:
                                 "times as it streams in (round r reads the shards committed r-K+1..r, shuffled "
                                 "together), then retire it; its file is deleted after the next complete "
                                 "checkpoint, so the cache stays within [extract] max_cache_gib. --epochs is unused.")
+    window_checkpoint_rounds: int = opt(1, "Window mode: checkpoint (and then delete the retired shards) every this "
+                                        "many rounds. A checkpoint per round costs its write every round; M rounds "
+                                        "need room for K + M shards in [extract] max_cache_gib instead of K + 1.")
     follow_timeout_s: float = opt(1800.0, "--follow: stop (exit 4, checkpoint kept) when no new shard was committed "
                                   "for this long while the trainer waits for one (the extractor seems gone).")
     val_cache_dir: str = opt("", "A second cache (same target, layers and tokenizer; documents the training cache "
@@ -168,7 +171,19 @@ class EvalConfig:
                            "n-gram then run once per prompt; methods are reported as dflash:<name>).")
     prompts: str = opt("mtbench,humaneval", "Comma list of prompt sets: mtbench, humaneval, heldout.")
     max_prompts: int = opt(0, "Prompts per set (0 = all).")
-    max_new_tokens: int = opt(256, "Tokens generated per prompt.")
+    mtbench_turns: int = opt(2, "MT-Bench turns per question: 2 = the second turn too, asked after the target's own "
+                                "greedy first answer; 1 = the first turn only.")
+    max_new_tokens: int = opt(256, "Tokens generated per prompt (per turn).")
+    cache_mode: str = opt("auto", "Target cache during speculative decoding: 'crop' (attention-only targets), "
+                                  "'rollback' (recurrent-state snapshot + re-feed, hybrid Gated DeltaNet targets), "
+                                  "'recompute' (no cache, whole sequence per verify: reference), 'auto' (crop or "
+                                  "rollback by the target's layers).", ("auto", "crop", "rollback", "recompute"))
+    engine: str = opt("auto", "Target forward for attention-only targets: 'static' (the static-KV engine, CUDA graphs "
+                              "on a GPU, eager on the CPU), 'hf' (the model's own forward with its HF cache), 'auto' "
+                              "(static on CUDA when the target is supported and the cache mode is auto/crop).",
+                      ("auto", "static", "hf"))
+    draft_graphs: str = opt("auto", "DFlash drafting step at fixed shapes replayed as CUDA graphs ('auto' = on CUDA; "
+                                    "'off' = the eager proposer). Same drafts either way.", ("auto", "on", "off"))
     output_dir: str = opt("", "Where the report goes (empty = <train.output_dir>/eval).")
     device: str = opt("auto", "'auto', 'cpu' or 'cuda'.")
 
@@ -362,6 +377,7 @@ def normalize(cfg: RunConfig) -> RunConfig:
         (ex.space_wait_timeout_s > 0 and tr.follow_timeout_s > 0, "--space-wait-timeout-s and --follow-timeout-s "
                                                                   "must be > 0"),
         (tr.passes_per_shard >= 0, "--passes-per-shard must be >= 0"),
+        (tr.window_checkpoint_rounds >= 1, "--window-checkpoint-rounds must be >= 1"),
     ]
     for ok, message in checks:
         if not ok:
