@@ -82,7 +82,8 @@ def build_manifest(a, work: Path) -> Path:
     if a.model_cache_dir:
         cfg.target.model_cache_dir = a.model_cache_dir
     cfg.drafter.attention, tr.compile = a.attention, a.compile
-    ex.cache_dir, ex.num_shards, ex.max_length, ex.token_budget = str(work / "cache"), a.shards, a.max_length, a.token_budget
+    ex.cache_dir, ex.num_shards = str(work / "cache"), a.shards
+    ex.max_length, ex.token_budget = a.max_length, a.token_budget
     ex.max_cache_gib, ex.space_wait_timeout_s = a.budget_gib, a.space_timeout_s
     if a.compress_workers:
         ex.compress_workers = a.compress_workers
@@ -182,7 +183,8 @@ def main() -> int:
     summary = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "smoke": a.smoke,
         "returncodes": {"extract": ext.returncode, "train": trn.returncode},
-        "budget_gib": a.budget_gib, "passes_per_shard": a.passes, "checkpoint_rounds": a.checkpoint_rounds, "num_shards": a.shards, "samples": a.samples,
+        "budget_gib": a.budget_gib, "passes_per_shard": a.passes, "checkpoint_rounds": a.checkpoint_rounds,
+        "num_shards": a.shards, "samples": a.samples,
         "shards_committed": len(sides), "shard_bytes_max": max((s["bytes"] for s in sides), default=0),
         "high_water_shards_gib": disk["high_shards"] / GIB, "high_water_dir_gib": disk["high_dir"] / GIB,
         "within_budget": disk["high_shards"] <= disk["budget"], "disk_samples": disk["samples"],
