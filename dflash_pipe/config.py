@@ -86,7 +86,9 @@ class ExtractConfig:
     sanity_check: bool = opt(True, "Refuse non-finite, all-zero or collapsed features at write time.")
     max_cache_gib: float = opt(0.0, "Disk budget of the cache in GiB (0 = unbounded): before opening a shard a rank "
                                "waits until the shards not yet deleted by a `train --follow --passes-per-shard K` "
-                               "run, its own in-flight shard and the next one fit. Must hold K + 1 shards.")
+                               "run, its own in-flight shard and the next one fit. Must hold K + M shards (K = [train] "
+                               "passes_per_shard of the same manifest, 1 if unset; M = [train] "
+                               "window_checkpoint_rounds).")
     space_wait_timeout_s: float = opt(1800.0, "With --max-cache-gib: give up (exit 4) when no space was freed "
                                       "for this long (the trainer seems gone).")
 
@@ -150,6 +152,9 @@ class TrainConfig:
                                 "times as it streams in (round r reads the shards committed r-K+1..r, shuffled "
                                 "together), then retire it; its file is deleted after the next complete "
                                 "checkpoint, so the cache stays within [extract] max_cache_gib. --epochs is unused.")
+    window_checkpoint_rounds: int = opt(1, "Window mode: checkpoint (and then delete the retired shards) every this "
+                                        "many rounds. A checkpoint per round costs its write every round; M rounds "
+                                        "need room for K + M shards in [extract] max_cache_gib instead of K + 1.")
     follow_timeout_s: float = opt(1800.0, "--follow: stop (exit 4, checkpoint kept) when no new shard was committed "
                                   "for this long while the trainer waits for one (the extractor seems gone).")
     val_cache_dir: str = opt("", "A second cache (same target, layers and tokenizer; documents the training cache "
@@ -380,6 +385,7 @@ def normalize(cfg: RunConfig) -> RunConfig:
         ("heldout" not in cfg.eval.prompts.replace("_", "").replace("-", "").lower() or cfg.data.skip_samples > 0,
          "[eval] prompts asks for the 'heldout' set (the first data.skip_samples conversations, never trained on) "
          "but --data-skip-samples is 0: set it > 0 (extraction then skips those) or drop 'heldout'"),
+        (tr.window_checkpoint_rounds >= 1, "--window-checkpoint-rounds must be >= 1"),
     ]
     for ok, message in checks:
         if not ok:

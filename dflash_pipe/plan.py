@@ -113,16 +113,17 @@ def window_plan(cfg: RunConfig, cache_dir: Path, spec: dict | None) -> dict:
         out["summary"] = (f"budget {budget:g} GiB but --passes-per-shard 0: nothing deletes shards, so extraction "
                           "stops (exit 4) once the budget is full")
         return out
-    need = (K + 1) * big
+    M = cfg.train.window_checkpoint_rounds
+    need = (K + M) * big  # the trainer holds up to K + M - 1 shards, one more is being written
     # extraction runs ahead as far as the budget lets it: whole shards up to the budget, else the whole cache
     high = (int(budget * GIB) // big) * big if budget and big else big * n
     out |= {"min_budget_gib": need / GIB if big else None, "expected_high_water_gib": high / GIB if big else None}
     size = (f"shards up to {big / GIB:.3g} GiB / {tok:,} tokens: window ~{K * tok:,} tokens, needs >= "
             f"{need / GIB:.3g} GiB, expected high-water {high / GIB:.3g} GiB" if big else
-            "shard size unknown until the first shard is committed (the budget must hold K + 1 shards)")
-    out["summary"] = (f"train --follow reads every shard {K} times in {n + K - 1} rounds (window of {K} shards + 1 "
-                      f"being written); budget {f'{budget:g} GiB' if budget else 'off (extraction runs ahead)'}; "
-                      + size)
+            "shard size unknown until the first shard is committed (the budget must hold K + M shards)")
+    room = f"{budget:g} GiB" if budget else "off (extraction runs ahead)"
+    out["summary"] = (f"train --follow reads every shard {K} times in {n + K - 1} rounds (window of {K} shards, "
+                      f"checkpoint every {M} round(s), + 1 being written); budget {room}; " + size)
     return out
 
 

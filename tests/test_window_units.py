@@ -144,7 +144,7 @@ def test_budget_smaller_than_the_window_is_a_usage_error_naming_flag_and_shard_s
         with DiskBudget(tmp_path, 10000 / GIB, 1, timeout_s=5).room_for_next_shard():
             pass
     msg = str(err.value)
-    assert "--max-cache-gib" in msg and "7000 bytes" in msg and "K=1" in msg
+    assert "--max-cache-gib" in msg and "7000 bytes" in msg and "holds up to 1 shards" in msg
     assert err.value.exit_code == 2
 
 
@@ -234,3 +234,40 @@ def test_follow_trainer_started_before_extraction_waits_for_the_spec_and_head(tm
     assert index.spec is not None and time.monotonic() - t0 >= 1.0 and (live / "target_head.safetensors").exists()
     with pytest.raises(CacheError, match="no cache_spec.json"):
         CacheIndex(tmp_path / "nothing", follow=True, wait_s=0.2)  # and it does give up
+
+
+def test_checkpointing_every_M_rounds_trains_the_same_and_deletes_only_after_each_checkpoint(tmp_path, monkeypatch):
+    import shutil
+
+    from dflash_pipe.config import RunConfig, normalize
+    from dflash_pipe.train import trainer as trainer_mod
+    from dflash_pipe.train import window_run
+
+    write_train_cache(tmp_path / "staged", num_docs=16, num_shards=4, seed=7)
+    events = []
+    real_ckpt, real_collect = trainer_mod._checkpoint, window_run.WindowCoordinator.collect
+    monkeypatch.setattr(trainer_mod, "_checkpoint", lambda *a, **k: (events.append(("ckpt", a[2])), real_ckpt(*a, **k)))
+    monkeypatch.setattr(window_run.WindowCoordinator, "collect",
+                        lambda self, b: (events.append(("delete", tuple(real_collect(self, b)))), events[-1][1])[1])
+
+    def run(m):
+        events.clear()
+        cache = tmp_path / f"c{m}"
+        shutil.copytree(tmp_path / "staged", cache)
+        cfg = RunConfig()
+        cfg.train.cache_dir, cfg.train.output_dir = str(cache), str(tmp_path / f"out{m}")
+        cfg.drafter.num_layers, cfg.drafter.block_size = 1, 4
+        cfg.train.context_tokens, cfg.train.num_anchors, cfg.train.checkpoint_every = 96, 8, 0
+        cfg.train.follow, cfg.train.passes_per_shard, cfg.train.follow_poll_s = True, 2, 0.05
+        cfg.train.window_checkpoint_rounds, cfg.train.loader_workers = m, 1
+        trainer_mod.run_train(normalize(cfg))
+        rows = [json.loads(ln) for ln in (tmp_path / f"out{m}" / "metrics.jsonl").read_text().splitlines()]
+        return [(r["loss"], r["grad_norm"]) for r in rows], list(events)
+
+    every, ev1 = run(1)
+    sparse, ev2 = run(2)
+    assert sparse == every  # when checkpoints happen does not change what is trained
+    assert [e for e in ev1 if e[0] == "ckpt"] == [("ckpt", r) for r in (1, 2, 3, 4, 5)]
+    assert [e for e in ev2 if e[0] == "ckpt"] == [("ckpt", r) for r in (2, 4, 5)]  # rounds 2, 4 and the end
+    # deletions follow each checkpoint: shard c is retired after round c+1, deleted at the next checkpoint
+    assert [e[1] for e in ev2 if e[0] == "delete"] == [(0,), (1, 2), (3,)]

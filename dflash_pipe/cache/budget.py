@@ -87,8 +87,9 @@ class DiskBudget:
         if shard_bytes and self.limit < need:
             raise UsageError(
                 f"--max-cache-gib {self.limit / GIB:.3g} is smaller than the window needs: a shard is "
-                f"{shard_bytes / GIB:.3g} GiB ({shard_bytes} bytes) and K={self.passes} shards being read plus one "
-                f"being written need {need / GIB:.3g} GiB",
+                f"{shard_bytes / GIB:.3g} GiB ({shard_bytes} bytes); the trainer holds up to {self.passes} shards "
+                f"(K + M - 1: --passes-per-shard K, --window-checkpoint-rounds M) and one more is being written: "
+                f"{need / GIB:.3g} GiB",
                 f"raise --max-cache-gib to at least {need / GIB:.3g}, or use more --num-shards (smaller shards)")
 
     @contextmanager

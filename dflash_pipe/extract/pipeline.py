@@ -170,7 +170,8 @@ def run_extract(cfg: RunConfig) -> ExtractSummary:
         init_or_check_spec(cache_dir, spec, overwrite=False)
     summary = ExtractSummary(str(cache_dir), status)
     summary.reextracted_consumed = redo if info.is_main else []
-    budget = DiskBudget(cache_dir, ex.max_cache_gib, cfg.train.passes_per_shard, ex.space_wait_timeout_s)
+    held = max(1, cfg.train.passes_per_shard) + cfg.train.window_checkpoint_rounds - 1  # shards the trainer may hold
+    budget = DiskBudget(cache_dir, ex.max_cache_gib, held, ex.space_wait_timeout_s)
     committed = committed_shards(cache_dir, spec)
     mine = _owned_shards(cfg, info)
     todo = [s for s in mine if s not in committed]

@@ -195,7 +195,7 @@ def run_train(cfg: RunConfig) -> dict:
                 step_in_epoch = 0
                 if coord is not None:  # round boundary: retire, checkpoint, then delete what it no longer needs
                     coord.end_round(epoch - 1, loader)
-                    if epoch < phases:
+                    if epoch < phases and epoch % tr.window_checkpoint_rounds == 0:
                         _checkpoint(out_dir, step, epoch, 0, weights, opt, epoch_steps, total, spec, dcfg, cfg, info)
                         coord.collect(epoch)
             _checkpoint(out_dir, step, epoch, step_in_epoch, weights, opt, epoch_steps, total, spec, dcfg, cfg, info)
