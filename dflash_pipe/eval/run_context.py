@@ -21,12 +21,13 @@ SMALL_RUN_STEPS = 1000
 # BENCHMARKS.md, "Acceptance quality, SmolLM2-135M-Instruct on the H200 (session 6)", lossless drafter.
 GPU_RECIPE = {
     "target": "smollm2",
-    "what": "a 3-layer drafter, 5,000 steps on 3.82 M tokens of SmolLM2's own (regenerated) ShareGPT answers",
+    "what": "a 3-layer drafter trained 5,000 steps on 3.82 M tokens of SmolLM2's own (regenerated) ShareGPT "
+            "answers",
     "dflash_tau": {"MT-Bench": 1.87, "HumanEval": 1.84, "held-out ShareGPT": 2.16},
     "lookup_tau": {"MT-Bench": 2.05, "HumanEval": 2.27, "held-out ShareGPT": 1.94},
     "command": "scripts/prepare_gpu_carry.sh, then on the H200 `bash bench/quality_gpu.sh stash` and "
                "`bash bench/quality_gpu.sh run` (BENCHMARKS.md, \"Reproducing the GPU rows\")",
-    "source": "BENCHMARKS.md, session 6 (H200, 2026-12-01)",
+    "source": "BENCHMARKS.md, session 6, H200, 2026-12-01",
 }
 
 
@@ -61,6 +62,6 @@ def run_context(report: dict) -> str:
         r = GPU_RECIPE
         taus = "; ".join(f"{k} {r['dflash_tau'][k]:.2f} (prompt lookup {r['lookup_tau'][k]:.2f})"
                          for k in r["dflash_tau"])
-        lines += ["", f"What the GPU recipe reaches on this target ({r['source']}): {r['what']} decode at "
+        lines += ["", f"What the GPU recipe reaches on this target ({r['source']}): {r['what']} decodes at "
                       f"tau {taus}. To run it: {r['command']}."]
     return "\n".join(lines) + "\n"
