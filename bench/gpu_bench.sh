@@ -11,6 +11,7 @@
 #     draft     bench/draft_step.py: one inference drafting step, context K/V cache vs recompute (both shapes)
 #     loader    the loader's decode rate, 256 vs 64 MiB row groups interleaved (CPU side of the host)
 #     gputests  pytest -m gpu
+#     smollm2   (first) reassemble the carried SmolLM2 GGUF and data for the steps after it
 # Wheels: .whl/gpu holds flash-linear-attention + fla-core 0.6.0 and zstandard (the image has neither);
 # carry it (device `carry: [".whl/gpu"]`). Limits per step: EXTRACT_S, FLEX_S, TRAIN_S, TESTS_S seconds.
 set -uo pipefail
@@ -45,6 +46,13 @@ step() {  # name limit command...
 
 for what in "$@"; do
     case $what in
+        # real SmolLM2 weights for the steps after it: call A ran `bash bench/quality_gpu.sh stash` (GGUF parts
+        # 0-1 + prompt data); this call carries parts 2-3 + .gpucarry/whl (see scripts/prepare_gpu_carry.sh)
+        smollm2) echo "=== smollm2 $(date -u +%T)"
+                 bash bench/quality_gpu.sh setup || exit 3
+                 export DFLASH_SMOLLM2_GGUF=/tmp/quality/smollm2.gguf DFLASH_PROMPTS_DIR=/tmp/quality/carry/data/prompts
+                 export PYTHONPATH=/tmp/quality/site:$PYTHONPATH HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+                 export SHAREGPT_FIRST_TURNS=/tmp/quality/carry/data/sharegpt_first_turns.jsonl ;;
         extract) step extract "${EXTRACT_S:-300}" python3 bench/extract_throughput.py --batches 16 --warmup 1 \
                      --workers 8 --shards-per-pass 2 --profile 2 --json "$OUT/extract_throughput.json" ;;
         flex) step flex "${FLEX_S:-420}" python3 bench/flex_kernel.py --variants "${FLEX_VARIANTS:-all}" \

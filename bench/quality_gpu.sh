@@ -13,7 +13,9 @@
 #   call C (within 30 s of B returning, only if B exited 75 = stopped at the deadline with work left):
 #     carry   []
 #     command bash bench/quality_gpu.sh run
-#   (repeat C while it exits 75; `bash bench/quality_gpu.sh status` prints what is done without running anything)
+#   (repeat C while it exits 75; `bash bench/quality_gpu.sh status` prints what is done without running anything;
+#   `bash bench/quality_gpu.sh setup` in call B's place only reassembles the GGUF and installs the wheels, for
+#   bench/gpu_bench.sh's `smollm2` step)
 #
 # Exit codes: 0 report complete; 75 stopped cleanly at the deadline, work left (printed; run again within
 # 30 s); 3 carry missing (machine went cold: start again at call A); other = a stage failed (log tails in $OUT).
@@ -280,8 +282,9 @@ trap 'say "interrupted"; finish 130' INT TERM
 case $MODE in
     stash) stash; exit 0 ;;
     status) snapshot; cat "$OUT/status.txt"; exit 0 ;;
+    setup) setup; say "setup: done (GGUF $DFLASH_SMOLLM2_GGUF, site $Q/site, prompts $DFLASH_PROMPTS_DIR)"; exit 0 ;;
     run) ;;
-    *) echo "usage: bench/quality_gpu.sh stash|run|status" >&2; exit 2 ;;
+    *) echo "usage: bench/quality_gpu.sh stash|setup|run|status" >&2; exit 2 ;;
 esac
 
 setup
