@@ -101,11 +101,15 @@ def regenerate_cmd(cfg: RunConfig, output: Path = typer.Option(..., "--output", 
 
 @app.command("export")
 def export_cmd(checkpoint: Path = typer.Argument(..., help="Training output dir or one checkpoint dir."),
-               output: Path = typer.Option(..., "--output", "-o", help="Export directory (config.json + model.safetensors).")):
+               output: Path = typer.Option(..., "--output", "-o", help="Export directory (config.json + model.safetensors)."),
+               with_modeling_code: bool = typer.Option(
+                   False, "--with-modeling-code",
+                   help="Also write modeling_dflash_pipe.py (torch + transformers only) and auto_map, so "
+                        "AutoModel.from_pretrained(DIR, trust_remote_code=True) builds the drafter.")):
     """Write a trained drafter in the z-lab format that vLLM and SGLang load."""
     from .train.exporting import export_checkpoint
 
-    typer.echo(f"exported to {export_checkpoint(checkpoint, output)}")
+    typer.echo(f"exported to {export_checkpoint(checkpoint, output, with_modeling_code=with_modeling_code)}")
 
 
 @cache_app.command("info")

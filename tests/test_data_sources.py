@@ -231,3 +231,23 @@ def test_embedded_sharegpt_conversations_match_an_independent_parse():
     got = [(c.sample_id, c.messages) for c in load_conversations("embedded:sharegpt", max_samples=len(expected))]
     assert len(expected) > 40 and got == expected   # (no duplicate ids this early in the file)
     assert got[0][1][0]["content"].startswith("Summarize the main ideas of Jeff Walker")
+
+
+def test_gzip_jsonl_reads_like_the_plain_file_and_a_cut_stream_is_named(tmp_path):
+    import gzip
+
+    rows = [{"id": f"r{i}", "messages": [{"role": "user", "content": f"q{i}"},
+                                         {"role": "assistant", "content": f"a{i}"}]} for i in range(50)]
+    text = "".join(json.dumps(r) + "\n" for r in rows).encode()
+    (tmp_path / "plain.jsonl").write_bytes(text)
+    (tmp_path / "packed.jsonl.gz").write_bytes(gzip.compress(text))
+    plain = [(c.sample_id, c.messages, c.line) for c in iter_conversations(str(tmp_path / "plain.jsonl"))]
+    packed = [(c.sample_id, c.messages, c.line) for c in iter_conversations(str(tmp_path / "packed.jsonl.gz"))]
+    assert packed == plain and len(plain) == 50
+    blob = gzip.compress(text)
+    (tmp_path / "cut.jsonl.gz").write_bytes(blob[: len(blob) // 2])   # a copy that stopped half-way
+    with pytest.raises(DataError, match=r"cut\.jsonl\.gz: the gzip stream is damaged after line \d+"):
+        list(iter_conversations(str(tmp_path / "cut.jsonl.gz")))
+    (tmp_path / "x.gz").write_bytes(blob)
+    with pytest.raises(UsageError, match="unsupported file type"):
+        list(iter_conversations(str(tmp_path / "x.gz")))

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_pipe.cache import load_manifest, verify_cache
+from dflash_pipe.cache import load_manifest, load_spec, verify_cache
 from dflash_pipe.cache.reader import ShardReader
 from dflash_pipe.config import load_manifest as load_run_manifest
 from dflash_pipe.config import normalize
@@ -65,6 +65,8 @@ def test_cache_is_complete_verified_and_matches_standalone_forwards(reference):
     assert report["samples"] == len(docs) and report["max_rel_l2"] < 1e-2
     assert man["features"]["layer_convention"].startswith("0-based")
     assert man["target"]["family"] == "qwen3.5" and len(man["features"]["layer_ids"]) == 3
+    # the servability override is recorded for stage 2 (off here: the default layers are servable)
+    assert load_spec(cache)["extract"]["allow_unservable_layers"] is False
 
 
 def test_rerun_skips_committed_shards_and_mismatch_is_refused(reference, tmp_path):

@@ -22,10 +22,12 @@ ids depend only on the rows before them and are the same for any skip/max select
 
 from __future__ import annotations
 
+import gzip
 import importlib.util
 import itertools
 import json
 import os
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator
@@ -41,7 +43,7 @@ SHAREGPT_FILENAME = "ShareGPT_V3_unfiltered_cleaned_split.json"
 # Bump when a reader change could alter which rows are kept or how they are normalised.
 READER_VERSION = 1
 _KINDS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet", ".pq": "parquet",
-          ".txt": "txt"}
+          ".txt": "txt", ".jsonl.gz": "jsonl", ".ndjson.gz": "jsonl"}
 
 
 @dataclass
@@ -81,7 +83,8 @@ def embedded_sharegpt_path() -> Path:
 
 
 def _kind_of(path: Path) -> str | None:
-    return _KINDS.get(path.suffix.lower())
+    suffixes = "".join(path.suffixes[-2:]).lower()
+    return _KINDS.get(suffixes) if suffixes.endswith(".gz") else _KINDS.get(path.suffix.lower())
 
 
 def resolve_source(source: str) -> list[SourceFile]:
@@ -118,26 +121,46 @@ def resolve_source(source: str) -> list[SourceFile]:
 # --------------------------------------------------------------------------- per-format readers
 
 def _read_jsonl(path: Path) -> Iterator[JsonRecord]:
-    index = 0
+    if path.name.lower().endswith(".gz"):
+        yield from _read_gzip_jsonl(path)
+        return
     with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            if not raw.strip():
-                continue
-            index += 1
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                yield JsonRecord(index, lineno, error="invalid_utf8",
-                                 detail=f"byte {exc.start} of the line is not UTF-8")
-                continue
-            if lineno == 1 and text.startswith("\ufeff"):
-                text = text[1:]
-            try:
-                yield JsonRecord(index, lineno, value=json.loads(text))
-            except json.JSONDecodeError as exc:
-                cut = not raw.endswith(b"\n")           # only the last line can lack its newline
-                yield JsonRecord(index, lineno, error="truncated" if cut else "bad_json",
-                                 detail=("the file ends inside this line: " if cut else "") + exc.msg)
+        yield from _jsonl_records(f)
+
+
+def _read_gzip_jsonl(path: Path) -> Iterator[JsonRecord]:
+    """A gzip-compressed JSONL file (e.g. bench/data/smollm2_regenerated_sharegpt.jsonl.gz)."""
+    lines = 0
+    try:
+        with gzip.open(path, "rb") as f:
+            for rec in _jsonl_records(f):
+                lines = rec.line
+                yield rec
+    except (EOFError, OSError, zlib.error) as exc:  # truncated or corrupt stream
+        raise DataError(f"{path}: the gzip stream is damaged after line {lines}: {exc}",
+                        "re-copy the file, or decompress what is readable and pass the .jsonl") from None
+
+
+def _jsonl_records(f) -> Iterator[JsonRecord]:
+    index = 0
+    for lineno, raw in enumerate(f, 1):
+        if not raw.strip():
+            continue
+        index += 1
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            yield JsonRecord(index, lineno, error="invalid_utf8",
+                             detail=f"byte {exc.start} of the line is not UTF-8")
+            continue
+        if lineno == 1 and text.startswith("\ufeff"):
+            text = text[1:]
+        try:
+            yield JsonRecord(index, lineno, value=json.loads(text))
+        except json.JSONDecodeError as exc:
+            cut = not raw.endswith(b"\n")           # only the last line can lack its newline
+            yield JsonRecord(index, lineno, error="truncated" if cut else "bad_json",
+                             detail=("the file ends inside this line: " if cut else "") + exc.msg)
 
 
 def _read_json(path: Path) -> Iterator[JsonRecord]:

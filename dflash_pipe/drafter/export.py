@@ -7,11 +7,24 @@ target_layer_ids}`, `num_target_layers` = the target's layer count, `layer_types
 newer ones (e.g. z-lab/Qwen3.5-*-DFlash: `rope_parameters` and `block_size` also inside
 dflash_config). Both `rope_theta` and `rope_parameters` are written so readers built on
 transformers 4.x (top-level rope_theta) and 5.x (rope_parameters) find the same value.
-No `auto_map`: the serving engines implement DFlash in-tree and no Python code is shipped.
+
+Keys for the serving engines, so that no converter is needed (SERVING.md lists which engine and
+release reads which key, with the source file): `eagle_aux_hidden_state_layer_ids` holds the
+layer ids in vLLM's convention (vLLM captures a layer's *input*, so our id + 1); vLLM reads it
+before `dflash_config.target_layer_ids` (SPEC §9: some releases read only it). `is_neox_style:
+true` says the drafter's RoPE is the rotate-half form it was trained with (vLLM's default when
+the key is absent). The block size of a vLLM server is its
+`num_speculative_tokens` (= block_size - 1: the anchor slot is not a draft), of an SGLang server
+`--speculative-num-draft-tokens` (= block_size) or, without it, `dflash_config.block_size`.
+
+No `auto_map` by default: the serving engines implement DFlash in-tree and no Python code is
+shipped. `with_modeling_code=True` (`dflash-pipe export --with-modeling-code`) also writes
+`modeling_dflash_pipe.py` (torch + transformers only) and an `auto_map`, so
+`AutoModel.from_pretrained(dir, trust_remote_code=True)` builds the drafter.
 
 The tensors are exactly the model's state_dict (names `layers.{i}.self_attn.q_proj.weight`, ...,
 `fc.weight`, `hidden_norm.weight`, `norm.weight`); embed_tokens / lm_head stay with the target.
-Both files are written atomically (temp + fsync + rename). Loading checks the names and shapes
+All files are written atomically (temp + fsync + rename). Loading checks the names and shapes
 strictly: a missing or extra tensor is a CacheError naming it.
 """
 
@@ -26,13 +39,21 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..errors import CacheError, ValidationError
-from ..io_utils import atomic_output, atomic_write_json
+from ..io_utils import atomic_output, atomic_write_bytes, atomic_write_json
 from .config import DrafterModelConfig
 from .model import DFlashDrafter
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
+MODELING_NAME = "modeling_dflash_pipe.py"
 EXPORT_DTYPE = torch.bfloat16
+AUTO_MAP = {"AutoConfig": "modeling_dflash_pipe.DFlashPipeConfig",
+            "AutoModel": "modeling_dflash_pipe.DFlashPipeDraftModel"}
+
+
+def vllm_aux_layer_ids(target_layer_ids: list[int]) -> list[int]:
+    """Our layer ids (a layer's output) in vLLM's convention (the input of the next layer): id + 1."""
+    return [int(i) + 1 for i in target_layer_ids]
 
 
 def export_config(cfg: DrafterModelConfig) -> dict[str, Any]:
@@ -46,6 +67,7 @@ def export_config(cfg: DrafterModelConfig) -> dict[str, Any]:
             "mask_token_id": cfg.mask_token_id,
             "target_layer_ids": list(cfg.target_layer_ids),
         },
+        "eagle_aux_hidden_state_layer_ids": vllm_aux_layer_ids(cfg.target_layer_ids),
         "num_target_layers": cfg.num_target_layers,
         "num_hidden_layers": cfg.num_layers,
         "layer_types": ["full_attention"] * cfg.num_layers,
@@ -59,6 +81,7 @@ def export_config(cfg: DrafterModelConfig) -> dict[str, Any]:
         "rope_theta": cfg.rope_theta,
         "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
         "rope_scaling": None,
+        "is_neox_style": True,
         "max_position_embeddings": cfg.max_position_embeddings,
         "vocab_size": cfg.vocab_size,
         "tie_word_embeddings": False,
@@ -122,8 +145,11 @@ def plain_name(name: str) -> str:
     return ".".join(part for part in name.split(".") if part != "_orig_mod")
 
 
-def export_drafter(model: DFlashDrafter, cfg: DrafterModelConfig, out_dir: str | Path) -> Path:
-    """Write config.json + model.safetensors (bf16) into out_dir, atomically. Returns out_dir."""
+def export_drafter(model: DFlashDrafter, cfg: DrafterModelConfig, out_dir: str | Path, *,
+                   with_modeling_code: bool = False) -> Path:
+    """Write config.json + model.safetensors (bf16) into out_dir, atomically. Returns out_dir.
+
+    with_modeling_code: also write modeling_dflash_pipe.py and `auto_map` (transformers remote code)."""
     out = Path(out_dir)  # created by atomic_output (an unwritable path is then exit 4 naming it)
     model = unwrap_model(model)
     # the trainer compiles each draft layer (`layers.i = torch.compile(layer)`), which puts the layer's
@@ -138,7 +164,14 @@ def export_drafter(model: DFlashDrafter, cfg: DrafterModelConfig, out_dir: str |
                               f"unexpected: {sorted(set(tensors) - expected)[:5]})")
     with atomic_output(out / WEIGHTS_NAME) as tmp:
         save_file(tensors, str(tmp), metadata={"format": "pt", "producer": "dflash-pipe"})
-    atomic_write_json(out / CONFIG_NAME, export_config(cfg))
+    config = export_config(cfg)
+    if with_modeling_code:
+        source = Path(__file__).with_name(MODELING_NAME)
+        atomic_write_bytes(out / MODELING_NAME, source.read_bytes())
+        config["auto_map"] = dict(AUTO_MAP)
+    elif (out / MODELING_NAME).exists():  # a re-export without the code must not leave a stale copy
+        (out / MODELING_NAME).unlink()
+    atomic_write_json(out / CONFIG_NAME, config)
     return out
 
 

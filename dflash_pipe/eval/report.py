@@ -90,7 +90,7 @@ def training_tau(train_dir: Path) -> dict | None:
     if not taus:
         return None
     out = {"metrics_file": str(path), "records": len(taus), "tau_last": taus[-1],
-           "tau_last_10pct_mean": _tail_mean(taus)}
+           "tau_last_10pct_mean": _tail_mean(taus), "steps": max(int(r["step"]) for r in recs if "step" in r) + 1}
     walks = _finite(recs, "tau_walk")
     if walks:
         out["tau_walk_last_10pct_mean"] = _tail_mean(walks)

@@ -44,6 +44,7 @@ from ..target.loading import TargetBundle
 from .ngram import NgramProposer
 from .progress_log import EvalProgress, run_key
 from .report import EXACT_DTYPES, acceptance_markdown, markdown_table, method_summary, plot_acceptance, training_tau
+from .run_context import run_context
 from .specdecode import (DFlashProposer, SpecResult, eos_token_ids, make_dflash_verifier, speculative_generate,
                          sync_fn)
 from .draft_graph import GraphedDFlashProposer
@@ -345,11 +346,13 @@ def _write(report: dict, records: list[dict], out_dir: Path, cfg: RunConfig) -> 
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out_dir / "eval_report.json", report)
     table = markdown_table(report)
-    atomic_write_text(out_dir / "eval_report.md", "# DFlash acceptance eval\n\n" + table + acceptance_markdown(report))
+    atomic_write_text(out_dir / "eval_report.md", "# DFlash acceptance eval\n\n" + table + acceptance_markdown(report)
+                      + "\n" + run_context(report))
     atomic_write_text(out_dir / "eval_prompts.jsonl", "".join(json.dumps(r) + "\n" for r in records))
     if report["sets"]:
         plot_acceptance(report, out_dir / "acceptance.png")
     write_resolved(cfg, out_dir)
     print(table, end="", flush=True)
+    print("\n" + run_context(report), end="", flush=True)
     print(f"eval: report in {out_dir}", flush=True)
 

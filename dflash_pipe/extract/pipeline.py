@@ -128,7 +128,7 @@ def _owned_shards(cfg: RunConfig, info: DistInfo) -> list[int]:
 
 
 def run_extract(cfg: RunConfig) -> ExtractSummary:
-    from ..target.layers import default_target_layer_ids, validate_layer_ids
+    from ..target.layers import check_servable, default_target_layer_ids, validate_layer_ids
     from ..target.loading import load_target, save_embeddings_and_head
     from ..target.runner import TargetRunner
 
@@ -144,6 +144,8 @@ def run_extract(cfg: RunConfig) -> ExtractSummary:
     ex = cfg.extract
     layer_ids = validate_layer_ids(ex.layer_ids or default_target_layer_ids(ex.num_target_layers, bundle.num_layers),
                                    bundle.num_layers)
+    check_servable(layer_ids, bundle.num_layers, ex.allow_unservable_layers,
+                   "pass --allow-unservable-layers ([extract] allow_unservable_layers = true)")
     data_fp = dataset_fingerprint(cfg.data.source, cfg.data.format, cfg.data.skip_samples, cfg.data.max_samples)
     fields = fingerprint_fields(cfg, bundle.identity, layer_ids, data_fp, dtype)
     width = len(layer_ids) * bundle.hidden_size
@@ -153,7 +155,8 @@ def run_extract(cfg: RunConfig) -> ExtractSummary:
     spec = make_spec(fields, target_summary(bundle, layer_ids), features, ex.num_shards,
                      {"data": {"source": cfg.data.source, "format": cfg.data.format,
                                "skip_samples": cfg.data.skip_samples, "max_samples": cfg.data.max_samples},
-                      "extract": {"max_length": ex.max_length, "token_budget": ex.token_budget}})
+                      "extract": {"max_length": ex.max_length, "token_budget": ex.token_budget,
+                                  "allow_unservable_layers": ex.allow_unservable_layers}})
     cache_dir = Path(ex.cache_dir)
     status, redo = "match", []
     if info.is_main:

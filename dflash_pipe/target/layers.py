@@ -4,7 +4,12 @@ Convention (SPEC §2, recorded in every cache manifest): a layer id is the 0-bas
 decoder layer, and its feature is that layer's *output*, i.e. Hugging Face
 ``output_hidden_states[id + 1]`` (entry 0 is the embedding output). HF's last entry is taken
 after the final norm, so for ``id == L - 1`` the runner captures the final norm's output to keep
-the equality exact; the DFlash defaults never pick that layer.
+the equality exact; the DFlash defaults never pick that layer for n >= 2 (n == 1 gives L // 2,
+which is L - 1 only for L <= 2).
+
+vLLM (and SGLang) capture a layer's *input*, i.e. the output of layer id as the input of layer
+id + 1, so neither has a feature for id L - 1: a drafter that uses it cannot be served by vLLM.
+`check_servable` refuses that choice unless the user says so ([extract] allow_unservable_layers).
 """
 
 from __future__ import annotations
@@ -60,3 +65,17 @@ def validate_layer_ids(layer_ids: Sequence[int], num_target_layers: int) -> list
     if ids != sorted(ids):
         raise UsageError(f"layer_ids must be increasing: {ids}", f"use {sorted(ids)}")
     return ids
+
+
+def check_servable(layer_ids: Sequence[int], num_target_layers: int, allowed: bool, override: str) -> None:
+    """Refuse the target's last layer (id L - 1) unless `allowed`: vLLM cannot serve such a drafter.
+
+    `override` says how the current command accepts the explicit choice (it ends the error's hint)."""
+    last = num_target_layers - 1
+    if allowed or last not in layer_ids:
+        return
+    raise UsageError(f"layer ids {list(layer_ids)} include {last}, the last layer of this {num_target_layers}-layer "
+                     f"target: vLLM captures the input of layer id + 1, so it cannot serve a drafter that uses "
+                     f"layer {last}",
+                     f"choose layers below {last} (an empty --layer-ids gives the DFlash default); to train a "
+                     f"drafter that vLLM will not serve, {override}")

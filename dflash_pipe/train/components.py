@@ -29,6 +29,14 @@ def target_cfg_dict(spec: dict) -> dict:
 
 
 def build_drafter_config(cfg: RunConfig, spec: dict, device: torch.device) -> DrafterModelConfig:
+    # The last target layer is refused unless extract was told it is fine (recorded in the spec) or the
+    # manifest says so now: a cache made before that check existed may use it.
+    from ..target.layers import check_servable
+
+    allowed = cfg.extract.allow_unservable_layers or bool((spec.get("extract") or {}).get("allow_unservable_layers"))
+    check_servable(spec["features"]["layer_ids"], spec["target"]["num_layers"], allowed,
+                   "set allow_unservable_layers = true in the manifest's [extract] section (extract records "
+                   "it in the cache when run with --allow-unservable-layers)")
     d = dataclasses.asdict(cfg.drafter)
     unused = (spec["target"].get("unused_embedding_row") or [None])[0]
     return derive_drafter_config(target_cfg_dict(spec), target_layer_ids=spec["features"]["layer_ids"],

@@ -29,7 +29,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return ckpts[-1]
 
 
-def export_checkpoint(path: str | Path, out_dir: str | Path) -> Path:
+def export_checkpoint(path: str | Path, out_dir: str | Path, *, with_modeling_code: bool = False) -> Path:
     ckpt = resolve_checkpoint(path)
     state = read_state(ckpt)  # a damaged state.json is a CacheError naming it, not a traceback
     cfg = DrafterModelConfig.from_dict(state["drafter_config"], where=f"{ckpt}/state.json drafter_config")
@@ -41,4 +41,4 @@ def export_checkpoint(path: str | Path, out_dir: str | Path) -> Path:
             weights[k] = f.get_tensor(k)
     model = model.to_empty(device="cpu")
     model.load_state_dict(weights, strict=True)
-    return export_drafter(model, cfg, out_dir)
+    return export_drafter(model, cfg, out_dir, with_modeling_code=with_modeling_code)
