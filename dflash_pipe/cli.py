@@ -94,7 +94,7 @@ def export_cmd(checkpoint: Path = typer.Argument(..., help="Training output dir 
 
 
 @cache_app.command("info")
-def cache_info(cache_dir: Path = typer.Argument(..., help="Cache directory.")):
+def cache_info(cache_dir: str = typer.Argument(..., help="Cache directory or URI (s3://bucket/prefix, gs://, file://).")):
     """Print the manifest summary (fingerprint fields, features, totals)."""
     from .cache import load_manifest
 
@@ -107,7 +107,7 @@ def cache_info(cache_dir: Path = typer.Argument(..., help="Cache directory.")):
 
 
 @cache_app.command("verify")
-def cache_verify(cache_dir: Path = typer.Argument(..., help="Cache directory."),
+def cache_verify(cache_dir: str = typer.Argument(..., help="Cache directory or URI (s3://bucket/prefix, gs://, file://)."),
                  checksums: bool = typer.Option(True, "--checksums/--no-checksums", help="sha256 every shard."),
                  decode: bool = typer.Option(False, help="Decode every row (page CRCs, zstd frames)."),
                  recompute: int = typer.Option(0, help="Rerun K random samples through a plain HF forward and compare."),

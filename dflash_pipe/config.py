@@ -290,10 +290,15 @@ def to_toml(cfg: RunConfig) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_resolved(cfg: RunConfig, out_dir: str | Path) -> Path:
+def write_resolved(cfg: RunConfig, out_dir: str | Path) -> Path | str:
+    from .cache.fs import is_remote, open_cache_fs
     from .io_utils import atomic_write_text
 
-    out = Path(out_dir) / "resolved_config.toml"
+    if is_remote(out_dir):  # a cache on object storage
+        fs = open_cache_fs(out_dir)
+        fs.write_bytes("resolved_config.toml", to_toml(cfg).encode("utf-8"))
+        return fs.display("resolved_config.toml")
+    out = open_cache_fs(out_dir).root / "resolved_config.toml"  # a path or file://
     atomic_write_text(out, to_toml(cfg))
     return out
 

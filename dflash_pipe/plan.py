@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from .cache import load_spec
+from .cache.fs import open_cache_fs
 from .cache.manifest import MANIFEST_FILE, committed_shards, diff_fields, fingerprint_of
 from .config import RunConfig
 from .errors import UsageError
@@ -95,13 +96,13 @@ def make_plan(cfg: RunConfig) -> Plan:
     dev = cfg.extract.device
     device = torch.device("cuda" if dev == "auto" and torch.cuda.is_available() else ("cpu" if dev == "auto" else dev))
     dtype = resolve_target_dtype(cfg.target.dtype, device)
-    cache_dir = Path(cfg.extract.cache_dir)
+    cache_dir = open_cache_fs(cfg.extract.cache_dir)
     old = load_spec(cache_dir)
     if spec_str.startswith("random:"):
         plan = Plan(cfg, "run", "random-weight target: extract checks the fingerprint itself after building "
                                 "the model (committed shards are skipped if it matches)", str(device),
                     target_line=f"{spec_str} (seed {cfg.target.seed}), {str(dtype)[6:]} on {device}")
-        if old is not None and (cache_dir / MANIFEST_FILE).exists():
+        if old is not None and cache_dir.exists(MANIFEST_FILE):
             plan.reason += "; a complete cache exists here"
         return plan
     if spec_str.startswith("embedded:"):
@@ -132,7 +133,7 @@ def make_plan(cfg: RunConfig) -> Plan:
                        "use a new cache dir or --overwrite")
         return plan
     plan.committed = len(committed_shards(cache_dir, old))
-    if (cache_dir / MANIFEST_FILE).exists() and plan.committed == old["num_shards"]:
+    if cache_dir.exists(MANIFEST_FILE) and plan.committed == old["num_shards"]:
         plan.stage1, plan.reason = "skip", "the cache is complete and its fingerprint matches this manifest"
     else:
         plan.stage1 = "resume"

@@ -22,7 +22,8 @@ from typing import Any
 
 from .. import __version__
 from ..errors import CacheError, FingerprintMismatch
-from ..io_utils import atomic_write_json, remove_stale_temps, safe_child, sha256_json
+from ..io_utils import sha256_json
+from .fs import CacheFS, open_cache_fs
 from .schema import FORMAT_VERSION, shard_name
 from .writer import ShardInfo
 
@@ -40,9 +41,10 @@ def diff_fields(old: dict, new: dict) -> dict[str, tuple[Any, Any]]:
     return {k: (old.get(k), new.get(k)) for k in keys if old.get(k) != new.get(k)}
 
 
-def _read_json(path: Path, what: str) -> dict:
+def _read_json(fs: CacheFS, name: str, what: str) -> dict:
+    path = fs.display(name)
     try:
-        obj = json.loads(path.read_text(encoding="utf-8"))
+        obj = json.loads(fs.read_bytes(name).decode("utf-8"))
     except FileNotFoundError:
         raise
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -59,15 +61,14 @@ def make_spec(fingerprint_fields: dict, target: dict, features: dict, num_shards
             "target": target, "features": features, "num_shards": num_shards, **extra}
 
 
-def load_spec(cache_dir: str | Path) -> dict | None:
-    path = Path(cache_dir) / SPEC_FILE
+def load_spec(cache_dir: str | Path | CacheFS) -> dict | None:
     try:
-        return _read_json(path, "cache spec")
+        return _read_json(open_cache_fs(cache_dir), SPEC_FILE, "cache spec")
     except FileNotFoundError:
         return None
 
 
-def mismatch_error(cache_dir: Path, old_fields: dict, new_fields: dict) -> FingerprintMismatch:
+def mismatch_error(cache_dir, old_fields: dict, new_fields: dict) -> FingerprintMismatch:
     diff = diff_fields(old_fields, new_fields)
     lines = "\n".join(f"    {k}: cache has {a!r}, this run has {b!r}" for k, (a, b) in diff.items())
     return FingerprintMismatch(
@@ -75,11 +76,12 @@ def mismatch_error(cache_dir: Path, old_fields: dict, new_fields: dict) -> Finge
         "use a new --cache-dir, or pass --overwrite to delete this cache and extract again")
 
 
-def init_or_check_spec(cache_dir: str | Path, spec: dict, overwrite: bool = False) -> str:
+def init_or_check_spec(cache_dir: str | Path | CacheFS, spec: dict, overwrite: bool = False) -> str:
     """Create the spec, or check the existing one. Returns 'new' | 'match' | 'overwritten'."""
-    cache_dir = Path(cache_dir)
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    old = load_spec(cache_dir)
+    fs = open_cache_fs(cache_dir)
+    cache_dir = fs.uri
+    fs.ensure_root()
+    old = load_spec(fs)
     if old is not None and old.get("fingerprint") == spec["fingerprint"]:
         if old.get("num_shards") != spec["num_shards"]:
             raise CacheError(f"{cache_dir}: spec says {old.get('num_shards')} shards, this run {spec['num_shards']}")
@@ -88,53 +90,57 @@ def init_or_check_spec(cache_dir: str | Path, spec: dict, overwrite: bool = Fals
         raise mismatch_error(cache_dir, old.get("fingerprint_fields", {}), spec["fingerprint_fields"])
     status = "new"
     if old is not None:
-        delete_cache_files(cache_dir)
+        delete_cache_files(fs)
         status = "overwritten"
-    atomic_write_json(cache_dir / SPEC_FILE, spec)
+    fs.write_json(SPEC_FILE, spec)
     return status
 
 
-def delete_cache_files(cache_dir: Path) -> None:
+def delete_cache_files(cache_dir: str | Path | CacheFS) -> None:
     """Remove what extract writes (and nothing else the user may keep there)."""
-    for p in cache_dir.iterdir():
-        if p.name in (SPEC_FILE, MANIFEST_FILE) or (p.name.startswith("shard-") and p.suffix in (".parquet", ".json")):
-            p.unlink()
-    remove_stale_temps(cache_dir)
+    fs = open_cache_fs(cache_dir)
+    for name in sorted(fs.list_sizes()):
+        if name in (SPEC_FILE, MANIFEST_FILE) or (name.startswith("shard-") and name.endswith((".parquet", ".json"))):
+            fs.delete(name)
+    fs.remove_stale_temps()
 
 
-def sidecar_path(cache_dir: Path, index: int, num_shards: int) -> Path:
-    return cache_dir / shard_name(index, num_shards).replace(".parquet", ".json")
+def sidecar_name(index: int, num_shards: int) -> str:
+    return shard_name(index, num_shards).replace(".parquet", ".json")
 
 
-def write_sidecar(cache_dir: str | Path, spec: dict, info: ShardInfo, stats: dict) -> None:
-    cache_dir = Path(cache_dir)
+def write_sidecar(cache_dir: str | Path | CacheFS, spec: dict, info: ShardInfo, stats: dict) -> None:
     sidecar = {"fingerprint": spec["fingerprint"], "num_shards": spec["num_shards"], **asdict(info), "stats": stats}
-    atomic_write_json(sidecar_path(cache_dir, info.index, spec["num_shards"]), sidecar)
+    open_cache_fs(cache_dir).write_json(sidecar_name(info.index, spec["num_shards"]), sidecar)
 
 
-def committed_shards(cache_dir: str | Path, spec: dict) -> dict[int, dict]:
-    """Shards whose file and sidecar both exist and agree (size, fingerprint). Others are redone."""
-    cache_dir = Path(cache_dir)
+def committed_shards(cache_dir: str | Path | CacheFS, spec: dict) -> dict[int, dict]:
+    """Shards whose file and sidecar both exist and agree (size, fingerprint). Others are redone.
+    One listing gives every name and size (one request per 1,000 objects on a store)."""
+    fs = open_cache_fs(cache_dir)
+    sizes = fs.list_sizes()
     out: dict[int, dict] = {}
     n = spec["num_shards"]
     for i in range(n):
-        side = sidecar_path(cache_dir, i, n)
-        if not side.exists():
+        side = sidecar_name(i, n)
+        if side not in sizes:
             continue
-        sc = _read_json(side, "shard sidecar")
+        sc = _read_json(fs, side, "shard sidecar")
         if sc.get("fingerprint") != spec["fingerprint"]:
-            raise CacheError(f"{side}: belongs to a cache with another fingerprint",
+            raise CacheError(f"{fs.display(side)}: belongs to a cache with another fingerprint",
                              "a foreign shard was copied here; remove it or use --overwrite")
-        data = safe_child(cache_dir, sc.get("path", ""), f"{side} field 'path'")
-        if data.exists() and data.stat().st_size == sc.get("bytes"):
+        rel = str(sc.get("path", ""))
+        fs.child(rel, f"{fs.display(side)} field 'path'")  # refuses absolute paths and escapes
+        size = sizes.get(rel) if "/" not in rel else fs.size(rel)
+        if size is not None and size == sc.get("bytes"):
             out[i] = sc
     return out
 
 
-def try_finalize(cache_dir: str | Path, spec: dict) -> dict | None:
+def try_finalize(cache_dir: str | Path | CacheFS, spec: dict) -> dict | None:
     """If every shard is committed, merge the sidecars into manifest.json (idempotent)."""
-    cache_dir = Path(cache_dir)
-    shards = committed_shards(cache_dir, spec)
+    fs = open_cache_fs(cache_dir)
+    shards = committed_shards(fs, spec)
     if len(shards) < spec["num_shards"]:
         return None
     entries = [shards[i] for i in range(spec["num_shards"])]
@@ -156,11 +162,11 @@ def try_finalize(cache_dir: str | Path, spec: dict) -> dict | None:
                 "totals": totals, "stats": stats}
     old = None
     try:
-        old = _read_json(cache_dir / MANIFEST_FILE, "manifest")
+        old = _read_json(fs, MANIFEST_FILE, "manifest")
     except FileNotFoundError:
         pass
     if old != manifest:
-        atomic_write_json(cache_dir / MANIFEST_FILE, manifest)
+        fs.write_json(MANIFEST_FILE, manifest)
     return manifest
 
 
@@ -184,15 +190,16 @@ def merge_stats(parts: list[dict]) -> dict:
     return out
 
 
-def load_manifest(cache_dir: str | Path) -> dict:
-    """Read and structurally validate manifest.json (paths stay inside the cache dir)."""
-    cache_dir = Path(cache_dir)
-    path = cache_dir / MANIFEST_FILE
+def load_manifest(cache_dir: str | Path | CacheFS) -> dict:
+    """Read and structurally validate manifest.json (paths stay inside the cache dir). Each shard entry
+    gets `abs_path`: a local path, or the object's URI."""
+    fs = open_cache_fs(cache_dir)
+    cache_dir, path = fs.uri, fs.display(MANIFEST_FILE)
     try:
-        man = _read_json(path, "manifest")
+        man = _read_json(fs, MANIFEST_FILE, "manifest")
     except FileNotFoundError:
         hint = ("extraction has not finished (or was interrupted): rerun `dflash-pipe extract` to resume"
-                if (cache_dir / SPEC_FILE).exists() else "run `dflash-pipe extract` first or fix --cache-dir")
+                if fs.exists(SPEC_FILE) else "run `dflash-pipe extract` first or fix --cache-dir")
         raise CacheError(f"{cache_dir}: no {MANIFEST_FILE}", hint) from None
     for key in ("fingerprint", "fingerprint_fields", "features", "target", "shards", "num_shards"):
         if key not in man:
@@ -206,5 +213,5 @@ def load_manifest(cache_dir: str | Path) -> dict:
     if len(man["shards"]) != man["num_shards"]:
         raise CacheError(f"{path}: lists {len(man['shards'])} shards, field 'num_shards' says {man['num_shards']}")
     for i, entry in enumerate(man["shards"]):
-        entry["abs_path"] = str(safe_child(cache_dir, str(entry.get("path", "")), f"{path} shards[{i}].path"))
+        entry["abs_path"] = fs.child(str(entry.get("path", "")), f"{path} shards[{i}].path")
     return man

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import pyarrow.parquet as pq
 import torch
 
 from ..cache import load_manifest, load_spec
 from ..cache.codec import FP8, decode_split, planes_shape
+from ..cache.fs import open_cache_fs
 from ..cache.manifest import MANIFEST_FILE, committed_shards
 from ..cache.reader import ShardReader
 from ..config import parse_shard_subset
@@ -101,34 +101,35 @@ class CacheIndex:
     """What the trainer knows about a cache: spec, which shards exist, document lengths."""
 
     def __init__(self, cache_dir: str | Path, follow: bool = False, shards: str = ""):
-        self.cache_dir = Path(cache_dir)
+        self.fs = open_cache_fs(cache_dir)
+        self.cache_dir = self.fs.root if self.fs.is_local else self.fs.uri
         self.follow = follow
-        self.spec = load_spec(self.cache_dir)
+        self.spec = load_spec(self.fs)
         if self.spec is None:
             raise CacheError(f"{self.cache_dir}: no cache_spec.json (not a dflash-pipe cache)",
                              "run `dflash-pipe extract` first or fix --cache-dir")
         self.subset = shard_subset(self.spec, shards)
         self.features = self.spec["features"]
         self.lengths: dict[int, list[list[int]]] = {}
-        self.paths: dict[int, Path] = {}
+        self.paths: dict[int, Path | str] = {}
         self.final = False
         self._readers: dict[tuple[int, int], ShardReader] = {}
         self._lock = threading.Lock()
 
     def refresh(self) -> bool:
         """Pick up newly committed shards. Returns whether the data is final (manifest written)."""
-        if (self.cache_dir / MANIFEST_FILE).exists():
-            man = load_manifest(self.cache_dir)
+        if self.fs.exists(MANIFEST_FILE):
+            man = load_manifest(self.fs)
             if man["fingerprint"] != self.spec["fingerprint"]:
                 raise CacheError(f"{self.cache_dir}: manifest and cache_spec.json disagree on the fingerprint")
-            shards = {e["index"]: Path(e["abs_path"]) for e in man["shards"]}
+            shards = {e["index"]: self._location(e["abs_path"]) for e in man["shards"]}
             self.final = True
         elif self.follow:
-            done = committed_shards(self.cache_dir, self.spec)
+            done = committed_shards(self.fs, self.spec)
             prefix = 0
             while prefix in done:  # only a prefix keeps the schedule stable as shards arrive
                 prefix += 1
-            shards = {i: self.cache_dir / done[i]["path"] for i in range(prefix)}
+            shards = {i: self._location(self.fs.display(done[i]["path"])) for i in range(prefix)}
         else:
             raise CacheError(f"{self.cache_dir}: no {MANIFEST_FILE}: extraction has not finished",
                              "wait for `dflash-pipe extract` to finish (or rerun it to resume), or pass --follow")
@@ -140,9 +141,13 @@ class CacheIndex:
                 self.paths[i] = path
         return self.final
 
-    def _read_lengths(self, path: Path) -> list[list[int]]:
+    def _location(self, path: str) -> Path | str:
+        """A shard's local path, or its object URI (Path() would fold 's3://' into 's3:/')."""
+        return Path(path) if self.fs.is_local else path
+
+    def _read_lengths(self, path: Path | str) -> list[list[int]]:
         reader = ShardReader(path, expect_fingerprint=self.spec["fingerprint"])
-        col = pq.read_table(path, columns=["num_tokens"]).column("num_tokens").to_numpy()
+        col = reader.num_tokens_column()
         out, start = [], 0
         for rg in range(reader.num_row_groups):
             n = reader.row_group_rows(rg)

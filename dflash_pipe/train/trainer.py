@@ -67,8 +67,9 @@ def run_train(cfg: RunConfig) -> dict:
     dcfg = build_drafter_config(cfg, spec, device)
     check_against_cache(dcfg, spec, "drafter config")
     precision = _precision(cfg, device)
-    head = FrozenHead(Path(cfg.train_cache_dir), spec["features"]["head_file"], device,
-                      torch.bfloat16 if precision == "bf16" else torch.float32)
+    head = FrozenHead(cfg.train_cache_dir, spec["features"]["head_file"], device,
+                      torch.bfloat16 if precision == "bf16" else torch.float32,
+                      scratch=out_dir / ".cache_head")  # object storage only
     compile_layers = tr.compile == "on" or (tr.compile == "auto" and device.type == "cuda")
     model = build_model(dcfg, device, tr.seed, compile_layers, tr.checkpoint_mlp_layers)
     weights = MasterWeights(model, resolve_param_dtype(cfg, precision))  # before DDP and the optimizer
