@@ -46,7 +46,7 @@ TRANSIENT = re.compile(r"(AWS Error (NETWORK_CONNECTION|SLOW_DOWN|SERVICE_UNAVAI
                        r"REQUEST_TIMEOUT|UNKNOWN)|curlCode|HTTP status 5\d\d|response code 5\d\d|503|500|502|504|"
                        r"SlowDown|Throttl|[Cc]onnection (reset|refused|closed)|[Tt]imeout|Broken pipe)")
 DENIED = re.compile(r"ACCESS_DENIED|AccessDenied|InvalidAccessKeyId|SignatureDoesNotMatch|HTTP status 403|"
-                    r"response code 403|No response body", re.I)
+                    r"response code 403", re.I)
 CRED_HINT = ("set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN for temporary keys), or "
              "AWS_PROFILE with ~/.aws/credentials, or run where an instance/container role applies; add "
              "?anonymous=true for a public bucket")

@@ -1,0 +1,164 @@
+"""The cache on object storage: s3:// against a real S3-protocol server (moto) on 127.0.0.1, through
+pyarrow's own S3 client. Local caches are covered by the other cache tests, unchanged."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_pipe.cache import load_manifest, verify_cache
+from dflash_pipe.cache.fs import ObjectCacheFS, open_cache_fs
+from dflash_pipe.cache.reader import ShardReader
+from dflash_pipe.errors import CacheError, UsageError
+from dflash_pipe.train.loader import CacheIndex
+from tests.cache_helpers import make_docs, write_cache
+from tests.s3_helpers import (BUCKET, KEY_ID, SECRET, FaultProxy, all_objects, moto_server, s3_env,  # noqa: F401
+                              s3_uri)
+
+ROOT = Path(__file__).resolve().parents[1]
+WIDTH, LAYERS = 64, 2
+
+
+def rows_of(location) -> dict:
+    """doc_index -> (sample id, ids, mask, hidden bits, top-k) read back through the cache reader."""
+    man = load_manifest(location)
+    out = {}
+    for e in man["shards"]:
+        for row in ShardReader(e["abs_path"], man["fingerprint"]).iter_rows():
+            ids, lps = row.teacher_topk()
+            out[row.doc_index] = (row.sample_id, row.input_ids.tolist(), row.loss_mask.tolist(),
+                                  row.hidden().view(torch.int16), ids, lps)
+    return out
+
+
+def assert_same_rows(a: dict, b: dict) -> None:
+    assert sorted(a) == sorted(b) and a
+    for i in a:
+        assert a[i][:3] == b[i][:3]
+        assert all(torch.equal(x, y) for x, y in zip(a[i][3:], b[i][3:]))
+
+
+def local_files(d: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir()) if p.is_file()}
+
+
+def test_round_trip_through_s3_is_bit_identical_to_the_local_cache(s3_env, tmp_path):
+    docs = make_docs(14, WIDTH, seed=3)
+    local = tmp_path / "cache"
+    write_cache(local, docs, WIDTH, LAYERS, num_shards=3)
+    uri = s3_uri(s3_env, "roundtrip/cache")
+    write_cache(uri, docs, WIDTH, LAYERS, num_shards=3)
+    remote = {k.split("/", 2)[2]: v for k, v in all_objects(s3_env, "roundtrip/cache").items()}
+    assert remote == local_files(local)  # every object: spec, shards, sidecars, manifest, byte for byte
+    assert_same_rows(rows_of(uri), rows_of(local))
+    report = verify_cache(uri, decode=True)
+    assert report["rows"] == 14 and report["incomplete_uploads"] == []
+    index = CacheIndex(uri)
+    assert index.refresh() and sorted(index.paths) == [0, 1, 2]
+    assert all(str(p).startswith(f"s3://{BUCKET}/roundtrip/cache/shard-") for p in index.paths.values())
+    ref = CacheIndex(local)
+    ref.refresh()
+    assert index.lengths == ref.lengths
+
+
+def test_a_corrupted_object_is_a_named_checksum_error_and_is_not_re_read(s3_env, tmp_path):
+    uri = s3_uri(s3_env, "corrupt/cache")
+    write_cache(uri, make_docs(6, WIDTH, seed=4), WIDTH, LAYERS, num_shards=1, row_group_bytes=10 ** 9)
+    fs = open_cache_fs(uri)
+    name = load_manifest(uri)["shards"][0]["path"]
+    data = bytearray(fs.read_bytes(name))
+    data[len(data) // 3] ^= 0x40  # inside the feature column chunk
+    fs.write_bytes(name, bytes(data))
+    retries = fs.retries
+    with pytest.raises(CacheError, match=r"sha256 differs from the manifest") as err:
+        verify_cache(uri)
+    assert name in str(err.value)
+    with pytest.raises(CacheError, match=r"row group 0, field hidden_|row group 0, field ") as err:
+        ShardReader(fs.display(name)).read_row_group(0)
+    assert f"s3://{BUCKET}/corrupt/cache/{name}" in str(err.value)
+    assert fs.retries == retries  # a checksum mismatch is not a transient error
+
+
+def test_listing_pages_past_1000_objects(s3_env):
+    boto3 = pytest.importorskip("boto3")  # comes with moto; one PUT per object (pyarrow's stream makes three)
+    from concurrent.futures import ThreadPoolExecutor
+
+    client = boto3.client("s3", endpoint_url=s3_env.endpoint, region_name="us-east-1")
+    names = [f"obj-{i:05d}.json" for i in range(1010)]
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda n: client.put_object(Bucket=BUCKET, Key=f"many/{n}", Body=b"{}"), names))
+    listed = open_cache_fs(s3_uri(s3_env, "many")).list_sizes()
+    assert sorted(listed) == names and set(listed.values()) == {2}
+
+
+def test_missing_credentials_are_a_usage_error_naming_what_to_set(moto_server, monkeypatch, tmp_path):
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE",
+                "AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+                "AWS_CONTAINER_CREDENTIALS_FULL_URI"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    uri = s3_uri(moto_server, "nocreds/cache")
+    with pytest.raises(UsageError) as err:
+        open_cache_fs(uri)
+    assert "no S3 credentials" in str(err.value)
+    assert "AWS_ACCESS_KEY_ID" in str(err.value) and "AWS_SECRET_ACCESS_KEY" in str(err.value)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "dflash_pipe", "cache", "info", uri], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and "AWS_ACCESS_KEY_ID" in proc.stderr, proc.stderr[-1500:]
+
+
+def test_credentials_in_a_uri_are_refused_without_echoing_them(s3_env):
+    for uri in (f"s3://{KEY_ID}:{SECRET.replace('/', '%2F')}@{BUCKET}/x", f"s3://{BUCKET}/x?secret_key=abcdEFGH1234"):
+        with pytest.raises(UsageError, match="refused") as err:
+            open_cache_fs(uri)
+        assert SECRET not in str(err.value) and "abcdEFGH1234" not in str(err.value)
+        assert SECRET.replace("/", "%2F") not in str(err.value)
+
+
+def test_transient_503s_and_connection_resets_are_retried(s3_env, tmp_path):
+    proxy = FaultProxy(s3_env.port).start()
+    try:
+        docs = make_docs(8, WIDTH, seed=6)
+        uri = s3_uri(proxy, "flaky/cache")
+        puts = lambda method, path: method == "PUT"  # noqa: E731
+        ranged_gets = lambda method, path: method == "GET" and "/shard-" in path  # noqa: E731
+        proxy.fail(2, "503", puts)
+        proxy.fail(1, "reset", puts)
+        write_cache(uri, docs, WIDTH, LAYERS, num_shards=2)
+        assert proxy.failed == {"503": 2, "reset": 1}  # each was retried: the writes all landed
+        # more failures in a row than the SDK's 3 attempts: this layer's backoff retries take over
+        proxy.fail(4, "503", ranged_gets)
+        proxy.fail(2, "reset", ranged_gets)
+        fs = open_cache_fs(uri)
+        before = fs.retries
+        got = rows_of(uri)
+        assert proxy.failed == {"503": 6, "reset": 3}
+        assert fs.retries - before >= 1
+        local = tmp_path / "cache"
+        write_cache(local, docs, WIDTH, LAYERS, num_shards=2)
+        assert_same_rows(got, rows_of(local))
+    finally:
+        proxy.stop()
+
+
+def test_retries_are_bounded_and_name_the_object(s3_env):
+    proxy = FaultProxy(s3_env.port).start()
+    try:
+        uri = s3_uri(proxy, "down/cache") + "&retries=2"
+        fs = open_cache_fs(uri)
+        assert isinstance(fs, ObjectCacheFS) and fs.attempts == 2
+        proxy.fail(10 ** 6, "503")  # the store stays down
+        with pytest.raises(Exception) as err:
+            fs.read_bytes("cache_spec.json")
+        assert getattr(err.value, "exit_code", None) == 4 and "cache_spec.json" in str(err.value)
+        assert "after 2 attempts" in str(err.value) and fs.retries == 1
+    finally:
+        proxy.stop()
