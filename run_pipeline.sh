@@ -10,7 +10,9 @@
 # makes that an error instead).
 # Stage 1 is skipped when the cache is complete and its fingerprint equals this manifest's; a
 # cache built from other target/data/extraction settings is refused (exit 3) unless --overwrite.
-# --follow trains while extraction is still writing (disjoint GPUs only).
+# --follow trains while extraction is still writing: on disjoint GPUs, or on the same GPU(s) only with
+# SHARE_GPU=1 (e.g. EXTRACT_GPUS=0 TRAIN_GPUS=0 SHARE_GPU=1 on a one-GPU machine). With [train]
+# passes_per_shard K > 0 in the manifest the cache is a bounded window ([extract] max_cache_gib).
 # Exit status: the failing stage's (2 usage, 3 validation, 4 runtime, 130 interrupted).
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -23,7 +25,7 @@ for arg in "$@"; do
     --overwrite) OVERWRITE=1 ;;
     --follow) FOLLOW=1 ;;
     --no-eval) EVAL=0 ;;
-    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
     -*) echo "run_pipeline: unknown option $arg (see --help)" >&2; exit 2 ;;
     *) MANIFEST="$arg" ;;
   esac
@@ -54,7 +56,12 @@ else
     export EXTRACT_GPUS="$all" TRAIN_GPUS="$all"
     FOLLOW=0
   elif [ "$FOLLOW" = 1 ] && [ -n "$(comm -12 <(tr ',' '\n' <<<"$EXTRACT_GPUS" | sort) <(tr ',' '\n' <<<"$TRAIN_GPUS" | sort))" ]; then
-    echo "run_pipeline: --follow needs disjoint EXTRACT_GPUS and TRAIN_GPUS" >&2; exit 2
+    if [ "${SHARE_GPU:-0}" != 1 ]; then
+      echo "run_pipeline: --follow needs disjoint EXTRACT_GPUS and TRAIN_GPUS (or SHARE_GPU=1 to run both" \
+           "stages on the same GPU at once)" >&2; exit 2
+    fi
+    echo "run_pipeline: SHARE_GPU=1: extraction and training share GPU(s)" \
+         "$(comm -12 <(tr ',' '\n' <<<"$EXTRACT_GPUS" | sort) <(tr ',' '\n' <<<"$TRAIN_GPUS" | sort) | paste -sd,)" >&2
   fi
 fi
 

@@ -40,6 +40,11 @@ def extract_cmd(cfg: RunConfig):
                + (f" = {s.tokens / s.seconds:,.0f} tok/s" if s.seconds else ""))
     if s.shards_done:
         typer.echo(f"extract: bottleneck: {s.bottleneck}")
+    if cfg.extract.max_cache_gib > 0:
+        typer.echo(f"extract: disk budget {cfg.extract.max_cache_gib:g} GiB; {s.space_wait_s:.1f}s waiting for the "
+                   "window trainer to free space")
+    if s.reextracted_consumed:
+        typer.echo(f"extract: re-extracted shards {s.reextracted_consumed} that a finished window run had consumed")
     typer.echo("extract: manifest.json " + ("written, cache complete" if s.complete else
                                             "not yet written (other shards are still missing)"))
 
@@ -95,15 +100,28 @@ def export_cmd(checkpoint: Path = typer.Argument(..., help="Training output dir 
 
 @cache_app.command("info")
 def cache_info(cache_dir: str = typer.Argument(..., help="Cache directory or URI (s3://bucket/prefix, gs://, file://).")):
-    """Print the manifest summary (fingerprint fields, features, totals)."""
-    from .cache import load_manifest
+    """Print the manifest summary (fingerprint fields, features, totals) and, for a window run's cache, its
+    held / retired / deleted / pending shards (also while extraction is still writing: no manifest yet)."""
+    from .cache import load_manifest, load_spec
+    from .cache.fs import open_cache_fs
+    from .cache.manifest import MANIFEST_FILE
+    from .cache.window import window_status
 
+    cache_dir = open_cache_fs(cache_dir)
+
+    spec = load_spec(cache_dir)
+    window = window_status(cache_dir, spec) if spec is not None else None
+    if window is not None and not cache_dir.exists(MANIFEST_FILE):
+        _echo_json({k: spec[k] for k in ("fingerprint", "fingerprint_fields", "features", "num_shards",
+                                         "tool_version") if k in spec} | {"complete": False, "window": window})
+        return
     man = load_manifest(cache_dir)
     _echo_json({k: man[k] for k in ("fingerprint", "fingerprint_fields", "features", "num_shards", "totals",
                                     "tool_version") if k in man}
                | {"data_stats": man.get("stats", {}).get("data_reader"),
                   "feature_rms_mean": man.get("stats", {}).get("feature_rms_mean"),
-                  "fp8_error": man.get("stats", {}).get("fp8_error")})
+                  "fp8_error": man.get("stats", {}).get("fp8_error")}
+               | ({"window": window} if window is not None else {}))
 
 
 @cache_app.command("verify")

@@ -84,6 +84,11 @@ class ExtractConfig:
     device: str = opt("auto", "'auto', 'cpu', 'cuda' or 'cuda:N' (under torchrun: the local rank's GPU).")
     overwrite: bool = opt(False, "Delete an existing cache whose fingerprint differs instead of refusing.")
     sanity_check: bool = opt(True, "Refuse non-finite, all-zero or collapsed features at write time.")
+    max_cache_gib: float = opt(0.0, "Disk budget of the cache in GiB (0 = unbounded): before opening a shard a rank "
+                               "waits until the shards not yet deleted by a `train --follow --passes-per-shard K` "
+                               "run, its own in-flight shard and the next one fit. Must hold K + 1 shards.")
+    space_wait_timeout_s: float = opt(1800.0, "With --max-cache-gib: give up (exit 4) when no space was freed "
+                                      "for this long (the trainer seems gone).")
 
 
 @dataclass
@@ -141,6 +146,12 @@ class TrainConfig:
                       "(shards are deterministic slices of the dataset) without a new extraction.")
     follow: bool = opt(False, "Consume shards while extraction is still writing; epoch 0 ends when it finishes.")
     follow_poll_s: float = opt(2.0, "Seconds between looks for new shards in --follow mode.")
+    passes_per_shard: int = opt(0, "Window mode (with --follow; 0 = off = whole-cache epochs): read every shard K "
+                                "times as it streams in (round r reads the shards committed r-K+1..r, shuffled "
+                                "together), then retire it; its file is deleted after the next complete "
+                                "checkpoint, so the cache stays within [extract] max_cache_gib. --epochs is unused.")
+    follow_timeout_s: float = opt(1800.0, "--follow: stop (exit 4, checkpoint kept) when no new shard was committed "
+                                  "for this long while the trainer waits for one (the extractor seems gone).")
     val_cache_dir: str = opt("", "A second cache (same target, layers and tokenizer; documents the training cache "
                              "does not hold) on which loss, accuracy and simulated tau are measured without "
                              "gradients every --val-every steps and at the end; empty = no validation.")
@@ -351,6 +362,10 @@ def normalize(cfg: RunConfig) -> RunConfig:
         (tr.loss_chunk_tokens >= 1, "--loss-chunk-tokens must be >= 1"),
         (tr.val_every >= 1 and tr.val_batches >= 1, "--val-every and --val-batches must be >= 1"),
         (tr.epochs >= 1 or tr.max_steps > 0, "--epochs must be >= 1 (or set --max-steps)"),
+        (ex.max_cache_gib >= 0, "--max-cache-gib must be >= 0"),
+        (ex.space_wait_timeout_s > 0 and tr.follow_timeout_s > 0, "--space-wait-timeout-s and --follow-timeout-s "
+                                                                  "must be > 0"),
+        (tr.passes_per_shard >= 0, "--passes-per-shard must be >= 0"),
     ]
     for ok, message in checks:
         if not ok:

@@ -21,8 +21,10 @@ from pathlib import Path
 import torch
 
 from .cache import load_spec
-from .cache.fs import open_cache_fs
+from .cache.budget import GIB
+from .cache.fs import CacheFS, open_cache_fs
 from .cache.manifest import MANIFEST_FILE, committed_shards, diff_fields, fingerprint_of
+from .cache.window import load_ledger
 from .config import RunConfig
 from .errors import UsageError
 from .extract.fingerprint import fingerprint_fields, resolve_target_dtype
@@ -39,11 +41,12 @@ class Plan:
     target_line: str = ""
     layer_ids: list[int] = field(default_factory=list)
     committed: int = 0
+    window: dict = field(default_factory=dict)  # window mode / disk budget (see window_plan)
 
     def to_json(self) -> str:
         return json.dumps({"stage1": self.stage1, "reason": self.reason, "fingerprint": self.fingerprint,
                            "cache_dir": self.cfg.extract.cache_dir, "num_shards": self.cfg.extract.num_shards,
-                           "committed_shards": self.committed, "layer_ids": self.layer_ids,
+                           "committed_shards": self.committed, "layer_ids": self.layer_ids, "window": self.window,
                            "differing": {k: list(v) for k, v in self.differing.items()}}, default=str)
 
     def describe(self) -> str:
@@ -68,6 +71,9 @@ class Plan:
                      f"{c.train_cache_dir}, {c.train.epochs} epoch(s), context {c.train.context_tokens}, "
                      f"{c.train.num_anchors} anchors, {resume} -> {c.train.output_dir}"
                      + (f"  [DDP on GPUs {gpus_t}]" if on_gpu else "  [CPU]"))
+        if self.window:
+            w = self.window
+            lines.append(f"  window    {w['summary']}")
         lines.append(f"  eval      {c.eval.prompts} (max {c.eval.max_prompts or 'all'} prompts, "
                      f"{c.eval.max_new_tokens} new tokens)")
         return "\n".join(lines)
@@ -87,6 +93,42 @@ def _dir_identity(model_dir: Path, trust_remote_code: bool) -> tuple[dict, dict]
              "chat_template_hash": chat_template_hash(tok)}, text)
 
 
+def window_plan(cfg: RunConfig, cache_dir: CacheFS, spec: dict | None) -> dict:
+    """Budget, K, window size and expected disk high-water mark (shard sizes from committed sidecars)."""
+    K, budget = cfg.train.passes_per_shard, cfg.extract.max_cache_gib
+    if K <= 0 and budget <= 0:
+        return {}
+    n = cfg.extract.num_shards
+    sides = []
+    if spec is not None:
+        for name in sorted(cache_dir.list_sizes()):
+            if not (name.startswith("shard-") and name.endswith(".json")):
+                continue
+            try:
+                sides.append(json.loads(cache_dir.read_bytes(name).decode("utf-8")))
+            except (OSError, ValueError):
+                continue
+    big = max((int(s.get("bytes", 0)) for s in sides), default=0)
+    tok = max((int(s.get("tokens", 0)) for s in sides), default=0)
+    out = {"max_cache_gib": budget, "passes_per_shard": K, "num_shards": n, "window_shards": K,
+           "shard_bytes_max": big or None, "shard_tokens_max": tok or None}
+    if K <= 0:
+        out["summary"] = (f"budget {budget:g} GiB but --passes-per-shard 0: nothing deletes shards, so extraction "
+                          "stops (exit 4) once the budget is full")
+        return out
+    need = (K + 1) * big
+    # extraction runs ahead as far as the budget lets it: whole shards up to the budget, else the whole cache
+    high = (int(budget * GIB) // big) * big if budget and big else big * n
+    out |= {"min_budget_gib": need / GIB if big else None, "expected_high_water_gib": high / GIB if big else None}
+    size = (f"shards up to {big / GIB:.3g} GiB / {tok:,} tokens: window ~{K * tok:,} tokens, needs >= "
+            f"{need / GIB:.3g} GiB, expected high-water {high / GIB:.3g} GiB" if big else
+            "shard size unknown until the first shard is committed (the budget must hold K + 1 shards)")
+    out["summary"] = (f"train --follow reads every shard {K} times in {n + K - 1} rounds (window of {K} shards + 1 "
+                      f"being written); budget {f'{budget:g} GiB' if budget else 'off (extraction runs ahead)'}; "
+                      + size)
+    return out
+
+
 def make_plan(cfg: RunConfig) -> Plan:
     from .data.sources import dataset_fingerprint
     from .target.embedded import ensure_embedded_model_dir
@@ -104,6 +146,7 @@ def make_plan(cfg: RunConfig) -> Plan:
                     target_line=f"{spec_str} (seed {cfg.target.seed}), {str(dtype)[6:]} on {device}")
         if old is not None and cache_dir.exists(MANIFEST_FILE):
             plan.reason += "; a complete cache exists here"
+        plan.window = window_plan(cfg, cache_dir, old)
         return plan
     if spec_str.startswith("embedded:"):
         model_dir = ensure_embedded_model_dir(spec_str.split(":", 1)[1],
@@ -126,14 +169,27 @@ def make_plan(cfg: RunConfig) -> Plan:
             f"{str(dtype)[6:]} on {device}")
     plan = Plan(cfg, "run", "no cache in this directory yet", str(device), fp, target_line=line, layer_ids=layer_ids)
     if old is None:
+        plan.window = window_plan(cfg, cache_dir, None)
         return plan
     if old.get("fingerprint") != fp:
         plan.stage1, plan.differing = "refuse", diff_fields(old.get("fingerprint_fields", {}), fields)
         plan.reason = (f"the cache was extracted with different settings ({', '.join(plan.differing)}); "
                        "use a new cache dir or --overwrite")
         return plan
-    plan.committed = len(committed_shards(cache_dir, old))
-    if cache_dir.exists(MANIFEST_FILE) and plan.committed == old["num_shards"]:
+    done = committed_shards(cache_dir, old)
+    plan.committed = len(done)
+    plan.window = window_plan(cfg, cache_dir, old)
+    led = load_ledger(cache_dir, old)
+    consumed = sorted(led.deleted_indices()) if led is not None else []
+    if consumed and led.finished:
+        plan.stage1 = "run"
+        plan.reason = (f"a finished window run ({led.owner}) consumed {len(consumed)} of {old['num_shards']} shards "
+                       "(their files are deleted): extract re-extracts them")
+    elif consumed:
+        plan.stage1 = "resume"
+        plan.reason = (f"a window run ({led.owner}) is streaming this cache: {len(consumed)} shards consumed, "
+                       f"{plan.committed} of {old['num_shards']} committed")
+    elif cache_dir.exists(MANIFEST_FILE) and plan.committed == old["num_shards"]:
         plan.stage1, plan.reason = "skip", "the cache is complete and its fingerprint matches this manifest"
     else:
         plan.stage1 = "resume"

@@ -41,11 +41,22 @@ class MotoServer:
         return f"http://127.0.0.1:{self.port}"
 
 
+def _die_with_parent() -> None:
+    """The server gets SIGTERM when the test process dies, even by SIGKILL (Linux prctl; elsewhere a no-op)."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def start_moto(timeout_s: float = 60.0) -> MotoServer:
     port = free_port()
     env = {**os.environ, "AWS_EC2_METADATA_DISABLED": "true", "MOTO_CALL_RESET_API": "false"}
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent)
     deadline = time.time() + timeout_s
     while time.time() < deadline:
         if proc.poll() is not None:

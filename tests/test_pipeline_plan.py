@@ -135,3 +135,45 @@ def test_missing_model_dir_is_a_usage_error_naming_the_flag(tmp_path):
     m = write_manifest(tmp_path, "m.toml", tmp_path / "cache", tmp_path / "out", f'target.model = "{missing}"')
     with pytest.raises(UsageError, match="--target-model.*not a local directory"):
         _plan(m)
+
+
+def test_a_consumed_window_cache_is_not_complete_plan_says_so_and_extract_redoes_it(extracted, tmp_path, capsys):
+    import json
+    import shutil
+
+    from dflash_pipe.cache import load_spec
+    from dflash_pipe.cache.window import Ledger, save_ledger
+    from dflash_pipe.cli import main
+    from dflash_pipe.extract.pipeline import run_extract
+
+    _, cache, _, _ = extracted
+    live = tmp_path / "cache"
+    shutil.copytree(cache, live)
+    m = write_manifest(tmp_path, "win.toml", live, tmp_path / "out",
+                       "extract.max_cache_gib = 2.5\ntrain.passes_per_shard = 2")
+    spec = load_spec(live)
+    led = Ledger(spec["fingerprint"], 2, str(tmp_path / "out"))
+    led.add(1, 1)
+    led.add(0, 1)
+    led.retire(0, 1)
+    led.shards[0].state = "deleted"  # shard 1 (commit #0) consumed by a window run still in progress
+    save_ledger(live, led)
+    (live / "shard-00001-of-00002.parquet").unlink()
+    plan = _plan(m)
+    assert plan.stage1 == "resume" and "is streaming this cache" in plan.reason
+    text = plan.describe()
+    assert "reads every shard 2 times in 3 rounds" in text and "budget 2.5 GiB" in text and "high-water" in text
+    assert plan.window["passes_per_shard"] == 2 and plan.window["shard_bytes_max"] > 0
+    main(["cache", "info", str(live)])
+    info = json.loads(capsys.readouterr().out)
+    assert info["window"]["deleted"] == [1] and info["window"]["retired"] == [] and info["window"]["held"] == [0]
+    assert info["window"]["pending"] == [] and info["window"]["shard_files_on_disk"] == 1
+    assert run_extract(normalize(load_manifest(m))).shards_done == []  # in progress: consumed is committed
+
+    led.finished = True
+    save_ledger(live, led)
+    plan = _plan(m)
+    assert plan.stage1 == "run" and "consumed 1 of 2 shards" in plan.reason
+    summary = run_extract(normalize(load_manifest(m)))  # the next drafter run re-extracts exactly those
+    assert summary.shards_done == [1] and summary.complete and not (live / "window.json").exists()
+    assert _plan(m).stage1 == "skip"

@@ -109,6 +109,10 @@ def sidecar_name(index: int, num_shards: int) -> str:
     return shard_name(index, num_shards).replace(".parquet", ".json")
 
 
+def sidecar_path(cache_dir: str | Path, index: int, num_shards: int) -> Path:
+    return Path(cache_dir) / sidecar_name(index, num_shards)
+
+
 def write_sidecar(cache_dir: str | Path | CacheFS, spec: dict, info: ShardInfo, stats: dict) -> None:
     sidecar = {"fingerprint": spec["fingerprint"], "num_shards": spec["num_shards"], **asdict(info), "stats": stats}
     open_cache_fs(cache_dir).write_json(sidecar_name(info.index, spec["num_shards"]), sidecar)
@@ -116,11 +120,17 @@ def write_sidecar(cache_dir: str | Path | CacheFS, spec: dict, info: ShardInfo, 
 
 def committed_shards(cache_dir: str | Path | CacheFS, spec: dict) -> dict[int, dict]:
     """Shards whose file and sidecar both exist and agree (size, fingerprint). Others are redone.
-    One listing gives every name and size (one request per 1,000 objects on a store)."""
+    One listing gives every name and size (one request per 1,000 objects on a store).
+
+    A shard that a window run has consumed (window.json says `deleted`) has only its sidecar left and
+    still counts as committed (entry field "deleted": true): extraction must not redo it."""
+    from .window import load_ledger
+
     fs = open_cache_fs(cache_dir)
     sizes = fs.list_sizes()
     out: dict[int, dict] = {}
     n = spec["num_shards"]
+    missing: dict[int, dict] = {}
     for i in range(n):
         side = sidecar_name(i, n)
         if side not in sizes:
@@ -134,7 +144,16 @@ def committed_shards(cache_dir: str | Path | CacheFS, spec: dict) -> dict[int, d
         size = sizes.get(rel) if "/" not in rel else fs.size(rel)
         if size is not None and size == sc.get("bytes"):
             out[i] = sc
-    return out
+        elif size is None:
+            missing[i] = sc
+    # read the ledger after looking at the files: the trainer marks a shard deleted before it unlinks it,
+    # so every file seen missing above was either consumed by then or never committed
+    ledger = load_ledger(fs, spec)
+    consumed = ledger.deleted_indices() if ledger is not None else set()
+    for i, sc in missing.items():
+        if i in consumed:
+            out[i] = {**sc, "deleted": True}
+    return dict(sorted(out.items()))
 
 
 def try_finalize(cache_dir: str | Path | CacheFS, spec: dict) -> dict | None:

@@ -257,9 +257,13 @@ class ShardWriter:
             self._writer.close()
         except Exception:  # noqa: BLE001 - already failing; the temp file is removed below
             pass
-        self._file.close()  # an upload: aborted (nothing stays visible under the shard's name)
-        if not self.remote:
-            self.tmp_path.unlink(missing_ok=True)
+        try:
+            self._file.close()  # an upload: aborted (nothing stays visible under the shard's name)
+        except OSError:  # a disk-full flush of the buffered tail: the file is discarded anyway
+            pass
+        finally:
+            if not self.remote:
+                self.tmp_path.unlink(missing_ok=True)
 
 
 def make_row(sample_id: str, doc_index: int, input_ids: np.ndarray, loss_mask: np.ndarray, enc_hidden,

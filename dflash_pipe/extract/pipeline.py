@@ -19,6 +19,7 @@ import logging
 import os
 import tempfile
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,9 +28,11 @@ import torch
 
 from ..cache import init_or_check_spec, make_spec, shard_name, try_finalize, write_sidecar
 from ..cache.codec import FP8, fp8_error_terms
+from ..cache.budget import DiskBudget
 from ..cache.fs import CacheFS, open_cache_fs
-from ..cache.manifest import LAYER_CONVENTION, committed_shards
+from ..cache.manifest import LAYER_CONVENTION, committed_shards, sidecar_name
 from ..cache.schema import shard_meta
+from ..cache.window import reset_consumed
 from ..cache.writer import ShardWriter
 from ..config import RunConfig, parse_shard_subset, write_resolved
 from ..data.sources import dataset_fingerprint, load_conversations
@@ -69,6 +72,8 @@ class ExtractSummary:
     seconds: float = 0.0
     gpu_blocked_s: float = 0.0
     writer_wait_s: float = 0.0  # main thread waiting at the end for the last writes and commits
+    space_wait_s: float = 0.0  # waiting for the window trainer to free disk space (--max-cache-gib)
+    reextracted_consumed: list[int] = field(default_factory=list)  # shards a finished window run had deleted
     complete: bool = False
     kernel_paths: dict = field(default_factory=dict)
 
@@ -151,10 +156,13 @@ def run_extract(cfg: RunConfig) -> ExtractSummary:
                                "skip_samples": cfg.data.skip_samples, "max_samples": cfg.data.max_samples},
                       "extract": {"max_length": ex.max_length, "token_budget": ex.token_budget}})
     cache_dir = open_cache_fs(ex.cache_dir)  # a directory or an object-store prefix (cache/fs.py)
-    status = "match"
+    status, redo = "match", []
     if info.is_main:
         status = init_or_check_spec(cache_dir, spec, overwrite=ex.overwrite)
         cache_dir.remove_stale_temps()
+        redo = reset_consumed(cache_dir, spec, lambda i: sidecar_name(i, ex.num_shards))
+        if redo:
+            log.info("a finished window run consumed shards %s of this cache: extracting them again", redo)
         if not cache_dir.exists(HEAD_FILE):
             _save_head(bundle, cache_dir)
         write_resolved(cfg, ex.cache_dir)
@@ -162,6 +170,8 @@ def run_extract(cfg: RunConfig) -> ExtractSummary:
     if not info.is_main:
         init_or_check_spec(cache_dir, spec, overwrite=False)
     summary = ExtractSummary(cache_dir.uri, status)
+    summary.reextracted_consumed = redo if info.is_main else []
+    budget = DiskBudget(cache_dir, ex.max_cache_gib, cfg.train.passes_per_shard, ex.space_wait_timeout_s)
     committed = committed_shards(cache_dir, spec)
     mine = _owned_shards(cfg, info)
     todo = [s for s in mine if s not in committed]
@@ -179,7 +189,8 @@ def run_extract(cfg: RunConfig) -> ExtractSummary:
                             device, layer_ids, ex.codec, ex.sanity_check)
         try:
             for s in todo:
-                _extract_shard(cfg, spec, runner, bundle.tokenizer, host, s, device, layer_ids, bar, info.rank)
+                _extract_shard(cfg, spec, runner, bundle.tokenizer, host, s, device, layer_ids, bar, info.rank,
+                               budget)
             summary.writer_wait_s = host.close()  # every shard committed once this returns
         except BaseException:
             host.abort()
@@ -192,6 +203,7 @@ def run_extract(cfg: RunConfig) -> ExtractSummary:
             summary.tokens += shard.tokens
             summary.gpu_blocked_s += shard.gpu_blocked_s
         summary.seconds = time.perf_counter() - t0
+        summary.space_wait_s = budget.waited_s
     barrier()
     fault_point("extract.before_manifest")
     summary.complete = try_finalize(cache_dir, spec) is not None
@@ -228,7 +240,8 @@ def _compress_workers(cfg: RunConfig) -> int:
 
 
 def _extract_shard(cfg: RunConfig, spec: dict, runner, tokenizer, host: HostPipeline, shard: int,
-                   device: torch.device, layer_ids: list[int], bar, rank: int) -> ShardHandle:
+                   device: torch.device, layer_ids: list[int], bar, rank: int,
+                   budget: DiskBudget | None = None) -> ShardHandle:
     """Forward one shard's documents into `host` and queue its end (main thread).
 
     Returns as soon as the last batch is submitted: the commit and the sidecar run later on the
@@ -241,8 +254,10 @@ def _extract_shard(cfg: RunConfig, spec: dict, runner, tokenizer, host: HostPipe
     convs = load_conversations(d.source, d.format, d.strict, reader_stats, d.skip_samples, d.max_samples)
     ctok = ConversationTokenizer(tokenizer, ex.max_length)
     width = spec["features"]["width"]
-    writer = ShardWriter(ex.cache_dir, shard_name(shard, ex.num_shards), shard, ex.codec, ex.topk,
-                         shard_meta(ex.codec, ex.topk, width, num_layers, spec["fingerprint"]), ex.row_group_mb << 20)
+    with budget.room_for_next_shard() if budget is not None else nullcontext():  # --max-cache-gib: wait for room
+        writer = ShardWriter(ex.cache_dir, shard_name(shard, ex.num_shards), shard, ex.codec, ex.topk,
+                             shard_meta(ex.codec, ex.topk, width, num_layers, spec["fingerprint"]),
+                             ex.row_group_mb << 20)
     handle = host.begin_shard(writer, shard)
 
     def run_pack(pack):

@@ -24,6 +24,7 @@ from ..cache.codec import FP8, decode_split, planes_shape
 from ..cache.fs import open_cache_fs
 from ..cache.manifest import MANIFEST_FILE, committed_shards
 from ..cache.reader import ShardReader
+from ..cache.window import WINDOW_FILE, load_ledger
 from ..config import parse_shard_subset
 from ..errors import CacheError
 from .anchors import IGNORE, block_labels, sample_anchors
@@ -51,6 +52,7 @@ class TrainBatch:
     num_docs: int
     tokens: int  # real (non-padding) context tokens
     anchors_available: int  # anchors eligible before capping at num_anchors
+    sample_ids: tuple = ()  # the documents of this batch, in context order
     release_fn: object = None  # returns the plane buffers to the loader's pool (see release())
 
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -100,11 +102,11 @@ def shard_subset(spec: dict, shards: str) -> list[int] | None:
 class CacheIndex:
     """What the trainer knows about a cache: spec, which shards exist, document lengths."""
 
-    def __init__(self, cache_dir: str | Path, follow: bool = False, shards: str = ""):
+    def __init__(self, cache_dir: str | Path, follow: bool = False, shards: str = "", wait_s: float = 0.0):
         self.fs = open_cache_fs(cache_dir)
         self.cache_dir = self.fs.root if self.fs.is_local else self.fs.uri
         self.follow = follow
-        self.spec = load_spec(self.fs)
+        self.spec = self._wait_for_spec(wait_s) if follow and wait_s > 0 else load_spec(self.fs)
         if self.spec is None:
             raise CacheError(f"{self.cache_dir}: no cache_spec.json (not a dflash-pipe cache)",
                              "run `dflash-pipe extract` first or fix --cache-dir")
@@ -116,8 +118,31 @@ class CacheIndex:
         self._readers: dict[tuple[int, int], ShardReader] = {}
         self._lock = threading.Lock()
 
+    def _wait_for_spec(self, wait_s: float, poll_s: float = 1.0) -> dict | None:
+        """--follow started together with extraction: the spec and the head file appear once the target is
+        loaded (minutes for a large one). Wait for both, up to `wait_s`."""
+        t0 = time.monotonic()
+        said = False
+        while True:
+            spec = load_spec(self.fs)
+            if spec is not None and self.fs.exists(spec["features"].get("head_file", "") or "-"):
+                return spec
+            if time.monotonic() - t0 > wait_s:
+                return spec  # the caller names what is missing
+            if not said:
+                log.info("follow: waiting for extraction to write %s/cache_spec.json and the target head",
+                         self.cache_dir)
+                said = True
+            time.sleep(poll_s)
+
     def refresh(self) -> bool:
         """Pick up newly committed shards. Returns whether the data is final (manifest written)."""
+        led = load_ledger(self.fs, self.spec)
+        if led is not None and led.deleted_indices():
+            raise CacheError(f"{self.cache_dir}: shards {sorted(led.deleted_indices())} were consumed (deleted) by "
+                             f"the window run {led.owner} ({WINDOW_FILE})",
+                             "rerun `dflash-pipe extract` to re-extract them (a finished window run's cache), or "
+                             "resume that run with --follow --passes-per-shard K")
         if self.fs.exists(MANIFEST_FILE):
             man = load_manifest(self.fs)
             if man["fingerprint"] != self.spec["fingerprint"]:
@@ -155,6 +180,13 @@ class CacheIndex:
             start += n
         return out
 
+    def forget(self, shard: int) -> None:
+        with self._lock:
+            for key in [k for k in self._readers if k[0] == shard]:
+                del self._readers[key]
+        self.paths.pop(shard, None)
+        self.lengths.pop(shard, None)
+
     def reader(self, shard: int) -> ShardReader:
         """A reader of `shard` for the calling thread: a pyarrow ParquetFile must not be read from two
         threads at once (concurrent read_row_group calls on one handle crash), and the decode workers
@@ -175,6 +207,11 @@ class RowGroupCache:
         self._items: OrderedDict = OrderedDict()
         self._reading: dict[tuple[int, int], threading.Event] = {}
         self._lock = threading.Lock()
+
+    def forget(self, shard: int) -> None:
+        with self._lock:
+            for key in [k for k in self._items if k[0] == shard]:
+                del self._items[key]
 
     def rows(self, shard: int, rg: int):
         key = (shard, rg)
@@ -249,9 +286,12 @@ class BatchLoader:
         self.decode_s = 0.0
         self.plane_pool = PlanePool(planes_shape(self.codec, self.width, self.S), torch.uint8, pin_memory)
         self.scale_pool = PlanePool((self.S, self.num_layers), torch.float32, pin_memory) if self.codec == FP8 else None
+        self.schedule_fn = None  # window mode: round -> EpochSchedule (train/window_run.py)
 
     # ------------------------------------------------------------------ schedule
     def schedule(self, epoch: int, follow_first_epoch: bool) -> EpochSchedule:
+        if self.schedule_fn is not None:
+            return self.schedule_fn(epoch)
         final = self.index.refresh()
         return build_epoch_schedule(self.index.lengths, self.world, self.seed, epoch, self.S, self.shuffle_rows,
                                     follow_first_epoch=follow_first_epoch, final=final)
@@ -339,7 +379,7 @@ class BatchLoader:
         return TrainBatch(epoch, step, planes, scale, t(input_ids), t(ctx_doc), t(ctx_pos), t(anchor_index),
                           t(bdoc), t(valid), t(lab), t(input_ids[anchor_index]),
                           None if tk_ids is None else t(tk_ids), None if tk_lp is None else t(tk_lp),
-                          len(docs), off, available, release)
+                          len(docs), off, available, tuple(r.sample_id for r in rows), release)
 
     def _decode_doc(self, d: DocRef, offset: int, planes, scale, tk_ids, tk_lp):
         """Read (or reuse) the document's row group, decode its planes into columns [offset, offset+T)."""
@@ -359,6 +399,11 @@ class BatchLoader:
             tk_ids[offset:offset + T] = ids[:T].numpy()
             tk_lp[offset:offset + T] = lps[:T].numpy()
         return row
+
+    def forget_shard(self, shard: int) -> None:
+        """Window mode: a retired shard is never read again; drop its readers and cached row groups."""
+        self.index.forget(shard)
+        self.rg_cache.forget(shard)
 
     def close(self) -> None:
         self.producer.shutdown(wait=True, cancel_futures=True)

@@ -117,3 +117,51 @@ def build_epoch_schedule(lengths: dict[int, list[list[int]]], world: int, seed: 
 def batch_rng(seed: int, epoch: int, rank: int, step: int) -> np.random.Generator:
     """Anchor sampling randomness of one batch: a function of its position only."""
     return _rng(seed, epoch, rank, step, 3)
+
+
+# ---------------------------------------------------------------------- window mode (--passes-per-shard K)
+
+def window_members(round_: int, passes: int, num_shards: int) -> list[int]:
+    """Commit sequence numbers read in round r: every c with r-K < c <= r (and c < num_shards)."""
+    return list(range(max(0, round_ - passes + 1), min(round_, num_shards - 1) + 1))
+
+
+def window_rounds(passes: int, num_shards: int) -> int:
+    """Rounds until every shard was read K times: shard c is read in rounds c .. c+K-1."""
+    return num_shards + passes - 1
+
+
+def retired_after(round_: int, passes: int, num_shards: int) -> list[int]:
+    """Sequence numbers whose last read is round r (retired once it ends)."""
+    c = round_ - passes + 1
+    if round_ == window_rounds(passes, num_shards) - 1:  # the last round retires everything left
+        return list(range(max(0, c), num_shards))
+    return [c] if 0 <= c < num_shards else []
+
+
+def build_round_schedule(lengths_by_seq: dict[int, list[list[int]]], shard_of_seq: list[int], round_: int,
+                         passes: int, num_shards: int, world: int, seed: int, context_tokens: int,
+                         shuffle_rows: int) -> EpochSchedule:
+    """One round of the windowed schedule, a pure function of (seed, commit order, K, round).
+
+    The round's shards (`window_members`) are shuffled together by (seed, round); shard c is in its
+    pass r-c. Row groups are dealt to ranks and packed exactly as in an epoch (rank r takes every
+    world-th row group; every rank runs min over ranks of its batch count); the round ends with
+    its own last batch (packing does not carry over into the next round)."""
+    members = window_members(round_, passes, num_shards)
+    order = [members[i] for i in _rng(seed, round_, 11).permutation(len(members))]
+    packers = [Packer(context_tokens) for _ in range(world)]
+    global_rg = 0
+    for c in order:
+        rgs = lengths_by_seq[c]
+        for rank in range(world):
+            for doc in rank_docs_of_shard(shard_of_seq[c], rgs, global_rg, rank, world, seed, round_, shuffle_rows,
+                                          context_tokens):
+                packers[rank].add(doc)
+        global_rg += len(rgs)
+    for p in packers:
+        p.finish()
+    per_rank = [p.batches for p in packers]
+    sched = EpochSchedule(per_rank, True)
+    sched.dropped_batches = sum(len(b) for b in per_rank) - world * sched.steps
+    return sched

@@ -20,8 +20,8 @@ from ..dist import DistInfo, barrier, destroy, init_process_group, pick_device, 
 from ..drafter.attention import compilation_locked
 from ..drafter import (default_gamma, draft_loss, export_drafter, lock_compilation, summarize_metrics,
                        unlock_compilation)
-from ..errors import RuntimeFailure, ValidationError
-from ..faults import fault_point
+from ..errors import RuntimeFailure, UsageError, ValidationError
+from ..faults import fault_point, trace_batch
 from .checkpoint import find_resume, load_checkpoint, read_state, save_checkpoint
 from .components import (FrozenHead, build_drafter_config, build_model, build_optimizer, cache_identity,
                          check_against_cache, check_resume_identity, resolve_param_dtype)
@@ -30,6 +30,7 @@ from .master_weights import MasterWeights
 from .validation import Validator, draft_inputs, kd_targets
 from .loader import BatchLoader, CacheIndex, shard_subset
 from .metrics import StepLogger, Stopwatch, plot_history, step_flops
+from .window_run import WindowCoordinator
 
 log = logging.getLogger("dflash_pipe.train")
 
@@ -51,6 +52,21 @@ def _steps_per_epoch(loader: BatchLoader, epochs: int, follow: bool) -> list[int
     return out
 
 
+def _window(cfg: RunConfig, index: CacheIndex, out_dir: Path, info: DistInfo, device, loader: BatchLoader):
+    """The window coordinator of `--follow --passes-per-shard K`, or None (whole-cache epochs)."""
+    tr = cfg.train
+    if tr.passes_per_shard <= 0:
+        return None
+    if not tr.follow:
+        raise UsageError("--passes-per-shard (window mode) needs --follow", "add --follow, or set it to 0")
+    if tr.shards.strip():
+        raise UsageError("--passes-per-shard (window mode) cannot be combined with --shards")
+    coord = WindowCoordinator(index, out_dir, tr.passes_per_shard, info.rank, info.world, device, tr.follow_poll_s,
+                              tr.follow_timeout_s, tr.seed, tr.context_tokens, tr.shuffle_rows)
+    loader.schedule_fn = coord.schedule
+    return coord
+
+
 def run_train(cfg: RunConfig) -> dict:
     tr = cfg.train
     info = DistInfo.from_env()
@@ -62,7 +78,8 @@ def run_train(cfg: RunConfig) -> dict:
     if info.is_main:
         write_resolved(cfg, out_dir)
 
-    index = CacheIndex(cfg.train_cache_dir, follow=tr.follow, shards=tr.shards)
+    index = CacheIndex(cfg.train_cache_dir, follow=tr.follow, shards=tr.shards,
+                       wait_s=tr.follow_timeout_s if tr.follow else 0.0)
     spec = index.spec
     dcfg = build_drafter_config(cfg, spec, device)
     check_against_cache(dcfg, spec, "drafter config")
@@ -78,18 +95,32 @@ def run_train(cfg: RunConfig) -> dict:
                          block_size=dcfg.block_size, shuffle_rows=tr.shuffle_rows, workers=tr.loader_workers,
                          want_topk=tr.kd_weight > 0, pin_memory=device.type == "cuda",
                          follow_poll_s=tr.follow_poll_s)
-    if tr.follow:
-        loader.wait_for_step(0, 0, follow_first_epoch=True)
-    epoch_steps = _steps_per_epoch(loader, tr.epochs, tr.follow)
-    total = sum(epoch_steps) if not tr.max_steps else min(tr.max_steps, sum(epoch_steps))
+    resume = find_resume(out_dir, tr.resume)
+    coord = _window(cfg, index, out_dir, info, device, loader)
+    if coord is not None:  # window mode: rounds instead of epochs; the plan comes from the first shard
+        if resume is not None:
+            epoch_steps, est = read_state(resume)["epoch_steps"], read_state(resume)["total_steps"]
+        else:
+            coord.wait_round(0)
+            est = coord.estimate_total_steps()
+            epoch_steps = [coord.schedule(0).steps]
+        total = est if not tr.max_steps else min(tr.max_steps, est)
+    else:
+        if tr.follow:
+            loader.wait_for_step(0, 0, follow_first_epoch=True)
+        epoch_steps = _steps_per_epoch(loader, tr.epochs, tr.follow)
+        total = sum(epoch_steps) if not tr.max_steps else min(tr.max_steps, sum(epoch_steps))
     if total <= 0:
         raise ValidationError(f"cache {cfg.train_cache_dir} yields no training batch at --context-tokens "
                               f"{tr.context_tokens} (world size {info.world})", "add data or lower the world size")
     opt, sched = build_optimizer(weights.masters, cfg, device, total)
     step, epoch, step_in_epoch = 0, 0, 0
-    resume = find_resume(out_dir, tr.resume)
     if resume is not None:
         check_resume_identity(read_state(resume), spec, resume, dcfg, index.subset)  # before touching any weights
+        if read_state(resume).get("passes_per_shard", 0) != tr.passes_per_shard:
+            raise ValidationError(f"checkpoint {resume} was trained with --passes-per-shard "
+                                  f"{read_state(resume).get('passes_per_shard', 0)}, this run asks for "
+                                  f"{tr.passes_per_shard}", "resume with the original value, or a new --output-dir")
         state = load_checkpoint(resume, weights, opt, device)
         step, epoch, step_in_epoch = state["step"], state["epoch"], state["step_in_epoch"]
         epoch_steps, total = state["epoch_steps"], state["total_steps"]
@@ -98,6 +129,8 @@ def run_train(cfg: RunConfig) -> dict:
         sched._last_lr = [g["lr"] for g in opt.param_groups]
         if info.is_main:
             print(f"resumed from {resume} at step {step} (epoch {epoch}, batch {step_in_epoch})", flush=True)
+        if coord is not None:
+            coord.collect(epoch)  # a kill after the boundary checkpoint, before its deletions
     ddp = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True) if distributed else model
     gamma = tr.gamma or default_gamma(dcfg.block_size)
     trainable = sum(p.numel() for p in model.parameters())
@@ -116,20 +149,29 @@ def run_train(cfg: RunConfig) -> dict:
     with GracefulStop(device, info, tr.log_every) as stop:  # SIGINT/SIGTERM: checkpoint, exit 130
         try:
             cap = tr.max_steps or None  # otherwise every epoch runs until its data ends (follow: when extraction does)
-            while epoch < tr.epochs and (cap is None or step < cap):
+            phases = coord.rounds if coord is not None else tr.epochs  # window mode: one phase per round
+            while epoch < phases and (cap is None or step < cap):
                 follow_first = tr.follow and epoch == 0
-                batches = DeviceFeed(loader.iterate(epoch, step_in_epoch, follow_first_epoch=follow_first), device)
                 watch = Stopwatch(device)
+                t_round = time.perf_counter()
+                if coord is not None:
+                    coord.wait_round(epoch)  # collective: every rank agrees on the window
+                round_wait = time.perf_counter() - t_round
+                batches = DeviceFeed(loader.iterate(epoch, step_in_epoch, follow_first_epoch=follow_first), device)
+                phase_done = False
                 while cap is None or step < cap:
                     t_wait = time.perf_counter()
                     item = next(batches, None)
-                    data_wait = time.perf_counter() - t_wait
+                    data_wait = time.perf_counter() - t_wait + round_wait
+                    round_wait = 0.0
                     if item is None:
+                        phase_done = True
                         break
                     batch, on_device = item
                     last = _train_step(ddp, weights, head, opt, sched, batch, dcfg, device, autocast, codec, n_layers,
                                        gamma, cfg, on_device, after_backward=batches.prefetch)
                     data_wait += batches.take_wait_s()
+                    trace_batch(step, epoch, info.rank, batch.sample_ids)
                     if not compilation_locked() and device.type == "cuda":
                         lock_compilation()  # after this process's first step everything is compiled: a
                         # recompile is an error from here on, not a silent dense fallback
@@ -148,9 +190,18 @@ def run_train(cfg: RunConfig) -> dict:
                     fault_point("train.after_step")
                     if stopping:
                         stop.leave(step, total, out_dir)  # raises StopRequested: exit 130, no export
+                if coord is not None and not phase_done:
+                    break  # --max-steps inside a round: the position stays inside it
                 epoch += 1
                 step_in_epoch = 0
+                if coord is not None:  # round boundary: retire, checkpoint, then delete what it no longer needs
+                    coord.end_round(epoch - 1, loader)
+                    if epoch < phases:
+                        _checkpoint(out_dir, step, epoch, 0, weights, opt, epoch_steps, total, spec, dcfg, cfg, info)
+                        coord.collect(epoch)
             _checkpoint(out_dir, step, epoch, step_in_epoch, weights, opt, epoch_steps, total, spec, dcfg, cfg, info)
+            if coord is not None and epoch >= coord.rounds:
+                coord.finish()  # every shard read K times: delete the rest, mark the cache consumed
             if validator is not None:
                 last["val"] = logger.log_validation(step - 1, validator.run(model))
             if info.is_main:
@@ -172,7 +223,8 @@ def _checkpoint(out_dir, step, epoch, step_in_epoch, weights, opt, epoch_steps, 
         state = {"step": step, "epoch": epoch, "step_in_epoch": step_in_epoch, "epoch_steps": epoch_steps,
                  "total_steps": total, "drafter_config": dcfg.to_dict(), "cache_identity": cache_identity(spec),
                  "train_shards": shard_subset(spec, cfg.train.shards),
-                 "cache_fingerprint": spec["fingerprint"], "seed": cfg.train.seed}
+                 "cache_fingerprint": spec["fingerprint"], "seed": cfg.train.seed,
+                 "passes_per_shard": cfg.train.passes_per_shard}
         save_checkpoint(out_dir, step, weights, opt, state, keep=cfg.train.keep_checkpoints)
     barrier()
 

@@ -1,0 +1,177 @@
+"""Stream stage 1 into stage 2 within a disk budget, both on one device (issue #16's measurement).
+
+Runs `dflash-pipe extract --max-cache-gib B` and `dflash-pipe train --follow --passes-per-shard K` at
+the same time on the same GPU (or the CPU with --smoke), samples the cache directory's disk usage every
+--sample-s seconds, and writes a JSON summary:
+
+  * high-water mark of the shard bytes (committed + in-flight temp files) against the budget;
+  * bytes and tokens streamed through the window, as a multiple of the budget;
+  * the trainer's data-wait share of step time once the window is full (rounds >= K - 1), weighted
+    by step time (the wait for the next shard at a round start counts as the first step's data wait);
+  * the time extraction spent waiting for space, and the wall time of both stages.
+
+    python bench/window_stream.py --json OUT.json             # H200: SmolLM2 + ShareGPT, 0.3 GiB budget
+    python bench/window_stream.py --smoke --json OUT.json     # CPU toy size (tiny random target)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from dflash_pipe.config import load_manifest, normalize, to_toml  # noqa: E402
+
+GIB = 1 << 30
+
+
+def sample_disk(cache: Path, stop: threading.Event, every_s: float, out: dict) -> None:
+    """Shard bytes (committed + temp) and the whole directory, every `every_s` seconds."""
+    out.update(high_shards=0, high_dir=0, samples=0, over_budget_samples=0)
+    while not stop.is_set():
+        shards = total = 0
+        try:
+            for p in cache.iterdir():
+                try:
+                    size = p.stat().st_size
+                except FileNotFoundError:
+                    continue
+                total += size
+                if (p.name.startswith("shard-") and p.name.endswith(".parquet")) or p.name.startswith(".shard-"):
+                    shards += size
+        except FileNotFoundError:
+            pass
+        out["high_shards"] = max(out["high_shards"], shards)
+        out["high_dir"] = max(out["high_dir"], total)
+        out["samples"] += 1
+        if out.get("budget") and shards > out["budget"]:
+            out["over_budget_samples"] += 1
+        stop.wait(every_s)
+
+
+def build_manifest(a, work: Path) -> Path:
+    cfg = load_manifest(ROOT / "manifests" / ("tiny-qwen3.5.toml" if a.smoke else "default.toml"))
+    ex, tr, d = cfg.extract, cfg.train, cfg.data
+    d.skip_samples, d.max_samples = a.skip_samples, a.samples
+    ex.cache_dir, ex.num_shards, ex.max_length, ex.token_budget = str(work / "cache"), a.shards, a.max_length, a.token_budget
+    ex.max_cache_gib, ex.space_wait_timeout_s = a.budget_gib, a.space_timeout_s
+    if a.compress_workers:
+        ex.compress_workers = a.compress_workers
+    tr.output_dir, tr.follow, tr.passes_per_shard = str(work / "train"), True, a.passes
+    tr.follow_poll_s, tr.follow_timeout_s = 0.2, a.space_timeout_s
+    tr.context_tokens, tr.num_anchors, tr.max_anchors_per_doc = a.context_tokens, a.num_anchors, a.num_anchors
+    tr.checkpoint_every, tr.log_every, tr.loader_workers = 0, 1, a.loader_workers
+    normalize(cfg)
+    path = work / "window_stream.toml"
+    path.write_text(to_toml(cfg))
+    return path
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--smoke", action="store_true", help="CPU toy size: tiny random target, a few hundred KB")
+    p.add_argument("--work", default="", help="work directory (default: a fresh one under /tmp)")
+    p.add_argument("--json", default="", help="write the summary here")
+    p.add_argument("--budget-gib", type=float, default=None)
+    p.add_argument("--passes", type=int, default=2, help="K: reads of every shard")
+    p.add_argument("--shards", type=int, default=None)
+    p.add_argument("--samples", type=int, default=None)
+    p.add_argument("--skip-samples", type=int, default=40)
+    p.add_argument("--max-length", type=int, default=None)
+    p.add_argument("--token-budget", type=int, default=None)
+    p.add_argument("--context-tokens", type=int, default=None)
+    p.add_argument("--num-anchors", type=int, default=None)
+    p.add_argument("--loader-workers", type=int, default=None)
+    p.add_argument("--compress-workers", type=int, default=0)
+    p.add_argument("--space-timeout-s", type=float, default=300.0)
+    p.add_argument("--sample-s", type=float, default=0.2)
+    p.add_argument("--limit-s", type=float, default=420.0, help="kill both stages after this long")
+    a = p.parse_args()
+    smoke = dict(budget_gib=0.0006, shards=16, samples=64, max_length=256, token_budget=1024, context_tokens=512,
+                 num_anchors=32, loader_workers=1)
+    h200 = dict(budget_gib=0.3, shards=96, samples=2400, max_length=2048, token_budget=16384,
+                context_tokens=16384, num_anchors=512, loader_workers=8)
+    for k, v in (smoke if a.smoke else h200).items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
+    work = Path(a.work) if a.work else Path(f"/tmp/window_stream-{os.getpid()}")
+    work.mkdir(parents=True, exist_ok=True)
+    manifest = build_manifest(a, work)
+    cache = work / "cache"
+    cache.mkdir(exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}".rstrip(os.pathsep),
+           "PYTHONUNBUFFERED": "1"}
+    dev = ["--device", "cpu"] if a.smoke else []
+    disk = {"budget": int(a.budget_gib * GIB)}
+    stop = threading.Event()
+    sampler = threading.Thread(target=sample_disk, args=(cache, stop, a.sample_s, disk), daemon=True)
+    sampler.start()
+    t0 = time.time()
+    with open(work / "extract.log", "w") as le, open(work / "train.log", "w") as lt:
+        ext = subprocess.Popen([sys.executable, "-m", "dflash_pipe", "extract", "-m", str(manifest), *dev],
+                               env=env, stdout=le, stderr=subprocess.STDOUT)
+        while not (cache / "cache_spec.json").exists() and ext.poll() is None:
+            time.sleep(0.2)
+        trn = subprocess.Popen([sys.executable, "-m", "dflash_pipe", "train", "-m", str(manifest), *dev],
+                               env=env, stdout=lt, stderr=subprocess.STDOUT)
+        walls = {}
+        while len(walls) < 2:
+            for name, proc in (("extract", ext), ("train", trn)):
+                if name not in walls and proc.poll() is not None:
+                    walls[name] = time.time() - t0
+            if time.time() - t0 > a.limit_s:
+                for proc in (ext, trn):
+                    if proc.poll() is None:
+                        proc.kill()
+                break
+            time.sleep(0.2)
+    stop.set()
+    sampler.join()
+    ext_log, trn_log = (work / "extract.log").read_text(), (work / "train.log").read_text()
+    m = re.search(r"([\d.]+)s waiting for the window trainer", ext_log)
+    space_wait = float(m.group(1)) if m else None
+    sides = [json.loads(p.read_text()) for p in sorted(cache.glob("shard-*.json"))]
+    streamed_bytes, streamed_tokens = sum(s["bytes"] for s in sides), sum(s["tokens"] for s in sides)
+    recs = [json.loads(ln) for ln in (work / "train" / "metrics.jsonl").read_text().splitlines()] \
+        if (work / "train" / "metrics.jsonl").exists() else []
+    full = [r for r in recs if r["epoch"] >= a.passes - 1]
+    wait_share = (sum(r["data_wait"] * r["step_s"] for r in full) / sum(r["step_s"] for r in full)) if full else None
+    summary = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "smoke": a.smoke,
+        "returncodes": {"extract": ext.returncode, "train": trn.returncode},
+        "budget_gib": a.budget_gib, "passes_per_shard": a.passes, "num_shards": a.shards, "samples": a.samples,
+        "shards_committed": len(sides), "shard_bytes_max": max((s["bytes"] for s in sides), default=0),
+        "high_water_shards_gib": disk["high_shards"] / GIB, "high_water_dir_gib": disk["high_dir"] / GIB,
+        "within_budget": disk["high_shards"] <= disk["budget"], "disk_samples": disk["samples"],
+        "over_budget_samples": disk["over_budget_samples"],
+        "streamed_gib": streamed_bytes / GIB, "streamed_tokens": streamed_tokens,
+        "streamed_over_budget": streamed_bytes / max(1, disk["budget"]),
+        "train_steps": len(recs), "train_steps_window_full": len(full),
+        "train_data_wait_share_window_full": wait_share,
+        "train_tok_s_window_full": (sum(r["tok_s"] * r["step_s"] for r in full) / sum(r["step_s"] for r in full))
+        if full else None,
+        "extract_space_wait_s": space_wait, "extract_wall_s": walls.get("extract"), "train_wall_s": walls.get("train"),
+        "work": str(work),
+    }
+    text = json.dumps(summary, indent=2)
+    print(text)
+    if a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(text + "\n")
+    if ext.returncode or trn.returncode:
+        print("--- extract log tail\n" + ext_log[-3000:] + "\n--- train log tail\n" + trn_log[-3000:], file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

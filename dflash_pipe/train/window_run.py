@@ -1,0 +1,210 @@
+"""Window mode of `train --follow --passes-per-shard K`: the trainer's side of the window ledger.
+
+Rank 0 decides everything and the other ranks follow: it assigns commit sequence numbers to newly
+committed shards (cache/window.py), writes the ledger, and broadcasts the commit order as one int
+tensor (no pickle) to every rank at every look; rounds are then a pure function of that order
+(schedule.build_round_schedule), so all ranks read the same window and none opens a shard outside
+it. Per round boundary (trainer.py):
+
+    end_round(r)      shards whose last read was round r -> `retired` (ledger written)
+    checkpoint        complete checkpoint at (r + 1, step 0)
+    collect(r + 1)    retired shards no read from round r + 1 on needs -> `deleted` in the ledger,
+                      then their files are unlinked; checkpoints of rounds <= r are pruned (they
+                      would need a deleted shard). A SIGKILL anywhere leaves a ledger and a newest
+                      complete checkpoint that agree; `--resume auto` redoes what is missing.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..cache.manifest import committed_shards
+from ..cache.window import DELETED, Ledger, check_owner, delete_shard_file, ledger_path, load_ledger, save_ledger
+from ..errors import CacheError, RuntimeFailure
+from ..faults import fault_point
+from .checkpoint import complete_checkpoints, read_state
+from .schedule import EpochSchedule, build_round_schedule, retired_after, window_members, window_rounds
+
+log = logging.getLogger("dflash_pipe.train")
+_GIVE_UP = 1
+
+
+class WindowCoordinator:
+    def __init__(self, index, out_dir: Path, passes: int, rank: int, world: int, device: torch.device,
+                 poll_s: float, timeout_s: float, seed: int, context_tokens: int, shuffle_rows: int):
+        self.index = index
+        self.cache_dir, self.spec = index.cache_dir, index.spec
+        self.n = int(self.spec["num_shards"])
+        self.passes, self.rank, self.world = passes, rank, world
+        self.out_dir = Path(out_dir)
+        self.poll_s, self.timeout_s = poll_s, timeout_s
+        self.seed, self.S, self.shuffle_rows = seed, context_tokens, shuffle_rows
+        self.comm_device = device if (dist.is_initialized() and dist.get_backend() == "nccl") else torch.device("cpu")
+        self.order: list[int] = []  # shard index of each commit sequence number, equal on every rank
+        self.lengths_by_seq: dict[int, list[list[int]]] = {}
+        self.ledger: Ledger | None = None
+        if rank == 0:
+            owner = str(self.out_dir.resolve())
+            led = load_ledger(self.cache_dir, self.spec)
+            if led is not None and led.finished and led.owner != owner:
+                raise CacheError(f"{ledger_path(self.cache_dir)}: another window run ({led.owner}) has consumed this "
+                                 "cache", "rerun `dflash-pipe extract` (it re-extracts the consumed shards) first")
+            if led is not None:
+                check_owner(led, owner, passes, ledger_path(self.cache_dir))
+            self.ledger = led or Ledger(self.spec["fingerprint"], passes, owner)
+            for e in self.ledger.in_state(DELETED):  # killed between the ledger write and the unlink
+                delete_shard_file(self.cache_dir, self._name(e.index))
+
+    @property
+    def rounds(self) -> int:
+        return window_rounds(self.passes, self.n)
+
+    @property
+    def finished(self) -> bool:
+        return self.ledger is not None and self.ledger.finished
+
+    def _name(self, index: int) -> str:
+        from ..cache.schema import shard_name
+
+        return shard_name(index, self.n)
+
+    # ------------------------------------------------------------------ agreeing on the commit order
+    def _look(self, give_up: bool) -> bool:
+        """One collective look for new shards. Returns rank 0's give-up decision."""
+        buf = torch.full((self.n + 1,), -1, dtype=torch.int64)
+        if self.rank == 0:
+            known = set(self.ledger.order())
+            committed = committed_shards(self.cache_dir, self.spec)
+            new = sorted(i for i in committed if i not in known and not committed[i].get("deleted"))
+            for i in new:  # the first look that sees a shard fixes its place in the commit order
+                self.ledger.add(i, committed[i]["bytes"])
+            if new:
+                save_ledger(self.cache_dir, self.ledger)
+            order = self.ledger.order()
+            buf[0] = _GIVE_UP if give_up else 0
+            buf[1:1 + len(order)] = torch.tensor(order, dtype=torch.int64)
+        if dist.is_initialized():
+            buf = buf.to(self.comm_device)
+            dist.broadcast(buf, src=0)
+            buf = buf.cpu()
+        vals = buf.tolist()
+        self.order = [v for v in vals[1:] if v >= 0]
+        return vals[0] == _GIVE_UP
+
+    def wait_round(self, round_: int) -> None:
+        """Block (collectively) until every shard round `round_` reads is committed; load their lengths."""
+        need = min(round_, self.n - 1) + 1
+        waited, said = 0.0, False
+        while True:
+            give_up = self._look(self.rank == 0 and waited >= self.timeout_s)
+            if len(self.order) >= need:
+                break
+            if give_up:
+                raise RuntimeFailure(f"window: no new shard committed in {self.cache_dir} for {self.timeout_s:.0f}s "
+                                     f"(round {round_} needs {need} of {self.n} shards, {len(self.order)} committed): "
+                                     "the extractor seems gone; the last complete checkpoint is kept",
+                                     "rerun `dflash-pipe extract` on this cache, then rerun this train command "
+                                     "(it resumes); or raise --follow-timeout-s")
+            if not said and self.rank == 0:
+                log.info("window: round %d waits for shard %d of %d (%d committed)", round_, need, self.n,
+                         len(self.order))
+                said = True
+            time.sleep(self.poll_s)
+            waited += self.poll_s
+        if said and self.rank == 0:
+            log.info("window: resumed after waiting %.0fs for shards", waited)
+        self._load_members(round_)
+
+    def _load_members(self, round_: int) -> None:
+        members = window_members(round_, self.passes, self.n)
+        for c in list(self.lengths_by_seq):
+            if c not in members:
+                del self.lengths_by_seq[c]
+        for c in members:
+            if c in self.lengths_by_seq:
+                continue
+            shard = self.order[c]
+            fs = self.index.fs  # a directory or an object-store prefix
+            path = fs.path(self._name(shard)) if fs.is_local else fs.display(self._name(shard))
+            present = fs.exists(self._name(shard))
+            entry = self.ledger.entry(shard) if self.ledger is not None else None
+            if not present and entry is not None and entry.state == DELETED:
+                raise CacheError(f"window: round {round_} reads shard {path} (commit #{c}), which this window run "
+                                 "already deleted: the checkpoint resumed from is older than the deletion",
+                                 "resume from the newest checkpoint (--resume auto); older ones are pruned")
+            if not present:
+                raise CacheError(f"window: shard {path} (commit #{c}) is still in the window (round {round_} reads "
+                                 f"it) but its file is missing: deleted by hand?",
+                                 "rerun `dflash-pipe extract` on this cache to re-extract it, then rerun this train "
+                                 "command (it resumes where it stopped)")
+            self.index.paths[shard] = path
+            self.lengths_by_seq[c] = self.index._read_lengths(path)
+
+    def schedule(self, round_: int) -> EpochSchedule:
+        return build_round_schedule(self.lengths_by_seq, self.order, round_, self.passes, self.n, self.world,
+                                    self.seed, self.S, self.shuffle_rows)
+
+    def estimate_total_steps(self) -> int:
+        """Steps of the whole run, estimated from the first committed shard (every shard is read K times).
+        Deterministic given the commit order, so a resumed run without a checkpoint plans the same."""
+        sched = self.schedule(0)
+        batches = sched.per_rank[0]  # rank 0's share of the first shard; every rank computes the same
+        tokens = sum(d.num_tokens for b in batches for d in b)
+        full = batches[:-1] or batches
+        fill = sum(d.num_tokens for b in full for d in b) / max(1, len(full) * self.S)  # greedy packing's fill
+        per_shard = tokens / max(1.0, fill * self.S)  # batches one shard fills inside a round of several
+        return max(1, sum(max(1, math.ceil(len(window_members(r, self.passes, self.n)) * per_shard))
+                          for r in range(self.rounds)))
+
+    # ------------------------------------------------------------------ retirement and deletion
+    def end_round(self, round_: int, loader) -> None:
+        """Round `round_` is complete on every rank: retire the shards it read for the last time."""
+        done = retired_after(round_, self.passes, self.n)
+        for c in done:
+            loader.forget_shard(self.order[c])
+        if self.rank == 0 and done:
+            if any([self.ledger.retire(c, round_) for c in done]):
+                save_ledger(self.cache_dir, self.ledger)
+            fault_point("train.window.after_retire")
+
+    def collect(self, boundary_round: int) -> list[int]:
+        """Rank 0, after a complete checkpoint at (boundary_round, 0): delete what no later read needs."""
+        if self.rank != 0:
+            return []
+        gone = self.ledger.deletable(boundary_round)
+        if gone:
+            fault_point("train.window.before_delete")
+            for e in gone:
+                e.state = DELETED
+            save_ledger(self.cache_dir, self.ledger)  # first the ledger, then the files (a kill in between:
+            for e in gone:                            # the next start unlinks what the ledger says is deleted)
+                delete_shard_file(self.cache_dir, self._name(e.index))
+            log.info("window: deleted shards %s (retired, checkpointed at round %d)", [e.index for e in gone],
+                     boundary_round)
+        self.prune_checkpoints(boundary_round)
+        return [e.index for e in gone]
+
+    def prune_checkpoints(self, boundary_round: int) -> None:
+        """Checkpoints of rounds before the boundary may need deleted shards: remove them."""
+        for ck in complete_checkpoints(self.out_dir):
+            try:
+                r = int(read_state(ck).get("epoch", 0))
+            except CacheError:
+                continue
+            if r < boundary_round:
+                shutil.rmtree(ck, ignore_errors=True)
+
+    def finish(self) -> None:
+        """After the final checkpoint: delete every remaining shard and mark the cache consumed."""
+        if self.rank != 0:
+            return
+        self.collect(self.rounds)
+        self.ledger.finished = True
+        save_ledger(self.cache_dir, self.ledger)

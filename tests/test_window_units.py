@@ -1,0 +1,236 @@
+"""Window mode, pure parts: the round schedule, the ledger, the disk budget (no training)."""
+
+import json
+import logging
+import os
+import subprocess
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from dflash_pipe.cache.budget import GIB, DiskBudget, held_bytes
+from dflash_pipe.cache.manifest import committed_shards, sidecar_path
+from dflash_pipe.cache.window import (DELETED, Ledger, load_ledger, reset_consumed, save_ledger)
+from dflash_pipe.errors import CacheError, RuntimeFailure, UsageError
+from dflash_pipe.train.schedule import build_round_schedule, retired_after, window_members, window_rounds
+from tests.cache_helpers import write_train_cache
+
+
+def _lengths(n, seed=0, rgs=3, docs=4):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return {c: [[int(x) for x in rng.integers(5, 60, size=docs)] for _ in range(rgs)] for c in range(n)}
+
+
+@pytest.mark.parametrize("n,K", [(1, 1), (5, 1), (5, 2), (3, 4), (7, 3)])
+def test_every_document_is_scheduled_exactly_K_times_and_never_after_its_retirement(n, K):
+    lengths = _lengths(n)
+    order = [(3 * c + 1) % n if n > 1 else 0 for c in range(n)]  # shard index of each commit, not index order
+    order = list(dict.fromkeys(order)) + [s for s in range(n) if s not in order]
+    seen, retired_at = Counter(), {}
+    for r in range(window_rounds(K, n)):
+        for c in retired_after(r, K, n):
+            retired_at[c] = r
+        sched = build_round_schedule(lengths, order, r, K, n, 1, 7, 128, 4)
+        for batch in sched.per_rank[0]:
+            for d in batch:
+                c = order.index(d.shard)
+                assert c in window_members(r, K, n)
+                seen[(d.shard, d.row_group, d.row, r - c)] += 1
+    docs = {(order[c], rg, row) for c in range(n) for rg in range(3) for row in range(4)}
+    assert set(seen.values()) == {1}
+    assert {k[:3] for k in seen} == docs and {k[3] for k in seen} == set(range(K))  # passes 0..K-1, once each
+    assert sorted(retired_at) == list(range(n))
+    for c, r in retired_at.items():
+        assert r == c + K - 1 or (r == window_rounds(K, n) - 1 and c + K - 1 >= r)
+
+
+def test_round_schedule_is_deterministic_and_ddp_ranks_get_equal_counts():
+    lengths = _lengths(4, seed=1, rgs=5)
+    order = [2, 0, 3, 1]
+    a = build_round_schedule(lengths, order, 2, 2, 4, 2, 3, 100, 8)
+    b = build_round_schedule(lengths, order, 2, 2, 4, 2, 3, 100, 8)
+    assert a.per_rank == b.per_rank
+    other_seed = build_round_schedule(lengths, order, 2, 2, 4, 2, 4, 100, 8)
+    assert other_seed.per_rank != a.per_rank
+    assert a.steps == min(len(p) for p in a.per_rank) and a.steps > 0
+    # rank r takes every world-th row group: the ranks' documents are disjoint
+    docs = [{(d.shard, d.row_group, d.row) for b in p for d in b} for p in a.per_rank]
+    assert not docs[0] & docs[1]
+
+
+def test_ledger_round_trip_and_damage_is_refused_by_name(tmp_path):
+    spec = write_train_cache(tmp_path, num_docs=8, num_shards=2)
+    led = Ledger(spec["fingerprint"], 2, "/runs/x")
+    led.add(1, 100)
+    led.add(0, 90)
+    led.retire(0, 1)
+    save_ledger(tmp_path, led)
+    back = load_ledger(tmp_path, spec)
+    assert back.order() == [1, 0] and back.entry(1).state == "retired" and back.entry(1).retired_after_round == 1
+    raw = json.loads((tmp_path / "window.json").read_text())
+    raw["shards"][0]["state"] = "deleted"  # a hand edit: the checksum no longer matches
+    (tmp_path / "window.json").write_text(json.dumps(raw))
+    with pytest.raises(CacheError, match=r"window\.json.*checksum"):
+        load_ledger(tmp_path, spec)
+    with pytest.raises(CacheError, match=r"window\.json"):  # extraction's resume refuses it too
+        committed_shards(tmp_path, spec)
+    (tmp_path / "window.json").write_text('{"shards": [')  # cut by a bad copy
+    with pytest.raises(CacheError, match=r"window\.json.*not valid JSON"):
+        load_ledger(tmp_path, spec)
+
+
+def test_consumed_shards_stay_committed_until_the_run_finishes_then_are_redone(tmp_path):
+    spec = write_train_cache(tmp_path, num_docs=8, num_shards=2)
+    led = Ledger(spec["fingerprint"], 1, "/runs/x")
+    led.add(0, 1)
+    led.add(1, 1)
+    led.shards[0].state = DELETED
+    save_ledger(tmp_path, led)
+    (tmp_path / "shard-00000-of-00002.parquet").unlink()
+    (tmp_path / "shard-00001-of-00002.parquet").unlink()  # deleted by hand while the ledger holds it
+    done = committed_shards(tmp_path, spec)
+    assert sorted(done) == [0] and done[0]["deleted"]  # consumed: not redone; hand-deleted: redone
+    assert reset_consumed(tmp_path, spec, lambda i: sidecar_path(tmp_path, i, 2)) == []  # run not finished
+    led.finished = True
+    save_ledger(tmp_path, led)
+    assert reset_consumed(tmp_path, spec, lambda i: sidecar_path(tmp_path, i, 2)) == [0]
+    assert committed_shards(tmp_path, spec) == {} and not (tmp_path / "window.json").exists()
+
+
+def _fake_shards(d: Path, sizes):
+    d.mkdir(exist_ok=True)
+    for i, n in enumerate(sizes):
+        (d / f"shard-{i:05d}-of-00009.parquet").write_bytes(b"x" * n)
+        (d / f"shard-{i:05d}-of-00009.json").write_text(json.dumps({"bytes": n}))
+
+
+def test_budget_waits_without_spinning_until_the_trainer_frees_a_shard(tmp_path, monkeypatch, caplog):
+    _fake_shards(tmp_path, [1000, 1000, 1000])
+    dead = tmp_path / ".shard-00005-of-00009.parquet.tmp-999999999-ab"  # a killed writer's leftover: not held
+    dead.write_bytes(b"x" * 5000)
+    assert held_bytes(tmp_path, 1000) == (3000, 3, 0)
+    sleeps = []
+    real_sleep = time.sleep
+    monkeypatch.setattr(time, "sleep", lambda s: (sleeps.append(s), real_sleep(s)))
+    budget = DiskBudget(tmp_path, 3500 / GIB, 2, timeout_s=30, poll_s=0.1)  # room for 3 shards, not 4
+
+    def trainer_frees():
+        real_sleep(0.6)
+        (tmp_path / "shard-00000-of-00009.parquet").unlink()
+
+    t = threading.Thread(target=trainer_frees)
+    t.start()
+    caplog.set_level(logging.INFO, "dflash_pipe.extract")
+    t0 = time.monotonic()
+    with budget.room_for_next_shard():
+        opened = time.monotonic() - t0
+        (tmp_path / f".shard-00003-of-00009.parquet.tmp-{os.getpid()}-cd").write_bytes(b"")
+    t.join()
+    assert opened >= 0.5 and budget.waited_s >= 0.5
+    assert 3 <= len(sleeps) <= opened / 0.1 + 2 and all(s == 0.1 for s in sleeps)  # polls, no busy loop
+    assert "waiting for space: 2.79e-06 of 3.26e-06 GiB held by 3 shards still to be trained" in caplog.text
+    # a live writer's temp file counts as at least one shard while it grows
+    assert held_bytes(tmp_path, 1000) == (3000, 2, 1)
+
+
+def test_budget_smaller_than_the_window_is_a_usage_error_naming_flag_and_shard_size(tmp_path):
+    _fake_shards(tmp_path, [4000, 7000])
+    with pytest.raises(UsageError) as err:
+        with DiskBudget(tmp_path, 10000 / GIB, 1, timeout_s=5).room_for_next_shard():
+            pass
+    msg = str(err.value)
+    assert "--max-cache-gib" in msg and "7000 bytes" in msg and "K=1" in msg
+    assert err.value.exit_code == 2
+
+
+def test_budget_gives_up_when_the_trainer_is_gone(tmp_path):
+    _fake_shards(tmp_path, [1000, 1000, 1000])
+    budget = DiskBudget(tmp_path, 3500 / GIB, 2, timeout_s=0.3, poll_s=0.05)
+    with pytest.raises(RuntimeFailure) as err:
+        with budget.room_for_next_shard():
+            pass
+    assert "trainer seems gone" in str(err.value) and err.value.exit_code == 4
+    assert budget.waited_s >= 0.3
+
+
+def test_real_disk_full_mid_shard_leaves_nothing_partial(tmp_path):
+    """A budget larger than the disk: the real ENOSPC mid-shard on a small tmpfs is a clean exit 4."""
+    from dflash_pipe.cache import encode_hidden, shard_name
+    from dflash_pipe.cache.schema import shard_meta
+    from dflash_pipe.cache.writer import ShardWriter, make_row
+    from tests.cache_helpers import make_docs
+
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    rc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True)
+    if rc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {rc.stderr.decode().strip()}")
+    try:
+        budget = DiskBudget(mnt, 1.0, 1, timeout_s=5)
+        with budget.room_for_next_shard():
+            w = ShardWriter(mnt, shard_name(0, 1), 0, "lossless", 0, shard_meta("lossless", 0, 256, 2, "f" * 64),
+                            row_group_bytes=4000, sync_row_groups=False)
+        with pytest.raises(RuntimeFailure) as err:
+            for d in make_docs(200, 256, seed=3, topk=0, min_len=30, max_len=60):
+                w.add(make_row(d["sample_id"], d["doc_index"], d["input_ids"], d["loss_mask"],
+                               encode_hidden(d["hidden"], "lossless", 2)))
+            w.commit()
+        assert "disk full" in str(err.value) and err.value.exit_code == 4
+        w.abort()
+        assert [p for p in os.listdir(mnt) if not p.startswith(".window-space")] == []
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+
+def test_resuming_a_checkpoint_older_than_a_deletion_is_refused_by_name(tmp_path):
+    import torch
+
+    from dflash_pipe.train.loader import CacheIndex
+    from dflash_pipe.train.window_run import WindowCoordinator
+
+    spec = write_train_cache(tmp_path / "c", num_docs=12, num_shards=3)
+    index = CacheIndex(tmp_path / "c")
+    coord = WindowCoordinator(index, tmp_path / "out", 1, 0, 1, torch.device("cpu"), 0.01, 1.0, 0, 96, 8)
+    coord.wait_round(1)
+    assert coord.order == [0, 1, 2] and load_ledger(tmp_path / "c", spec).order() == [0, 1, 2]
+
+    class _Loader:
+        def forget_shard(self, shard):
+            pass
+
+    coord.end_round(0, _Loader())
+    assert coord.collect(1) == [0] and not (tmp_path / "c" / "shard-00000-of-00003.parquet").exists()
+    with pytest.raises(CacheError, match="already deleted.*older than the deletion"):
+        coord.wait_round(0)
+    assert [e.state for e in load_ledger(tmp_path / "c", spec).shards] == ["deleted", "held", "held"]
+
+
+def test_follow_trainer_started_before_extraction_waits_for_the_spec_and_head(tmp_path):
+    import shutil
+
+    from dflash_pipe.train.loader import CacheIndex
+
+    write_train_cache(tmp_path / "staged", num_docs=4, num_shards=1)
+    live = tmp_path / "live"
+    live.mkdir()
+
+    def extraction_starts():
+        time.sleep(0.5)  # loading the target
+        shutil.copy(tmp_path / "staged" / "cache_spec.json", live / "cache_spec.json")
+        time.sleep(0.5)
+        shutil.copy(tmp_path / "staged" / "target_head.safetensors", live / "target_head.safetensors")
+
+    t = threading.Thread(target=extraction_starts)
+    t.start()
+    t0 = time.monotonic()
+    index = CacheIndex(live, follow=True, wait_s=30)
+    t.join()
+    assert index.spec is not None and time.monotonic() - t0 >= 1.0 and (live / "target_head.safetensors").exists()
+    with pytest.raises(CacheError, match="no cache_spec.json"):
+        CacheIndex(tmp_path / "nothing", follow=True, wait_s=0.2)  # and it does give up
