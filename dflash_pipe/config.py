@@ -141,6 +141,8 @@ class TrainConfig:
     log_every: int = opt(1, "Steps between log lines / TensorBoard points.")
     resume: str = opt("auto", "'auto' (latest complete checkpoint if any), 'never', or a checkpoint directory.")
     loader_workers: int = opt(2, "Decode threads per rank.")
+    loader_read_ahead: int = opt(4, "Caches on object storage (s3://, gs://): batches ahead of the decode whose row "
+                                    "groups are fetched (ranged GETs) on their own threads; 0 = fetch on demand.")
     shuffle_rows: int = opt(256, "Shuffle buffer, in documents (seeded by seed and epoch).")
     shards: str = opt("", "Train on these cache shards only, e.g. '0-3' or '0,2,5' (empty = all): a data subset "
                       "(shards are deterministic slices of the dataset) without a new extraction.")

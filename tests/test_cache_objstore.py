@@ -162,3 +162,30 @@ def test_retries_are_bounded_and_name_the_object(s3_env):
         assert "after 2 attempts" in str(err.value) and fs.retries == 1
     finally:
         proxy.stop()
+
+
+def test_the_loader_reads_the_same_batches_from_s3_with_read_ahead(s3_env, tmp_path):
+    from dflash_pipe.train.loader import BatchLoader
+    from tests.cache_helpers import write_train_cache
+
+    local = tmp_path / "cache"
+    write_train_cache(local, num_docs=30, num_shards=2, seed=9, row_group_bytes=3000)
+    uri = s3_uri(s3_env, "loader/cache")
+    fs = open_cache_fs(uri)
+    for p in sorted(local.iterdir()):
+        fs.upload_file(p.name, p)
+
+    def batches(location):
+        index = CacheIndex(location)
+        loader = BatchLoader(index, rank=0, world=1, seed=1, context_tokens=96, num_anchors=8, max_anchors_per_doc=4,
+                             block_size=4, shuffle_rows=4, workers=2, want_topk=True, pin_memory=False, read_ahead=3)
+        try:
+            return [b.tensors() for b in loader.iterate(0, 0)], loader
+        finally:
+            loader.close()
+    got, s3_loader = batches(uri)
+    ref, local_loader = batches(local)
+    assert local_loader.read_ahead == 0 and s3_loader.read_ahead == 3  # memory-mapped files need no read-ahead
+    assert len(got) == len(ref) >= 3
+    for g, r in zip(got, ref):
+        assert g.keys() == r.keys() and all(torch.equal(g[k], r[k]) for k in r)

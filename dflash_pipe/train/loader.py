@@ -213,6 +213,20 @@ class RowGroupCache:
             for key in [k for k in self._items if k[0] == shard]:
                 del self._items[key]
 
+    def prefetch(self, shard: int, rg: int, pool: ThreadPoolExecutor) -> None:
+        """Start reading a row group the schedule needs soon (object storage: hides the GET latency behind
+        the decode of earlier batches). A failed prefetch is dropped: the decode worker's own read raises."""
+        with self._lock:
+            if (shard, rg) in self._items or (shard, rg) in self._reading:
+                return
+
+        def fetch():
+            try:
+                self.rows(shard, rg)
+            except Exception:  # noqa: BLE001 - surfaced by the worker that needs it
+                pass
+        pool.submit(fetch)
+
     def rows(self, shard: int, rg: int):
         key = (shard, rg)
         while True:
@@ -263,7 +277,8 @@ class PlanePool:
 class BatchLoader:
     def __init__(self, index: CacheIndex, *, rank: int, world: int, seed: int, context_tokens: int,
                  num_anchors: int, max_anchors_per_doc: int, block_size: int, shuffle_rows: int,
-                 workers: int, want_topk: bool, pin_memory: bool, follow_poll_s: float = 2.0, prefetch: int = 3):
+                 workers: int, want_topk: bool, pin_memory: bool, follow_poll_s: float = 2.0, prefetch: int = 3,
+                 read_ahead: int = 4):
         self.index = index
         self.rank, self.world, self.seed = rank, world, seed
         self.S, self.N, self.B = context_tokens, num_anchors, block_size
@@ -280,6 +295,11 @@ class BatchLoader:
         self.producer = ThreadPoolExecutor(max_workers=self.prefetch, thread_name_prefix="dflash-batch")
         self._stat_lock = threading.Lock()
         self.rg_cache = RowGroupCache(index)
+        # object storage: the row groups of the next `read_ahead` batches are fetched on their own threads
+        # (ranged GETs) while the decode workers work; local caches are memory-mapped and need none
+        self.read_ahead = 0 if index.fs.is_local else max(0, read_ahead)
+        self.fetcher = (ThreadPoolExecutor(max_workers=max(2, workers), thread_name_prefix="dflash-fetch")
+                        if self.read_ahead else None)
         self.codec = index.features["codec"]
         self.width = index.features["width"]
         self.num_layers = index.features["num_layers"]
@@ -316,13 +336,14 @@ class BatchLoader:
     # ------------------------------------------------------------------ batches
     def iterate(self, epoch: int, start_step: int, follow_first_epoch: bool = False):
         """Yield TrainBatch for steps start_step.. of this epoch, `prefetch` batches ahead."""
-        step = start_step
+        step = ahead = start_step
         pending: deque = deque()
         sched = self.schedule(epoch, follow_first_epoch)
         while True:
             while len(pending) < self.prefetch and step < sched.steps:
                 pending.append(self.producer.submit(self.assemble, sched.batch(self.rank, step), epoch, step))
                 step += 1
+            ahead = self._fetch_ahead(sched, step, max(ahead, step))
             if not pending:
                 if sched.final:
                     return
@@ -333,6 +354,23 @@ class BatchLoader:
             yield pending.popleft().result()
             if step >= sched.steps and not sched.final:
                 sched = self.schedule(epoch, follow_first_epoch)
+
+    def _fetch_ahead(self, sched: EpochSchedule, step: int, ahead: int) -> int:
+        """Prefetch the row groups of steps [ahead, step + read_ahead); returns the new `ahead`. The row-group
+        cache grows to hold what the batches in flight and the read-ahead need, so nothing fetched is evicted
+        before its batch reads it."""
+        if not self.read_ahead:
+            return ahead
+        end = min(sched.steps, step + self.read_ahead)
+        if ahead >= end:
+            return ahead
+        window = {(d.shard, d.row_group) for s in range(max(0, step - self.prefetch), end)
+                  for d in sched.batch(self.rank, s)}
+        self.rg_cache.capacity = max(self.rg_cache.capacity, len(window) + 8)
+        for s in range(ahead, end):
+            for d in sched.batch(self.rank, s):
+                self.rg_cache.prefetch(d.shard, d.row_group, self.fetcher)
+        return end
 
     def assemble(self, docs: list[DocRef], epoch: int, step: int) -> TrainBatch:
         """One batch: each decode worker reads its document's row group (cached, deduplicated) and
@@ -408,3 +446,5 @@ class BatchLoader:
     def close(self) -> None:
         self.producer.shutdown(wait=True, cancel_futures=True)
         self.pool.shutdown(wait=True, cancel_futures=True)
+        if self.fetcher is not None:
+            self.fetcher.shutdown(wait=True, cancel_futures=True)
