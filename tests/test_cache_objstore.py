@@ -189,3 +189,46 @@ def test_the_loader_reads_the_same_batches_from_s3_with_read_ahead(s3_env, tmp_p
     assert len(got) == len(ref) >= 3
     for g, r in zip(got, ref):
         assert g.keys() == r.keys() and all(torch.equal(g[k], r[k]) for k in r)
+
+
+def test_window_ledger_budget_and_shard_deletion_work_on_s3(s3_env):
+    from dflash_pipe.cache.budget import GIB, DiskBudget
+    from dflash_pipe.cache.manifest import committed_shards, sidecar_name
+    from dflash_pipe.cache.schema import shard_name
+    from dflash_pipe.cache.window import (DELETED, Ledger, delete_shard_file, load_ledger, reset_consumed,
+                                          save_ledger, window_status)
+    from dflash_pipe.errors import RuntimeFailure
+
+    uri = s3_uri(s3_env, "window/cache")
+    spec = write_cache(uri, make_docs(9, WIDTH, seed=8), WIDTH, LAYERS, num_shards=3, finalize=False)
+    fs = open_cache_fs(uri)
+    sizes = fs.list_sizes()
+    led = Ledger(spec["fingerprint"], 2, "/runs/x")
+    for i in (1, 0, 2):
+        led.add(i, sizes[shard_name(i, 3)])
+    save_ledger(uri, led)
+    assert load_ledger(uri, spec).order() == [1, 0, 2]
+    led.retire(0, after_round=1)
+    led.shards[0].state = DELETED  # shard 1 (commit #0): ledger first, then the object
+    save_ledger(uri, led)
+    delete_shard_file(uri, shard_name(1, 3))
+    assert shard_name(1, 3) not in fs.list_sizes() and sidecar_name(1, 3) in fs.list_sizes()
+    done = committed_shards(uri, spec)
+    assert sorted(done) == [0, 1, 2] and done[1].get("deleted") and not done[0].get("deleted")
+    status = window_status(uri, spec)
+    assert status["deleted"] == [1] and status["shard_files_on_disk"] == 2
+    held = sizes[shard_name(0, 3)] + sizes[shard_name(2, 3)]
+    biggest = max(sizes[shard_name(i, 3)] for i in range(3))
+    roomy = DiskBudget(uri, (held + 3 * biggest) / GIB, 1, timeout_s=5, poll_s=0.05)
+    with roomy.room_for_next_shard():  # held objects + the next shard fit: no wait
+        pass
+    full = DiskBudget(uri, 1.0, 1, timeout_s=0.3, poll_s=0.05)
+    full.limit = held + biggest - 1  # one byte short of the next shard (still more than K + 1 = 2 shards)
+    with pytest.raises(RuntimeFailure, match="the trainer seems gone"):
+        with full.room_for_next_shard():
+            pass
+    led.finished = True
+    save_ledger(uri, led)
+    assert reset_consumed(uri, spec, lambda i: sidecar_name(i, 3)) == [1]
+    left = fs.list_sizes()
+    assert sidecar_name(1, 3) not in left and "window.json" not in left and sidecar_name(0, 3) in left
