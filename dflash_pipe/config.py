@@ -66,7 +66,8 @@ class DataConfig:
 
 @dataclass
 class ExtractConfig:
-    cache_dir: str = opt("runs/default/cache", "Output directory of the feature cache.")
+    cache_dir: str = opt("runs/default/cache", "Output directory of the feature cache: a path, file://…, "
+                                               "s3://bucket/prefix[?endpoint=…&region=…] or gs://bucket/prefix.")
     layer_ids: list[int] = opt([], "Target decoder layers to capture (0-based, the layer's output = HF "
                                "hidden_states[id+1]). Empty = the DFlash default for --num-target-layers.")
     num_target_layers: int = opt(5, "How many layers to capture when --layer-ids is empty.")
@@ -108,7 +109,7 @@ class DrafterConfig:
 
 @dataclass
 class TrainConfig:
-    cache_dir: str = opt("", "Feature cache to train on (empty = [extract].cache_dir).")
+    cache_dir: str = opt("", "Feature cache to train on, a path or an s3:// / gs:// URI (empty = [extract].cache_dir).")
     output_dir: str = opt("runs/default/train", "Checkpoints, logs, TensorBoard, plots and the export.")
     epochs: int = opt(1, "Passes over the cache.")
     max_steps: int = opt(0, "Stop after this many optimizer steps (0 = run all epochs).")
