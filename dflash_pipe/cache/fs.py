@@ -27,9 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import posixpath
-import re
 import threading
 import time
 from pathlib import Path
@@ -38,41 +36,13 @@ from urllib.parse import parse_qs, urlsplit
 
 from ..errors import CacheError, RuntimeFailure, UsageError
 from ..io_utils import atomic_write_bytes, atomic_write_json, remove_stale_temps, safe_child
+from .s3_config import CRED_HINT, DENIED, TRANSIENT, list_incomplete_uploads, s3_client, scrub  # noqa: F401
 
 log = logging.getLogger("dflash_pipe.cache.fs")
 REMOTE_SCHEMES = ("s3", "gs", "gcs")
-CRED_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID")
-TRANSIENT = re.compile(r"(AWS Error (NETWORK_CONNECTION|SLOW_DOWN|SERVICE_UNAVAILABLE|THROTTLING|INTERNAL_FAILURE|"
-                       r"REQUEST_TIMEOUT|UNKNOWN)|curlCode|HTTP status 5\d\d|response code 5\d\d|503|500|502|504|"
-                       r"SlowDown|Throttl|[Cc]onnection (reset|refused|closed)|[Tt]imeout|Broken pipe)")
-DENIED = re.compile(r"ACCESS_DENIED|AccessDenied|InvalidAccessKeyId|SignatureDoesNotMatch|HTTP status 403|"
-                    r"response code 403", re.I)
-CRED_HINT = ("set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN for temporary keys), or "
-             "AWS_PROFILE with ~/.aws/credentials, or run where an instance/container role applies; add "
-             "?anonymous=true for a public bucket")
-
-
-def scrub(text: str) -> str:
-    """`text` with the values of credential variables of this environment replaced by '***'."""
-    for var in CRED_ENV:
-        val = os.environ.get(var, "")
-        if len(val) >= 4:
-            text = text.replace(val, "***")
-    return re.sub(r"(?i)(secret_key|access_key|session_token|X-Amz-Signature|X-Amz-Credential)=[^&\s]+",
-                  r"\1=***", text)
-
-
 def is_remote(location: Any) -> bool:
     return isinstance(location, ObjectCacheFS) or (
         isinstance(location, str) and urlsplit(location).scheme.lower() in REMOTE_SCHEMES)
-
-
-def join(location: str | Path, name: str) -> str | Path:
-    """`location`/`name` for a local path or a URI (Path() would fold 's3://' into 's3:/')."""
-    if is_remote(location):
-        base = urlsplit(str(location))
-        return f"{base.scheme}://{base.netloc}{base.path.rstrip('/')}/{name}" + (f"?{base.query}" if base.query else "")
-    return Path(location) / name
 
 
 def split_location(location: str | Path) -> tuple["CacheFS", str]:
@@ -163,8 +133,10 @@ class ObjectCacheFS(CacheFS):
 
     is_local = False
 
-    def __init__(self, fs, scheme: str, base: str, attempts: int, backoff_s: float = 0.2):
+    def __init__(self, fs, scheme: str, base: str, attempts: int, backoff_s: float = 0.2, endpoint_url: str = "",
+                 region: str = ""):
         self.fs, self.scheme, self.base = fs, scheme, base.strip("/")
+        self.endpoint_url, self.region = endpoint_url, region  # for boto3 (incomplete uploads) only
         self.uri = f"{scheme}://{self.base}"
         self.attempts, self.backoff_s = max(1, attempts), backoff_s
         self.retries = 0  # transient failures retried by this layer (the SDK's own retries come first)
@@ -285,7 +257,8 @@ class ObjectCacheFS(CacheFS):
             import boto3  # noqa: F401 - optional
         except ImportError:
             return None
-        return list_incomplete_uploads(self)
+        bucket, _, prefix = self.base.partition("/")
+        return list_incomplete_uploads(bucket, prefix, self.endpoint_url, self.region)
 
     def upload_file(self, name: str, local: Path) -> None:
         def put():
@@ -400,79 +373,7 @@ def _open_remote(parts) -> ObjectCacheFS:
         if not hasattr(pafs, "GcsFileSystem"):
             raise UsageError(f"{safe}: this pyarrow build has no GCS support", "install a pyarrow wheel with GCS")
         return ObjectCacheFS(pafs.GcsFileSystem(), "gs", base, attempts)
-    return ObjectCacheFS(_s3_client(query, safe), "s3", base, attempts)
+    client, endpoint_url, region = s3_client(query, safe)
+    return ObjectCacheFS(client, "s3", base, attempts, endpoint_url=endpoint_url, region=region)
 
 
-def _s3_client(query: dict, safe: str):
-    import pyarrow.fs as pafs
-
-    endpoint = (query.get("endpoint") or query.get("endpoint_override") or os.environ.get("AWS_ENDPOINT_URL_S3")
-                or os.environ.get("AWS_ENDPOINT_URL") or "")
-    scheme = query.get("scheme")
-    if "://" in endpoint:
-        ep = urlsplit(endpoint)
-        scheme, endpoint = scheme or ep.scheme, ep.netloc
-    region = query.get("region") or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
-    anonymous = query.get("anonymous", "").lower() in ("1", "true", "yes")
-    if not anonymous and credential_source() is None:
-        raise UsageError(f"{safe}: no S3 credentials found", CRED_HINT)
-    kw: dict[str, Any] = {"anonymous": anonymous,
-                          "retry_strategy": pafs.AwsStandardS3RetryStrategy(max_attempts=3),
-                          "connect_timeout": 5.0, "request_timeout": 60.0}
-    if endpoint:
-        kw["endpoint_override"] = endpoint
-    if scheme:
-        kw["scheme"] = scheme
-    if region:
-        kw["region"] = region
-    elif endpoint:
-        kw["region"] = "us-east-1"  # S3-compatible servers ignore it, but the signer needs one
-    return pafs.S3FileSystem(**kw)
-
-
-def credential_source() -> str | None:
-    """Where the standard chain would find credentials (names only), None if nowhere. Instance and
-    container roles cannot be seen without asking the metadata service, so they count unless
-    AWS_EC2_METADATA_DISABLED=true."""
-    env = os.environ
-    if env.get("AWS_ACCESS_KEY_ID") and env.get("AWS_SECRET_ACCESS_KEY"):
-        return "environment"
-    if env.get("AWS_WEB_IDENTITY_TOKEN_FILE") and env.get("AWS_ROLE_ARN"):
-        return "web identity"
-    if env.get("AWS_CONTAINER_CREDENTIALS_RELATIVE_URI") or env.get("AWS_CONTAINER_CREDENTIALS_FULL_URI"):
-        return "container role"
-    home = Path(os.path.expanduser("~"))
-    files = [env.get("AWS_SHARED_CREDENTIALS_FILE", str(home / ".aws" / "credentials")),
-             env.get("AWS_CONFIG_FILE", str(home / ".aws" / "config"))]
-    if any(Path(f).is_file() for f in files):
-        return "config files"
-    if env.get("AWS_EC2_METADATA_DISABLED", "").lower() != "true":
-        return "instance role (not checked)"
-    return None
-
-
-def list_incomplete_uploads(fs: ObjectCacheFS) -> list[str]:
-    """Keys with an unfinished multipart upload under the prefix (boto3; same endpoint settings)."""
-    import boto3
-
-    bucket, _, prefix = fs.base.partition("/")
-    kw: dict[str, Any] = {}
-    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-    for uri, cached in _FS_CACHE.items():
-        if cached is fs:
-            q = {k: v[-1] for k, v in parse_qs(urlsplit(uri).query).items()}
-            endpoint = q.get("endpoint") or q.get("endpoint_override") or endpoint
-            if endpoint and "://" not in endpoint:
-                endpoint = f"{q.get('scheme', 'https')}://{endpoint}"
-            kw["region_name"] = q.get("region") or os.environ.get("AWS_REGION") or "us-east-1"
-    if endpoint:
-        kw["endpoint_url"] = endpoint
-    try:
-        client = boto3.client("s3", **kw)
-        out: list[str] = []
-        for page in client.get_paginator("list_multipart_uploads").paginate(Bucket=bucket, Prefix=prefix):
-            out += [f"s3://{bucket}/{u['Key']}" for u in page.get("Uploads", [])]
-        return out
-    except Exception as exc:  # noqa: BLE001 - verify reports it cannot tell, never fails on it
-        log.warning("cannot list incomplete uploads of %s: %s", fs.uri, scrub(str(exc))[:200])
-        return None  # type: ignore[return-value]
