@@ -14,6 +14,8 @@
 #     carry   []
 #     command bash bench/quality_gpu.sh run
 #   (repeat C while it exits 75; `bash bench/quality_gpu.sh status` prints what is done without running anything)
+#   issue 16 instead of call B: same carry, command `bash bench/quality_gpu.sh window` runs bench/window_stream.py
+#   (extract + train --follow on the one GPU within a 0.3 GiB budget; $OUT/window_stream.json; WINDOW_FLAGS adds flags)
 #
 # Exit codes: 0 report complete; 75 stopped cleanly at the deadline, work left (printed; run again within
 # 30 s); 3 carry missing (machine went cold: start again at call A); other = a stage failed (log tails in $OUT).
@@ -280,8 +282,13 @@ trap 'say "interrupted"; finish 130' INT TERM
 case $MODE in
     stash) stash; exit 0 ;;
     status) snapshot; cat "$OUT/status.txt"; exit 0 ;;
+    window)  # issue 16: bench/window_stream.py on the one GPU (after call A's stash; GGUF + wheels as for run)
+        setup
+        "$PY" bench/window_stream.py --model-cache-dir "$MODELS" --work "$Q/window" --limit-s "${WINDOW_LIMIT_S:-420}" \
+            --json "$OUT/window_stream.json" ${WINDOW_FLAGS:-} > "$OUT/window_stream.log" 2>&1
+        rc=$?; tail -n 40 "$OUT/window_stream.log"; cp "$Q/window/"{extract,train}.log "$OUT/" 2>/dev/null; exit $rc ;;
     run) ;;
-    *) echo "usage: bench/quality_gpu.sh stash|run|status" >&2; exit 2 ;;
+    *) echo "usage: bench/quality_gpu.sh stash|run|status|window" >&2; exit 2 ;;
 esac
 
 setup

@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -58,10 +59,29 @@ def sample_disk(cache: Path, stop: threading.Event, every_s: float, out: dict) -
         stop.wait(every_s)
 
 
+def data_file(source: str, work: Path) -> str:
+    """A .jsonl.gz is decompressed into the work dir (the readers take plain files)."""
+    if not source.endswith(".gz"):
+        return source
+    import gzip
+    import shutil
+
+    out = work / Path(source).name[:-3]
+    if not out.exists():
+        with gzip.open(source, "rb") as src, open(f"{out}.tmp", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        os.replace(f"{out}.tmp", out)
+    return str(out)
+
+
 def build_manifest(a, work: Path) -> Path:
     cfg = load_manifest(ROOT / "manifests" / ("tiny-qwen3.5.toml" if a.smoke else "default.toml"))
     ex, tr, d = cfg.extract, cfg.train, cfg.data
+    d.source, d.format = data_file(a.data_source, work), "auto"
     d.skip_samples, d.max_samples = a.skip_samples, a.samples
+    if a.model_cache_dir:
+        cfg.target.model_cache_dir = a.model_cache_dir
+    cfg.drafter.attention, tr.compile = a.attention, a.compile
     ex.cache_dir, ex.num_shards, ex.max_length, ex.token_budget = str(work / "cache"), a.shards, a.max_length, a.token_budget
     ex.max_cache_gib, ex.space_wait_timeout_s = a.budget_gib, a.space_timeout_s
     if a.compress_workers:
@@ -85,7 +105,12 @@ def main() -> int:
     p.add_argument("--passes", type=int, default=2, help="K: reads of every shard")
     p.add_argument("--shards", type=int, default=None)
     p.add_argument("--samples", type=int, default=None)
-    p.add_argument("--skip-samples", type=int, default=40)
+    p.add_argument("--skip-samples", type=int, default=300)
+    p.add_argument("--data-source", default=str(ROOT / "bench" / "data" / "smollm2_regenerated_sharegpt.jsonl.gz"),
+                   help="conversations (default: the SmolLM2-regenerated ShareGPT first turns kept in bench/data)")
+    p.add_argument("--model-cache-dir", default="", help="[target] model_cache_dir (quality_gpu.sh passes its own)")
+    p.add_argument("--attention", default="sdpa", help="drafter attention (sdpa: no compile time in the budget)")
+    p.add_argument("--compile", default="off", help="[train] compile")
     p.add_argument("--max-length", type=int, default=None)
     p.add_argument("--token-budget", type=int, default=None)
     p.add_argument("--context-tokens", type=int, default=None)
@@ -96,10 +121,12 @@ def main() -> int:
     p.add_argument("--sample-s", type=float, default=0.2)
     p.add_argument("--limit-s", type=float, default=420.0, help="kill both stages after this long")
     a = p.parse_args()
-    smoke = dict(budget_gib=0.0006, shards=16, samples=64, max_length=256, token_budget=1024, context_tokens=512,
+    smoke = dict(budget_gib=0.0012, shards=16, samples=64, max_length=256, token_budget=1024, context_tokens=512,
                  num_anchors=32, loader_workers=1)
-    h200 = dict(budget_gib=0.3, shards=96, samples=2400, max_length=2048, token_budget=16384,
-                context_tokens=16384, num_anchors=512, loader_workers=8)
+    # ~4,000 conversations x ~350 tokens x ~4.2 KB/token (5 x 576 lossless + top-32) ~ 5.8 GB = ~19x the budget;
+    # 96 shards of ~60 MB: the budget holds ~5 of them (K + 1 = 3 needed)
+    h200 = dict(budget_gib=0.3, shards=96, samples=4000, max_length=512, token_budget=16384,
+                context_tokens=8192, num_anchors=512, loader_workers=6)
     for k, v in (smoke if a.smoke else h200).items():
         if getattr(a, k) is None:
             setattr(a, k, v)
@@ -128,6 +155,9 @@ def main() -> int:
             for name, proc in (("extract", ext), ("train", trn)):
                 if name not in walls and proc.poll() is not None:
                     walls[name] = time.time() - t0
+            if ext.poll() not in (None, 0) and trn.poll() is None:
+                trn.send_signal(signal.SIGINT)  # extraction failed: the trainer checkpoints and stops
+                trn.wait()
             if time.time() - t0 > a.limit_s:
                 for proc in (ext, trn):
                     if proc.poll() is None:
@@ -159,6 +189,9 @@ def main() -> int:
         "train_data_wait_share_window_full": wait_share,
         "train_tok_s_window_full": (sum(r["tok_s"] * r["step_s"] for r in full) / sum(r["step_s"] for r in full))
         if full else None,
+        # wall time of the trainer outside its steps: start-up, the round-boundary checkpoints and deletions
+        "train_step_s_sum": sum(r["step_s"] for r in recs),
+        "train_outside_steps_s": (walls["train"] - sum(r["step_s"] for r in recs)) if "train" in walls else None,
         "extract_space_wait_s": space_wait, "extract_wall_s": walls.get("extract"), "train_wall_s": walls.get("train"),
         "work": str(work),
     }

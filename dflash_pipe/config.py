@@ -87,7 +87,8 @@ class ExtractConfig:
     sanity_check: bool = opt(True, "Refuse non-finite, all-zero or collapsed features at write time.")
     max_cache_gib: float = opt(0.0, "Disk budget of the cache in GiB (0 = unbounded): before opening a shard a rank "
                                "waits until the shards not yet deleted by a `train --follow --passes-per-shard K` "
-                               "run, its own in-flight shard and the next one fit. Must hold K + 1 shards.")
+                               "run, its own in-flight shard and the next one fit. Must hold K + 1 shards (K = [train] "
+                               "passes_per_shard of the same manifest, 1 if unset).")
     space_wait_timeout_s: float = opt(1800.0, "With --max-cache-gib: give up (exit 4) when no space was freed "
                                       "for this long (the trainer seems gone).")
 

@@ -66,10 +66,6 @@ class WindowCoordinator:
     def rounds(self) -> int:
         return window_rounds(self.passes, self.n)
 
-    @property
-    def finished(self) -> bool:
-        return self.ledger is not None and self.ledger.finished
-
     def _name(self, index: int) -> str:
         from ..cache.schema import shard_name
 
