@@ -9,8 +9,15 @@
 #     topk      bench/topk_kernel.py: torch.topk vs the two-stage top-k on one logits block
 #     stats     bench/sanity_stats_kernel.py: batched feature_stats vs the per-document loop
 #     draft     bench/draft_step.py: one inference drafting step, context K/V cache vs recompute (both shapes)
+#     hybrid    bench/hybrid_eval_step.py: speculative step time vs context (1k-8k), 27B-shaped hybrid, rollback mode
+#     evaltests pytest -m gpu of the eval's GPU tests only (hybrid rollback on the 27B shape, graphed engine/drafter)
 #     loader    the loader's decode rate, 256 vs 64 MiB row groups interleaved (CPU side of the host)
+#     evalspeed bench/eval_speed.py: eval on --per-set prompts of each set, projected to all 544 (needs smollm2)
+#     window    bench/window_stream.py: extract + train --follow on one GPU within a 0.3 GiB budget (needs smollm2)
 #     gputests  pytest -m gpu
+#     smollm2   (first) reassemble the carried SmolLM2 GGUF and data for the steps after it
+#     regentests  pytest -m gpu tests/test_static_forward_gpu.py (static-KV engine: graphs == eager, no syncs)
+#     regen     bench/regen_throughput.py: regenerate vs the bare graphed decode loop vs HF generate (needs smollm2)
 # Wheels: .whl/gpu holds flash-linear-attention + fla-core 0.6.0 and zstandard (the image has neither);
 # carry it (device `carry: [".whl/gpu"]`). Limits per step: EXTRACT_S, FLEX_S, TRAIN_S, TESTS_S seconds.
 set -uo pipefail
@@ -45,6 +52,13 @@ step() {  # name limit command...
 
 for what in "$@"; do
     case $what in
+        # real SmolLM2 weights for the steps after it: call A ran `bash bench/quality_gpu.sh stash` (GGUF parts
+        # 0-1 + prompt data); this call carries parts 2-3 + .gpucarry/whl (see scripts/prepare_gpu_carry.sh)
+        smollm2) echo "=== smollm2 $(date -u +%T)"
+                 bash bench/quality_gpu.sh setup || exit 3
+                 export DFLASH_SMOLLM2_GGUF=/tmp/quality/smollm2.gguf DFLASH_PROMPTS_DIR=/tmp/quality/carry/data/prompts
+                 export PYTHONPATH=/tmp/quality/site:$PYTHONPATH HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+                 export SHAREGPT_FIRST_TURNS=/tmp/quality/carry/data/sharegpt_first_turns.jsonl ;;
         extract) step extract "${EXTRACT_S:-300}" python3 bench/extract_throughput.py --batches 16 --warmup 1 \
                      --workers 8 --shards-per-pass 2 --profile 2 --json "$OUT/extract_throughput.json" ;;
         flex) step flex "${FLEX_S:-420}" python3 bench/flex_kernel.py --variants "${FLEX_VARIANTS:-all}" \
@@ -62,7 +76,20 @@ for what in "$@"; do
 from bench.train_step import loader_rate; from bench.seed_shape import SeedShape
 rows = [dict(loader_rate(SeedShape(), ${LOADER_WORKERS:-12}, 8, row_group_mb=mb), row_group_mb=mb) for mb in (256, 64, 256, 64)]
 print(json.dumps(rows, indent=1)); open('$OUT/loader_rate.json', 'w').write(json.dumps(rows, indent=1))" ;;
+        regentests) step regentests "${REGEN_TESTS_S:-180}" python3 -m pytest -q -m gpu tests/test_static_forward_gpu.py ;;
+        regen) step regen "${REGEN_S:-360}" python3 bench/regen_throughput.py \
+                   --data "${SHAREGPT_FIRST_TURNS:?run the smollm2 step first}" --model-cache /tmp/quality/models \
+                   --json "$OUT/regen_throughput.json" ;;
+        hybrid) step hybrid "${HYBRID_S:-300}" python3 bench/hybrid_eval_step.py --contexts 1024,2048,4096,8192 \
+                    --json "$OUT/hybrid_eval_step.json" ;;
+        evaltests) step evaltests "${EVALTESTS_S:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider \
+                       tests/test_eval_hybrid_gpu.py tests/test_eval_engine_gpu.py tests/test_eval_specdecode.py ;;
+        window) step window "${WINDOW_S:-300}" python3 bench/window_stream.py --data /tmp/quality/regenerated.jsonl --samples 4000 \
+                    --limit-s "$(( ${WINDOW_S:-300} - 30 ))" --json "$OUT/window_stream.json" ;;
+        evalspeed) step evalspeed "${EVALSPEED_S:-300}" python3 bench/eval_speed.py --per-set "${EVALSPEED_PER_SET:-40}" \
+                       --heldout-source /tmp/quality/carry/data/sharegpt_first_turns.jsonl \
+                       --model-cache-dir /tmp/quality/models --json "$OUT/eval_speed.json" ;;
         gputests) step gputests "${TESTS_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider tests ;;
-        *) echo "unknown step $what (extract flex train topk stats draft loader gputests)"; exit 2 ;;
+        *) echo "unknown step $what (smollm2 extract flex train topk stats draft loader regentests regen hybrid evaltests window evalspeed gputests)"; exit 2 ;;
     esac
 done

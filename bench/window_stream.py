@@ -79,6 +79,8 @@ def build_manifest(a, work: Path) -> Path:
     ex, tr, d = cfg.extract, cfg.train, cfg.data
     d.source, d.format = data_file(a.data_source, work), "auto"
     d.skip_samples, d.max_samples = a.skip_samples, a.samples
+    if a.data:  # --data (gpu_bench.sh's window step) wins over --data-source
+        d.source = data_file(a.data, work)
     if a.model_cache_dir:
         cfg.target.model_cache_dir = a.model_cache_dir
     cfg.drafter.attention, tr.compile = a.attention, a.compile
@@ -101,6 +103,8 @@ def main() -> int:
     p.add_argument("--smoke", action="store_true", help="CPU toy size: tiny random target, a few hundred KB")
     p.add_argument("--work", default="", help="work directory (default: a fresh one under /tmp)")
     p.add_argument("--json", default="", help="write the summary here")
+    p.add_argument("--data", default="", help="conversations to extract (default: the manifest's source; on the "
+                   "GPU image, which lacks the sharegpt package, the regenerated SmolLM2 JSONL)")
     p.add_argument("--budget-gib", type=float, default=None)
     p.add_argument("--passes", type=int, default=2, help="K: reads of every shard")
     p.add_argument("--shards", type=int, default=None)

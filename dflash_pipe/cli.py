@@ -78,15 +78,25 @@ def eval_cmd(cfg: RunConfig):
 def regenerate_cmd(cfg: RunConfig, output: Path = typer.Option(..., "--output", "-o",
                                                                 help="JSONL file of regenerated conversations."),
                    max_new_tokens: int = typer.Option(512, help="Tokens generated per response."),
-                   batch_size: int = typer.Option(16, help="Prompts generated together."),
+                   batch_size: int = typer.Option(0, help="Sequences decoded together (0 = auto: 16 on the CPU, "
+                                                          "up to 1024 on CUDA as memory allows; halved on OOM)."),
                    device: str = typer.Option("auto", help="'auto', 'cpu' or 'cuda'."),
                    max_turns: int = typer.Option(0, help="Regenerate at most this many assistant turns per "
-                                                         "conversation (0 = all, turn by turn).")):
+                                                         "conversation (0 = all, turn by turn)."),
+                   samples: int = typer.Option(1, help="Answers per conversation (ids <id>#0..; needs "
+                                                       "--temperature > 0 when > 1)."),
+                   temperature: float = typer.Option(0.0, help="Sampling temperature (0 = greedy)."),
+                   top_p: float = typer.Option(1.0, help="Nucleus sampling: keep the smallest set of tokens "
+                                                         "holding this probability, in (0, 1]."),
+                   seed: int = typer.Option(0, help="Sampling seed; an answer depends on (seed, id, turn) only."),
+                   engine: str = typer.Option("auto", help="'auto' (static-KV engine where the target allows, "
+                                                           "else HF generate), 'static' or 'hf'.")):
     """Regenerate the assistant turns with the target itself (drafters must learn the target's outputs)."""
     from .eval.regenerate import run_regenerate
 
     run_regenerate(cfg, output, max_new_tokens=max_new_tokens, batch_size=batch_size, device=device,
-                   max_turns=max_turns)
+                   max_turns=max_turns, samples=samples, temperature=temperature, top_p=top_p, seed=seed,
+                   engine=engine)
 
 
 @app.command("export")
@@ -101,21 +111,26 @@ def export_cmd(checkpoint: Path = typer.Argument(..., help="Training output dir 
 @cache_app.command("info")
 def cache_info(cache_dir: str = typer.Argument(..., help="Cache directory or URI (s3://bucket/prefix, gs://, file://).")):
     """Print the manifest summary (fingerprint fields, features, totals) and, for a window run's cache, its
-    held / retired / deleted / pending shards (also while extraction is still writing: no manifest yet)."""
+    held / retired / deleted / pending shards (also while extraction is still writing: no manifest yet).
+    Exit 3 on a damaged spec or manifest."""
     from .cache import load_manifest, load_spec
+    from .errors import CacheError
     from .cache.fs import open_cache_fs
     from .cache.manifest import MANIFEST_FILE
     from .cache.window import window_status
 
     cache_dir = open_cache_fs(cache_dir)
 
-    spec = load_spec(cache_dir)
+    spec = load_spec(cache_dir)  # refuses a damaged cache_spec.json, naming the fix
     window = window_status(cache_dir, spec) if spec is not None else None
     if window is not None and not cache_dir.exists(MANIFEST_FILE):
         _echo_json({k: spec[k] for k in ("fingerprint", "fingerprint_fields", "features", "num_shards",
                                          "tool_version") if k in spec} | {"complete": False, "window": window})
         return
     man = load_manifest(cache_dir)
+    if spec is not None and spec["fingerprint"] != man["fingerprint"]:
+        raise CacheError(f"{cache_dir}: cache_spec.json and manifest.json have different fingerprints",
+                         "`dflash-pipe cache verify` lists the fix")
     _echo_json({k: man[k] for k in ("fingerprint", "fingerprint_fields", "features", "num_shards", "totals",
                                     "tool_version") if k in man}
                | {"data_stats": man.get("stats", {}).get("data_reader"),
@@ -130,7 +145,7 @@ def cache_verify(cache_dir: str = typer.Argument(..., help="Cache directory or U
                  decode: bool = typer.Option(False, help="Decode every row (page CRCs, zstd frames)."),
                  recompute: int = typer.Option(0, help="Rerun K random samples through a plain HF forward and compare."),
                  device: str = typer.Option("auto", help="Device for --recompute.")):
-    """Check a cache against its manifest; exit 3 naming every damaged, missing or foreign shard."""
+    """Check every file of a cache (spec, manifest, sidecars, head file, shards); exit 3 naming each problem and its fix."""
     from .cache import verify_cache
 
     report = verify_cache(cache_dir, checksums=checksums, decode=decode)
@@ -158,6 +173,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     except KeyboardInterrupt:
         typer.echo("interrupted: committed shards/checkpoints are kept; rerun the same command to resume", err=True)
         sys.exit(130)
+    except OSError as exc:  # one no stage turned into a RuntimeFailure (e.g. an unwritable --output-dir)
+        from .io_utils import disk_error
+
+        typer.echo(f"error: {disk_error(exc, Path(exc.filename or '?'), 'accessing')}", err=True)
+        sys.exit(4)
     except Exception as exc:  # click's own exceptions (typer may vendor click, so match by shape)
         name = type(exc).__name__
         if name == "Abort":

@@ -171,7 +171,19 @@ class EvalConfig:
                            "n-gram then run once per prompt; methods are reported as dflash:<name>).")
     prompts: str = opt("mtbench,humaneval", "Comma list of prompt sets: mtbench, humaneval, heldout.")
     max_prompts: int = opt(0, "Prompts per set (0 = all).")
-    max_new_tokens: int = opt(256, "Tokens generated per prompt.")
+    mtbench_turns: int = opt(2, "MT-Bench turns per question: 2 = the second turn too, asked after the target's own "
+                                "greedy first answer; 1 = the first turn only.")
+    max_new_tokens: int = opt(256, "Tokens generated per prompt (per turn).")
+    cache_mode: str = opt("auto", "Target cache during speculative decoding: 'crop' (attention-only targets), "
+                                  "'rollback' (recurrent-state snapshot + re-feed, hybrid Gated DeltaNet targets), "
+                                  "'recompute' (no cache, whole sequence per verify: reference), 'auto' (crop or "
+                                  "rollback by the target's layers).", ("auto", "crop", "rollback", "recompute"))
+    engine: str = opt("auto", "Target forward for attention-only targets: 'static' (the static-KV engine, CUDA graphs "
+                              "on a GPU, eager on the CPU), 'hf' (the model's own forward with its HF cache), 'auto' "
+                              "(static on CUDA when the target is supported and the cache mode is auto/crop).",
+                      ("auto", "static", "hf"))
+    draft_graphs: str = opt("auto", "DFlash drafting step at fixed shapes replayed as CUDA graphs ('auto' = on CUDA; "
+                                    "'off' = the eager proposer). Same drafts either way.", ("auto", "on", "off"))
     output_dir: str = opt("", "Where the report goes (empty = <train.output_dir>/eval).")
     device: str = opt("auto", "'auto', 'cpu' or 'cuda'.")
 
@@ -370,6 +382,9 @@ def normalize(cfg: RunConfig) -> RunConfig:
         (ex.space_wait_timeout_s > 0 and tr.follow_timeout_s > 0, "--space-wait-timeout-s and --follow-timeout-s "
                                                                   "must be > 0"),
         (tr.passes_per_shard >= 0, "--passes-per-shard must be >= 0"),
+        ("heldout" not in cfg.eval.prompts.replace("_", "").replace("-", "").lower() or cfg.data.skip_samples > 0,
+         "[eval] prompts asks for the 'heldout' set (the first data.skip_samples conversations, never trained on) "
+         "but --data-skip-samples is 0: set it > 0 (extraction then skips those) or drop 'heldout'"),
     ]
     for ok, message in checks:
         if not ok:

@@ -2,7 +2,9 @@
 
 A reader never sees a half-written file: either the old content (or nothing) or the new one.
 Temp files are named ``.<name>.tmp-<pid>-<rand>`` and are ignored (and cleaned) by readers.
-Disk-full and other OS errors are re-raised as `RuntimeFailure` naming the path.
+Disk-full and other OS errors are re-raised as `RuntimeFailure` naming the path (exit 4), also when
+they come from safetensors' writer (a `SafetensorError` carrying "(os error N)"). Appends to a log
+file (`append_durably`) are cut back to the file's old length when they fail, so no half line stays.
 """
 
 from __future__ import annotations
@@ -10,15 +12,18 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import logging
 import os
+import re
 import secrets
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from .errors import RuntimeFailure
 
 TMP_MARK = ".tmp-"
+log = logging.getLogger("dflash_pipe.io")
 
 
 def is_temp_name(name: str) -> bool:
@@ -41,30 +46,84 @@ def fsync_path(path: Path) -> None:
 fsync_dir = fsync_path
 
 
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+def os_error_of(exc: BaseException) -> OSError | None:
+    """The OS error behind `exc`: itself, or the one safetensors' Rust writer reports in its message."""
+    if isinstance(exc, OSError):
+        return exc
+    if type(exc).__name__ == "SafetensorError":
+        m = re.search(r"\(os error (\d+)\)", str(exc))
+        if m:
+            code = int(m.group(1))
+            return OSError(code, os.strerror(code))
+    return None
+
+
 def disk_error(exc: OSError, path: Path, what: str) -> RuntimeFailure:
-    if exc.errno == errno.ENOSPC:
+    if exc.errno in DISK_FULL_ERRNOS:
         return RuntimeFailure(f"disk full while {what} {path}",
-                              "free space on that filesystem and rerun; nothing partial was left visible")
-    return RuntimeFailure(f"I/O error while {what} {path}: {exc}")
+                              "free space on that filesystem and rerun the same command (it resumes); "
+                              "nothing partial was left visible")
+    return RuntimeFailure(f"I/O error while {what} {path}: {exc}",
+                          "check that path (permissions, free space, mount) and rerun the same command")
 
 
 @contextmanager
 def atomic_output(path: str | Path) -> Iterator[Path]:
     """Yield a temp path to write; on success fsync + rename it onto `path`, else delete it."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_path_for(path)
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         yield tmp
         fsync_path(tmp)
         os.replace(tmp, path)
         fsync_dir(path.parent)
-    except OSError as exc:
+    except BaseException as exc:
         tmp.unlink(missing_ok=True)
-        raise disk_error(exc, path, "writing") from exc
-    except BaseException:
-        tmp.unlink(missing_ok=True)
+        os_exc = os_error_of(exc)
+        if os_exc is not None:
+            raise disk_error(os_exc, path, "writing") from exc
         raise
+
+
+def append_durably(path: str | Path, data: bytes, fsync: bool = True) -> None:
+    """Append `data` to `path` whole or not at all: on an OS error the file is cut back to its old
+    length (so a full disk leaves no half line) and `RuntimeFailure` names the path."""
+    path = Path(path)
+    fd = -1
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        start = os.fstat(fd).st_size
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            if fsync:
+                os.fsync(fd)
+        except OSError:
+            os.ftruncate(fd, start)
+            raise
+    except OSError as exc:
+        raise disk_error(exc, path, "appending to") from exc
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+def write_optional(path: str | Path, write: Callable[[Path], object], what: str) -> bool:
+    """Atomically write a nice-to-have output (a plot) with `write(temp_path)`; on a disk error warn
+    and return False instead of failing the run (nothing partial is left either way)."""
+    try:
+        with atomic_output(path) as tmp:
+            write(tmp)
+        return True
+    except RuntimeFailure as exc:
+        log.warning("%s not written: %s; continuing without it", what, exc.message)
+        return False
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:

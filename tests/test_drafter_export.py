@@ -174,6 +174,15 @@ def test_wrapped_models_export_under_the_plain_names(exported, tmp_path):
     wrapped = FakeDDP(torch.compile(model))  # compiling is lazy: nothing is compiled here
     names = set(load_file(str(export_drafter(wrapped, cfg, tmp_path / "w") / "model.safetensors")))
     assert names == spec_tensor_names(cfg.num_layers)
+    # the trainer compiles every draft layer on its own (train/components.py build_model)
+    per_layer = DFlashDrafter(cfg)
+    per_layer.load_state_dict(model.state_dict())
+    for i, layer in enumerate(per_layer.layers):
+        per_layer.layers[i] = torch.compile(layer, dynamic=False)
+    assert any("_orig_mod" in k for k in per_layer.state_dict())
+    got = load_file(str(export_drafter(per_layer, cfg, tmp_path / "layers") / "model.safetensors"))
+    want = load_file(str(out / "model.safetensors"))
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
     with pytest.raises(ValidationError, match="expected a DFlashDrafter"):
         export_drafter(torch.nn.Linear(2, 2), cfg, tmp_path / "x")
     with pytest.raises(ValidationError, match="do not match the config"):

@@ -124,8 +124,8 @@ def test_crash_inside_a_batch_write_then_resume(reference, cfg, llama, tmp_path,
         calls["n"] += 1
         if calls["n"] == 2:                       # second batch: half its bytes reach the disk, then death
             data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode()
-            self._f.write(data[:len(data) // 2 + 3])
-            self._f.flush()
+            with open(self.path, "ab") as f:
+                f.write(data[:len(data) // 2 + 3])
             raise KeyboardInterrupt
         return real_append(self, rows)
 

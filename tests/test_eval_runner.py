@@ -57,6 +57,7 @@ def _cfg(tmp_path, **eval_kw) -> RunConfig:
     cfg.eval.prompts = "mtbench,humaneval"
     cfg.eval.max_prompts = 2
     cfg.eval.max_new_tokens = 12
+    cfg.eval.mtbench_turns = 1                  # 2 (the default) in the end-to-end and resume tests only: time
     for k, v in eval_kw.items():
         setattr(cfg.eval, k, v)
     return cfg
@@ -66,7 +67,7 @@ def test_run_eval_end_to_end(llama, tmp_path, capsys):
     drafter, dcfg = tiny_drafter(block_size=4)
     export_drafter(drafter, dcfg, tmp_path / "train" / "export")             # the default location
     (tmp_path / "train" / "metrics.jsonl").write_text(json.dumps({"step": 0, "tau": 1.5}) + "\n")
-    report = run_eval(_cfg(tmp_path), bundle=llama)
+    report = run_eval(_cfg(tmp_path, mtbench_turns=2), bundle=llama)
     out = tmp_path / "train" / "eval"
     on_disk = json.loads((out / "eval_report.json").read_text())
     assert on_disk["sets"].keys() == {"mtbench", "humaneval"} == report["sets"].keys()
@@ -78,24 +79,56 @@ def test_run_eval_end_to_end(llama, tmp_path, capsys):
 
     eos = eos_token_ids(llama.model, llama.tokenizer)
     for name, s in on_disk["sets"].items():
-        assert s["prompts"] == 2
+        turns = 2 if name == "mtbench" else 1                     # MT-Bench: both turns by default
+        assert s["prompts"] == 2 and s["generations"] == 2 * turns and s["skipped_ids"] == []
         mine = [r for r in records if r["set"] == name]
         for m in ("dflash", "ngram"):
             rows = [r for r in mine if r["method"] == m]
-            assert len(rows) == 2 and all(r["identical_to_target"] for r in rows)
+            assert len(rows) == 2 * turns and all(r["identical_to_target"] for r in rows)
+            assert all(r["verify_s"] > 0 and r["draft_s"] >= 0 and r["verify_s"] + r["draft_s"] < r["wall_s"]
+                       for r in rows)
+            assert s[m]["other_s"] == pytest.approx(s[m]["wall_s"] - s[m]["verify_s"] - s[m]["draft_s"]
+                                                    - s[m]["prefill_s"], abs=1e-9)
             assert s[m]["identical_to_target"] == 1.0
             steps = sum(r["steps"] for r in rows)
             assert s[m]["steps"] == steps
             assert s[m]["tau"] == pytest.approx(sum(r["generated"] - 1 for r in rows) / steps)
             assert all(0.0 <= a <= 1.0 for a in s[m]["acceptance"]) and len(s[m]["acceptance"]) == 3
         # the target-only outputs are transformers' greedy outputs for the same chat-templated prompts
-        for prompt, rec in zip(load_prompts(name, 2), [r for r in mine if r["method"] == "target"]):
+        targets = {r["id"]: r for r in mine if r["method"] == "target"}
+        for prompt in load_prompts(name, 2, mtbench_turns=2):
             ids = encode_prompt(llama.tokenizer, prompt.messages)
-            assert rec["generated"] == len(hf_greedy(llama.model, ids, 12, eos))
+            first = hf_greedy(llama.model, ids, 12, eos)
+            assert targets[prompt.id]["generated"] == len(first)
+            if name == "mtbench":  # turn 2 is asked after the target's own first answer
+                msgs = prompt.messages + [{"role": "assistant", "content": llama.tokenizer.decode(
+                    first, skip_special_tokens=True)}, {"role": "user", "content": prompt.followups[0]}]
+                second = hf_greedy(llama.model, encode_prompt(llama.tokenizer, msgs), 12, eos)
+                assert targets[f"{prompt.id}/turn2"]["generated"] == len(second)
     md = (out / "eval_report.md").read_text()
-    assert "| mtbench | 2 | DFlash |" in md and "DFlash: training-time simulated tau: last 1.50" in md
+    assert "| mtbench | 2 (4 turns) | DFlash |" in md and "DFlash: training-time simulated tau: last 1.50" in md
     assert (out / "acceptance.png").stat().st_size > 1000
     assert "| humaneval | 2 |" in capsys.readouterr().out
+
+
+def test_prompts_longer_than_the_context_are_skipped_counted_and_named(llama, tmp_path, monkeypatch):
+    from dflash_pipe.data import load_prompts
+    from dflash_pipe.eval.runner import encode_prompt
+
+    drafter, dcfg = tiny_drafter(block_size=4)
+    export_drafter(drafter, dcfg, tmp_path / "train" / "export")
+    prompts = load_prompts("humaneval", 2)
+    lens = [len(encode_prompt(llama.tokenizer, p.messages)) for p in prompts]
+    assert lens[0] != lens[1]
+    short, long_ = sorted(lens)
+    monkeypatch.setattr(llama.config, "max_position_embeddings", short + 12 + 4)   # room for the shorter one only
+    report = run_eval(_cfg(tmp_path, prompts="humaneval"), bundle=llama)
+    s = report["sets"]["humaneval"]
+    gone = prompts[lens.index(long_)].id
+    assert s["prompts"] == 1 and s["skipped_too_long"] == 1
+    assert s["skipped_ids"] == [{"id": gone, "prompt_tokens": long_}]
+    md = (tmp_path / "train" / "eval" / "eval_report.md").read_text()
+    assert f"longer than {short} tokens" in md and f"{gone} ({long_} tokens)" in md
 
 
 def test_run_eval_refuses_missing_or_foreign_drafter(llama, tmp_path):
@@ -109,7 +142,7 @@ def test_run_eval_refuses_missing_or_foreign_drafter(llama, tmp_path):
 
 def _untimed(x):
     """The report without wall-clock fields (they differ between any two runs)."""
-    timing = ("wall_s", "draft_s", "tokens_per_s", "speedup")
+    timing = ("wall_s", "draft_s", "verify_s", "prefill_s", "other_s", "tokens_per_s", "speedup")
     if isinstance(x, dict):
         return {k: _untimed(v) for k, v in x.items() if k not in timing}
     if isinstance(x, list):
@@ -123,8 +156,8 @@ def test_interrupted_eval_resumes_to_the_uninterrupted_report(llama, tmp_path, m
 
     drafter, dcfg = tiny_drafter(block_size=4)
     export_drafter(drafter, dcfg, tmp_path / "train" / "export")
-    full = run_eval(_cfg(tmp_path, output_dir=str(tmp_path / "full")), bundle=llama)
-    part_cfg = _cfg(tmp_path, output_dir=str(tmp_path / "part"))
+    full = run_eval(_cfg(tmp_path, output_dir=str(tmp_path / "full"), mtbench_turns=2), bundle=llama)
+    part_cfg = _cfg(tmp_path, output_dir=str(tmp_path / "part"), mtbench_turns=2)
     real, calls = runner.greedy_generate, {"n": 0}
 
     def counting(*a, fail_at=None, **k):
@@ -133,7 +166,8 @@ def test_interrupted_eval_resumes_to_the_uninterrupted_report(llama, tmp_path, m
             raise KeyboardInterrupt
         return real(*a, **k)
 
-    # call 1 is the warm-up, calls 2-3 the two MT-Bench prompts, call 4 the first HumanEval prompt
+    # call 1 is the warm-up, calls 2-5 the two MT-Bench prompts' two turns each, call 6 the first HumanEval prompt;
+    # stopping at call 4 (prompt 82, turn 1) leaves prompt 81's two turns done
     monkeypatch.setattr(runner, "greedy_generate", lambda *a, **k: counting(*a, fail_at=4, **k))
     with pytest.raises(KeyboardInterrupt):
         run_eval(part_cfg, bundle=llama)
@@ -142,7 +176,7 @@ def test_interrupted_eval_resumes_to_the_uninterrupted_report(llama, tmp_path, m
     calls["n"] = 0
     monkeypatch.setattr(runner, "greedy_generate", counting)
     resumed = run_eval(part_cfg, bundle=llama)
-    assert calls["n"] == 1 + 2  # a warm-up and the two HumanEval prompts; MT-Bench came from the file
+    assert calls["n"] == 1 + 2 + 2  # a warm-up, prompt 82's two turns, the two HumanEval prompts
     assert _untimed(resumed["sets"]) == _untimed(full["sets"])
     assert not progress.exists()  # removed once the report is written
     rows = lambda d: [_untimed(json.loads(ln)) for ln in (d / "eval_prompts.jsonl").read_text().splitlines()]  # noqa: E731
@@ -181,7 +215,8 @@ def test_several_drafters_share_the_baselines_and_equal_one_drafter_runs(llama, 
     alone = {n: run_eval(_cfg(tmp_path, drafter=str(d), output_dir=str(tmp_path / n)), bundle=llama)
              for n, d in (("a", a), ("b", b))}
     for name, s in both["sets"].items():
-        assert list(s) == ["prompts", "skipped_too_long", "target_only", "dflash:a", "dflash:b", "ngram"]
+        assert list(s) == ["prompts", "skipped_too_long", "target_only", "dflash:a", "dflash:b", "ngram",
+                           "generations", "skipped_ids"]
         for n in ("a", "b"):
             assert _untimed(s[f"dflash:{n}"]) == _untimed(alone[n]["sets"][name]["dflash"])
             assert _untimed(s["ngram"]) == _untimed(alone[n]["sets"][name]["ngram"])

@@ -226,22 +226,21 @@ def test_recompute_mode_gives_the_same_tokens_and_acceptance(llama, cases):
     assert runs[0].accepted == runs[1].accepted
 
 
-def test_hybrid_target_uses_recompute_and_refuses_crop(model_cache):
+def test_hybrid_target_recompute_mode_is_identical_too(model_cache):
+    """The 'recompute' reference mode (auto is 'rollback', tests/test_eval_hybrid_rollback.py)."""
     qwen = load_target("random:tiny-qwen3.5", dtype="float32", model_cache_dir=model_cache)
     liven(qwen.model, std=0.2)
-    assert resolve_cache_mode(qwen.model, "auto") == "recompute"
-    with pytest.raises(UsageError, match="recurrent state"):
-        resolve_cache_mode(qwen.model, "crop")
     eos = eos_token_ids(qwen.model, qwen.tokenizer)
     ids = encode_prompt(qwen.tokenizer, PROMPTS[0])
     ref = hf_greedy(qwen.model, ids, 12, eos)
     drafter, cfg = tiny_drafter(block_size=4, layer_ids=(1, 5))
-    with make_dflash_verifier(qwen.model, cfg, qwen.num_layers, qwen.hidden_size) as verifier:
+    with make_dflash_verifier(qwen.model, cfg, qwen.num_layers, qwen.hidden_size, cache_mode="recompute") as verifier:
         r = speculative_generate(verifier, _dflash(qwen, cfg, drafter), ids, block_size=4, max_new_tokens=12,
                                  eos_ids=eos)
     assert r.tokens == ref
     oracle = CorruptingOracle(ids + ref, lambda step: 2, VOCAB)
-    r = speculative_generate(TargetVerifier(qwen.model), oracle, ids, block_size=4, max_new_tokens=12, eos_ids=eos)
+    r = speculative_generate(TargetVerifier(qwen.model, cache_mode="recompute"), oracle, ids, block_size=4,
+                             max_new_tokens=12, eos_ids=eos)
     assert r.tokens == ref and r.accepted == oracle.expected
 
 

@@ -177,3 +177,27 @@ def test_a_consumed_window_cache_is_not_complete_plan_says_so_and_extract_redoes
     summary = run_extract(normalize(load_manifest(m)))  # the next drafter run re-extracts exactly those
     assert summary.shards_done == [1] and summary.complete and not (live / "window.json").exists()
     assert _plan(m).stage1 == "skip"
+
+
+CPU_REFUSAL = "# run_pipeline.sh: not"   # a shipped manifest that run_pipeline.sh cannot run on a CPU says why
+
+
+@pytest.mark.parametrize("manifest", sorted((ROOT / "manifests").glob("*.toml")), ids=lambda p: p.name)
+def test_every_shipped_manifest_is_consistent_and_the_cpu_ones_plan(manifest, tmp_path):
+    cfg = normalize(load_manifest(manifest))  # cross-field rules (e.g. 'heldout' needs skip_samples) hold
+    if CPU_REFUSAL in manifest.read_text():
+        return  # its header says why (GPU sizes, data made by another command first)
+    cfg.extract.cache_dir, cfg.train.output_dir = str(tmp_path / "cache"), str(tmp_path / "train")
+    cfg.extract.device = "cpu"
+    plan = make_plan(cfg)
+    assert plan.stage1 == "run" and plan.device == "cpu" and "[CPU]" in plan.describe()
+
+
+def test_heldout_prompts_without_held_out_data_are_refused_before_any_stage(tmp_path):
+    from dflash_pipe.errors import UsageError
+
+    m = write_manifest(tmp_path, "m.toml", tmp_path / "cache", tmp_path / "out")
+    m.write_text(m.read_text() + '[eval]\nprompts = "mtbench,heldout"\n')
+    with pytest.raises(UsageError, match="heldout.*--data-skip-samples") as err:
+        _plan(m)
+    assert err.value.exit_code == 2

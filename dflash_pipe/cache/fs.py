@@ -35,7 +35,7 @@ from typing import Any, Callable
 from urllib.parse import parse_qs, urlsplit
 
 from ..errors import CacheError, RuntimeFailure, UsageError
-from ..io_utils import atomic_write_bytes, atomic_write_json, remove_stale_temps, safe_child
+from ..io_utils import atomic_write_bytes, atomic_write_json, remove_stale_temps, safe_child, sha256_file
 from .s3_config import CRED_HINT, DENIED, TRANSIENT, list_incomplete_uploads, s3_client, scrub  # noqa: F401
 
 log = logging.getLogger("dflash_pipe.cache.fs")
@@ -96,6 +96,17 @@ class LocalCacheFS(CacheFS):
             return (self.root / name).stat().st_size
         except FileNotFoundError:
             return None
+
+    def stat(self, name: str) -> tuple[int, int] | None:
+        """(bytes, mtime_ns) of a file, None if there is none."""
+        try:
+            st = (self.root / name).stat()
+        except FileNotFoundError:
+            return None
+        return st.st_size, st.st_mtime_ns
+
+    def sha256(self, name: str) -> str:
+        return sha256_file(self.root / name)
 
     def list_sizes(self) -> dict[str, int]:
         if not self.root.is_dir():
@@ -206,6 +217,25 @@ class ObjectCacheFS(CacheFS):
 
         info = self._info(name)
         return None if info.type == pafs.FileType.NotFound else info.size
+
+    def stat(self, name: str) -> tuple[int, int] | None:
+        """(bytes, last-modified in ns) of an object, None if there is none."""
+        import pyarrow.fs as pafs
+
+        info = self._info(name)
+        return None if info.type == pafs.FileType.NotFound else (info.size, info.mtime_ns or 0)
+
+    def sha256(self, name: str, chunk: int = 8 << 20) -> str:
+        """Streamed through one GET (retried whole on a transient error)."""
+        import hashlib
+
+        def digest():
+            h = hashlib.sha256()
+            with self.fs.open_input_stream(self.key(name)) as f:
+                while block := f.read(chunk):
+                    h.update(block)
+            return h.hexdigest()
+        return self.call(f"reading {self.display(name)}", digest)
 
     def list_sizes(self) -> dict[str, int]:
         """Objects directly under the prefix (pyarrow pages through ListObjectsV2, 1,000 a page)."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from .. import __version__
 from ..errors import CacheError, FingerprintMismatch
@@ -29,6 +29,9 @@ from .writer import ShardInfo
 
 SPEC_FILE = "cache_spec.json"
 MANIFEST_FILE = "manifest.json"
+HEAD_FILE = "target_head.safetensors"       # the target's embeddings + lm_head (extract writes it when absent)
+RESOLVED_FILE = "resolved_config.toml"   # the settings of the last extract run (config.write_resolved)
+SPEC_KEYS = ("fingerprint", "fingerprint_fields", "features", "target", "num_shards")
 LAYER_CONVENTION = "0-based decoder layer index; feature = that layer's output = HF output_hidden_states[id + 1]"
 
 
@@ -41,17 +44,44 @@ def diff_fields(old: dict, new: dict) -> dict[str, tuple[Any, Any]]:
     return {k: (old.get(k), new.get(k)) for k in keys if old.get(k) != new.get(k)}
 
 
-def _read_json(fs: CacheFS, name: str, what: str) -> dict:
+def extract_command(cache_dir: str | Path | CacheFS) -> str:
+    """The extract command line that resumes this cache with the settings it was made with."""
+    fs = open_cache_fs(cache_dir)
+    if fs.is_local and (fs.root / RESOLVED_FILE).is_file():
+        return f"`dflash-pipe extract -m {fs.display(RESOLVED_FILE)} --cache-dir {fs.uri}`"
+    if not fs.is_local and fs.exists(RESOLVED_FILE):  # -m takes a local file: the settings are in the object
+        return (f"`dflash-pipe extract --cache-dir {fs.uri}` with the settings in {fs.display(RESOLVED_FILE)} "
+                "(download it and pass it as -m)")
+    return f"`dflash-pipe extract --cache-dir {fs.uri}` with the manifest that made this cache"
+
+
+def spec_hint(cache_dir: str | Path | CacheFS) -> str:
+    fs = open_cache_fs(cache_dir)
+    return (f"delete {fs.display(SPEC_FILE)} and rerun {extract_command(fs)}: it rewrites the spec "
+            "and keeps the shards committed under the same settings (or add --overwrite to extract the cache "
+            "again from scratch)")
+
+
+def sidecar_hint(fs: CacheFS, name: str) -> str:
+    return f"delete {fs.display(name)} and rerun {extract_command(fs)}: it redoes that one shard"
+
+
+def manifest_hint(cache_dir: str | Path | CacheFS) -> str:
+    return (f"rerun {extract_command(cache_dir)}: with every shard committed it only rewrites {MANIFEST_FILE} "
+            "from the shard sidecars")
+
+
+def _read_json(fs: CacheFS, name: str, what: str, hint: Callable[[], str] = str) -> dict:
+    """A JSON object; `hint()` (made only on an error: on a store it may cost a request) names the fix."""
     path = fs.display(name)
     try:
         obj = json.loads(fs.read_bytes(name).decode("utf-8"))
     except FileNotFoundError:
         raise
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CacheError(f"{path}: {what} is not valid JSON ({exc})",
-                         "the file was damaged or edited; rerun `dflash-pipe extract` to rewrite it") from None
+        raise CacheError(f"{path}: {what} is not valid JSON ({exc})", hint()) from None
     if not isinstance(obj, dict):
-        raise CacheError(f"{path}: {what} must be a JSON object")
+        raise CacheError(f"{path}: {what} must be a JSON object", hint())
     return obj
 
 
@@ -62,10 +92,24 @@ def make_spec(fingerprint_fields: dict, target: dict, features: dict, num_shards
 
 
 def load_spec(cache_dir: str | Path | CacheFS) -> dict | None:
+    """The cache spec, or None if there is none; a damaged one (not JSON, a field missing, the
+    fingerprint not matching its fields) is refused with a hint that works."""
+    cache_dir = open_cache_fs(cache_dir)
+    path = cache_dir.display(SPEC_FILE)
     try:
-        return _read_json(open_cache_fs(cache_dir), SPEC_FILE, "cache spec")
+        spec = _read_json(cache_dir, SPEC_FILE, "cache spec", lambda: spec_hint(cache_dir))
     except FileNotFoundError:
         return None
+    for key in SPEC_KEYS:
+        if key not in spec:
+            raise CacheError(f"{path}: field '{key}' is missing", spec_hint(cache_dir))
+    if not isinstance(spec["fingerprint_fields"], dict) or fingerprint_of(spec["fingerprint_fields"]) != spec["fingerprint"]:
+        raise CacheError(f"{path}: field 'fingerprint' does not match 'fingerprint_fields' (edited by hand?)",
+                         spec_hint(cache_dir))
+    if not isinstance(spec["num_shards"], int) or spec["num_shards"] < 1:
+        raise CacheError(f"{path}: field 'num_shards' must be a positive integer, not {spec['num_shards']!r}",
+                         spec_hint(cache_dir))
+    return spec
 
 
 def mismatch_error(cache_dir, old_fields: dict, new_fields: dict) -> FingerprintMismatch:
@@ -81,8 +125,13 @@ def init_or_check_spec(cache_dir: str | Path | CacheFS, spec: dict, overwrite: b
     fs = open_cache_fs(cache_dir)
     cache_dir = fs.uri
     fs.ensure_root()
-    old = load_spec(fs)
-    if old is not None and old.get("fingerprint") == spec["fingerprint"]:
+    try:
+        old = load_spec(fs)
+    except CacheError:
+        if not overwrite:
+            raise
+        old = {}  # a damaged spec: --overwrite deletes the cache like any other
+    if old and old.get("fingerprint") == spec["fingerprint"]:
         if old.get("num_shards") != spec["num_shards"]:
             raise CacheError(f"{cache_dir}: spec says {old.get('num_shards')} shards, this run {spec['num_shards']}")
         return "match"
@@ -100,7 +149,9 @@ def delete_cache_files(cache_dir: str | Path | CacheFS) -> None:
     """Remove what extract writes (and nothing else the user may keep there)."""
     fs = open_cache_fs(cache_dir)
     for name in sorted(fs.list_sizes()):
-        if name in (SPEC_FILE, MANIFEST_FILE) or (name.startswith("shard-") and name.endswith((".parquet", ".json"))):
+        # the head file too: extract only writes it when absent, so another target's would be kept
+        if name in (SPEC_FILE, MANIFEST_FILE, HEAD_FILE) or (name.startswith("shard-")
+                                                             and name.endswith((".parquet", ".json"))):
             fs.delete(name)
     fs.remove_stale_temps()
 
@@ -135,7 +186,7 @@ def committed_shards(cache_dir: str | Path | CacheFS, spec: dict) -> dict[int, d
         side = sidecar_name(i, n)
         if side not in sizes:
             continue
-        sc = _read_json(fs, side, "shard sidecar")
+        sc = _read_json(fs, side, "shard sidecar", lambda: sidecar_hint(fs, side))
         if sc.get("fingerprint") != spec["fingerprint"]:
             raise CacheError(f"{fs.display(side)}: belongs to a cache with another fingerprint",
                              "a foreign shard was copied here; remove it or use --overwrite")
@@ -182,11 +233,34 @@ def try_finalize(cache_dir: str | Path | CacheFS, spec: dict) -> dict | None:
     old = None
     try:
         old = _read_json(fs, MANIFEST_FILE, "manifest")
-    except FileNotFoundError:
-        pass
+    except (FileNotFoundError, CacheError):
+        pass  # none yet, or damaged: it is rewritten from the sidecars below
+    head = head_file_record(fs, spec, (old or {}).get("head_file"))
+    if head is not None:
+        manifest["head_file"] = head
     if old != manifest:
         fs.write_json(MANIFEST_FILE, manifest)
     return manifest
+
+
+def head_file_record(cache_dir: str | Path | CacheFS, spec: dict, old: dict | None) -> dict | None:
+    """Size and sha256 of the target head file for the manifest (`cache verify` checks them). The
+    old manifest's sha256 is kept while size and mtime (an object's last-modified time) are unchanged
+    (hashing a 27B target's 5 GB head on every finalize would cost seconds per rank, more from a
+    store); None for caches without a head file."""
+    fs = open_cache_fs(cache_dir)
+    name = spec.get("features", {}).get("head_file")
+    if not name:
+        return None
+    fs.child(name, f"{fs.display(SPEC_FILE)} field features.head_file")  # refuses absolute paths and escapes
+    st = fs.stat(name)
+    if st is None:
+        return None
+    size, mtime_ns = st
+    if (isinstance(old, dict) and old.get("path") == name and old.get("bytes") == size
+            and old.get("mtime_ns") == mtime_ns and old.get("sha256")):
+        return old
+    return {"path": name, "bytes": size, "mtime_ns": mtime_ns, "sha256": fs.sha256(name)}
 
 
 def merge_stats(parts: list[dict]) -> dict:
@@ -215,22 +289,23 @@ def load_manifest(cache_dir: str | Path | CacheFS) -> dict:
     fs = open_cache_fs(cache_dir)
     cache_dir, path = fs.uri, fs.display(MANIFEST_FILE)
     try:
-        man = _read_json(fs, MANIFEST_FILE, "manifest")
+        man = _read_json(fs, MANIFEST_FILE, "manifest", lambda: manifest_hint(fs))
     except FileNotFoundError:
         hint = ("extraction has not finished (or was interrupted): rerun `dflash-pipe extract` to resume"
                 if fs.exists(SPEC_FILE) else "run `dflash-pipe extract` first or fix --cache-dir")
         raise CacheError(f"{cache_dir}: no {MANIFEST_FILE}", hint) from None
     for key in ("fingerprint", "fingerprint_fields", "features", "target", "shards", "num_shards"):
         if key not in man:
-            raise CacheError(f"{path}: field '{key}' is missing", "regenerate the cache with `dflash-pipe extract`")
+            raise CacheError(f"{path}: field '{key}' is missing", manifest_hint(fs))
     if man.get("format_version") != FORMAT_VERSION:
         raise CacheError(f"{path}: format_version {man.get('format_version')} is not {FORMAT_VERSION}",
                          "this cache was written by another dflash-pipe version; re-extract it")
     if fingerprint_of(man["fingerprint_fields"]) != man["fingerprint"]:
         raise CacheError(f"{path}: field 'fingerprint' does not match 'fingerprint_fields' (edited by hand?)",
-                         "regenerate the manifest with `dflash-pipe extract` (it resumes and rewrites it)")
+                         manifest_hint(fs))
     if len(man["shards"]) != man["num_shards"]:
-        raise CacheError(f"{path}: lists {len(man['shards'])} shards, field 'num_shards' says {man['num_shards']}")
+        raise CacheError(f"{path}: lists {len(man['shards'])} shards, field 'num_shards' says {man['num_shards']}",
+                         manifest_hint(fs))
     for i, entry in enumerate(man["shards"]):
         entry["abs_path"] = fs.child(str(entry.get("path", "")), f"{path} shards[{i}].path")
     return man

@@ -117,12 +117,18 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def plain_name(name: str) -> str:
+    """A parameter name without torch.compile's `_orig_mod.` components."""
+    return ".".join(part for part in name.split(".") if part != "_orig_mod")
+
+
 def export_drafter(model: DFlashDrafter, cfg: DrafterModelConfig, out_dir: str | Path) -> Path:
     """Write config.json + model.safetensors (bf16) into out_dir, atomically. Returns out_dir."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = Path(out_dir)  # created by atomic_output (an unwritable path is then exit 4 naming it)
     model = unwrap_model(model)
-    tensors = {name: t.detach().to(device="cpu", dtype=EXPORT_DTYPE).contiguous()
+    # the trainer compiles each draft layer (`layers.i = torch.compile(layer)`), which puts the layer's
+    # parameters under `layers.i._orig_mod.`: the exported names are the plain module's
+    tensors = {plain_name(name): t.detach().to(device="cpu", dtype=EXPORT_DTYPE).contiguous()
                for name, t in model.state_dict().items()}
     with torch.device("meta"):
         expected = set(DFlashDrafter(cfg).state_dict())

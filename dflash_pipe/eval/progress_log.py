@@ -12,10 +12,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 from pathlib import Path
 
-from ..io_utils import read_jsonl
+from ..io_utils import append_durably, read_jsonl
 from .specdecode import SpecResult
 
 PROGRESS_FILE = "eval_progress.jsonl"
@@ -60,11 +59,7 @@ class EvalProgress:
             results: dict[str, SpecResult]) -> None:
         rec = {"key": self.key, "set": set_name, "id": prompt_id, "ref": ref, "ref_wall": ref_wall,
                "results": {m: dataclasses.asdict(r) for m, r in results.items()}}
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(rec) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        append_durably(self.path, (json.dumps(rec) + "\n").encode("utf-8"))
 
     def finish(self) -> None:
         self.path.unlink(missing_ok=True)

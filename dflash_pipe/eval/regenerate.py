@@ -1,39 +1,49 @@
 """`dflash-pipe regenerate`: rewrite the assistant turns of a dataset with the target's own answers.
 
 A drafter learns to predict what the *target* generates, so training on the target's own
-greedy responses (rather than on another model's ShareGPT answers) raises acceptance. This
-command reads conversations with `dflash_pipe.data` (cfg.data source / format / skip / max /
-strict) and writes OpenAI-format JSONL rows ``{"id", "messages"}`` that `extract` reads back.
+responses (rather than on another model's ShareGPT answers) raises acceptance. This command
+reads conversations with `dflash_pipe.data` (cfg.data source / format / skip / max / strict) and
+writes OpenAI-format JSONL rows ``{"id", "messages"}`` that `extract` reads back.
 
-Multi-turn, turn by turn: each assistant turn is replaced by the target's greedy response to
-the conversation so far, where earlier assistant turns are already the regenerated ones and
-user / system turns are kept verbatim. Details:
+Multi-turn, turn by turn: each assistant turn is replaced by the target's response to the
+conversation so far, where earlier assistant turns are already the regenerated ones and user /
+system turns are kept verbatim. Details:
   * assistant turns before the first user turn are dropped (they answer nothing), and so is a
     trailing user turn after the last answer (nothing to train on);
   * a conversation stops (keeping the turns done so far) when the next prompt plus
     max_new_tokens would exceed cfg.extract.max_length tokens, which extraction would cut
     anyway, or when the target answers with nothing; if that happens at the first turn the
-    conversation is skipped (recorded in the sidecar, so a rerun does not retry it);
+    conversation is skipped (recorded in the sidecar with its reason, so a rerun does not retry
+    it; `prompts_too_long` / `empty_answers` count the events);
   * a response that reaches max_new_tokens without an end-of-turn token is kept as it is
     (counted as truncated in the sidecar).
-Conversations are processed in input order, `batch_size` at a time; within a batch every
-round generates the next turn of all its unfinished conversations in one left-padded HF
-`generate` call (greedy).
+Decoding is greedy by default; ``--temperature T --top-p P --seed S`` samples instead, and
+``--samples N`` writes N answers per conversation with ids ``<id>#0 .. <id>#N-1`` (N = 1 keeps
+the id). A sampled answer is a function of (seed, sample id, turn) and the target only
+(regen_sampling): not of the batch size or of which conversations share a batch.
 
-Resumable and crash-safe: the output is append-only; each batch's rows are written with one
-write, then flush + fsync, and only then is the progress sidecar ``<output>.progress.json``
-(written atomically) updated. A rerun with the same settings skips every id already in the
-output (and the recorded skipped ids); a partially written last line (a killed writer) is
-detected and cut off first. The sidecar also pins the settings (target weights, data
-selection, max_new_tokens, max_length): resuming with different ones is refused instead of
-mixing two datasets in one file.
+How (regen_backends): on attention-only targets a static-KV engine runs `batch_size` slots of
+continuous batching (finished slots refilled with the next prompts, CUDA graphs on CUDA); other
+targets (hybrid / recurrent layers) fall back to HF `generate`, greedy, named in the log. Up to
+4 x batch_size conversations are in flight; their ready turns are served oldest conversation
+first, and the answers are written in input order.
+
+Prefix-stable, resumable and crash-safe: rows are appended in input order only (a finished
+conversation waits for the earlier ones), so a file made with max_samples = N is the prefix of
+one made with more. Each flush writes its rows with one write, then flush + fsync, and only then
+is the progress sidecar ``<output>.progress.json`` (written atomically) updated. A rerun with the
+same settings skips every id already in the output (and the recorded skipped ids); a partially
+written last line (a killed writer) is detected and cut off first. The sidecar also pins the
+settings (target weights, data selection, max_new_tokens, max_length, decoding): resuming with
+different ones is refused instead of mixing two datasets in one file. Out of GPU memory, the
+batch is halved (logged) and the answers in flight are rerun; they come out the same.
 """
 
 from __future__ import annotations
 
-import json
+import bisect
+import gc
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,82 +52,22 @@ import torch
 
 from ..config import RunConfig
 from ..data import DataStats, load_conversations
-from ..errors import RuntimeFailure, UsageError, ValidationError
+from ..errors import RuntimeFailure, UsageError
 from ..io_utils import atomic_write_json
 from ..progress import progress_bar
 from ..target import load_target
+from ..target.static_forward import engine_support
+from .regen_backends import Completion, EngineBackend, HFBackend, TurnRequest, auto_batch_size
+from .regen_output import JsonlAppender, load_sidecar, scan_output, settings_of, sidecar_path  # noqa: F401
+from .regen_sampling import Decoding, answer_key
 from .runner import encode_prompt, resolve_device
 from .specdecode import eos_token_ids
 
 log = logging.getLogger("dflash_pipe.eval")
-SIDECAR_FORMAT = 1
+ENGINES = ("auto", "static", "hf")
+FLUSH_SECONDS = 10.0
+COUNTERS = ("generated_tokens", "truncated_responses", "prompts_too_long", "empty_answers")
 
-
-def sidecar_path(output: Path) -> Path:
-    return output.with_name(output.name + ".progress.json")
-
-
-# --------------------------------------------------------------------------- resumable output
-
-def scan_output(output: Path) -> set[str]:
-    """Ids already in `output`; a partial last line (no newline) is cut off the file first."""
-    done: set[str] = set()
-    if not output.exists():
-        return done
-    good_end = 0
-    with open(output, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            if not raw.endswith(b"\n"):
-                break                                  # the killed writer's last line
-            try:
-                row = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise ValidationError(f"{output}:{lineno}: a complete line is not valid JSON ({exc})",
-                                      "this file was not written by `dflash-pipe regenerate`, or was edited; "
-                                      "use a new --output") from None
-            sid = row.get("id") if isinstance(row, dict) else None
-            if not isinstance(sid, str) or not isinstance(row.get("messages"), list):
-                raise ValidationError(f"{output}:{lineno}: row has no string 'id' or no 'messages' list",
-                                      "use a new --output")
-            if sid in done:
-                raise ValidationError(f"{output}:{lineno}: id {sid!r} appears twice", "use a new --output")
-            done.add(sid)
-            good_end += len(raw)
-    size = output.stat().st_size
-    if size != good_end:
-        log.warning("%s: dropping a partially written last line (%d bytes)", output, size - good_end)
-        with open(output, "r+b") as f:
-            f.truncate(good_end)
-            f.flush()
-            os.fsync(f.fileno())
-    return done
-
-
-class JsonlAppender:
-    """Append-only JSONL output: one write per batch, then flush + fsync."""
-
-    def __init__(self, path: Path):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = open(path, "ab")
-        self.path = path
-
-    def append(self, rows: list[dict]) -> None:
-        if not rows:
-            return
-        data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode("utf-8")
-        try:
-            self._f.write(data)
-            self._f.flush()
-            os.fsync(self._f.fileno())
-        except OSError as exc:
-            raise RuntimeFailure(f"cannot append to {self.path}: {exc}",
-                                 "free space and rerun the same command; finished rows are kept") from exc
-
-    def close(self) -> None:
-        self._f.close()
-
-
-# --------------------------------------------------------------------------- generation
 
 @dataclass
 class _ConvState:
@@ -128,6 +78,8 @@ class _ConvState:
     done: bool = False
     skipped: str = ""                                    # reason, if the conversation yields nothing
     turns: int = 0                                       # assistant turns regenerated so far
+    order: int = 0                                       # input position (answers are written in this order)
+    counts: dict = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))   # the sidecar's counters
 
     def next_prompt(self) -> list[dict] | None:
         """Advance to the next assistant turn; the messages before it, or None when finished."""
@@ -152,180 +104,219 @@ class _ConvState:
 
 
 class Regenerator:
-    """Greedy batched regeneration of conversations with one target (module docstring)."""
+    """Turns conversations into turn requests and answers back into conversations (module docstring)."""
 
-    def __init__(self, model, tokenizer, max_new_tokens: int, max_length: int, max_turns: int = 0):
-        self.model, self.tokenizer = model, tokenizer
-        self.max_turns = max_turns
-        self.max_new_tokens, self.max_length = max_new_tokens, max_length
-        self.eos = eos_token_ids(model, tokenizer)
-        if not self.eos:
-            raise UsageError("the target defines no EOS token; regenerated answers would never end",
-                             "use a model whose tokenizer or generation config names an eos_token_id")
-        pad = getattr(tokenizer, "pad_token_id", None)
-        self.pad = int(pad) if isinstance(pad, int) else self.eos[0]
-        self.device = next(model.parameters()).device
-        self.truncated = 0
-        self.generated_tokens = 0
+    def __init__(self, tokenizer, eos: list[int], max_new_tokens: int, max_length: int, max_turns: int,
+                 dec: Decoding):
+        self.tokenizer, self.eos, self.dec = tokenizer, eos, dec
+        self.max_new_tokens, self.max_length, self.max_turns = max_new_tokens, max_length, max_turns
 
-    def _generate(self, prompts: list[list[int]]) -> list[list[int]]:
-        from transformers import GenerationConfig
+    def next_request(self, st: _ConvState) -> TurnRequest | None:
+        """The conversation's next turn to generate, or None (it is finished)."""
+        if st.done:
+            return None
+        if self.max_turns and st.turns >= self.max_turns:
+            st.finish("")
+            return None
+        msgs = st.next_prompt()
+        if msgs is None:
+            return None
+        ids = encode_prompt(self.tokenizer, msgs)
+        if len(ids) + self.max_new_tokens > self.max_length:
+            st.counts["prompts_too_long"] += 1
+            st.finish(f"{'first' if not st.turns else 'a'} prompt of {len(ids)} tokens + max_new_tokens "
+                      f"exceeds max_length {self.max_length}")
+            return None
+        return TurnRequest(st, ids, answer_key(self.dec.seed, st.sample_id, st.turns), st.order)
 
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), self.pad, dtype=torch.long)
-        attn = torch.zeros((len(prompts), width), dtype=torch.long)
-        for i, p in enumerate(prompts):                  # left padding
-            ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
-            attn[i, width - len(p):] = 1
-        gen = GenerationConfig(max_new_tokens=self.max_new_tokens, do_sample=False, eos_token_id=self.eos,
-                               pad_token_id=self.pad)
-        with torch.inference_mode():
-            out = self.model.generate(input_ids=ids.to(self.device), attention_mask=attn.to(self.device),
-                                      generation_config=gen)
-        responses = []
-        for row in out[:, width:].tolist():
-            cut = next((i for i, t in enumerate(row) if t in self.eos), None)
-            if cut is None:
-                self.truncated += 1
-            responses.append(row[:cut] if cut is not None else row)
-            self.generated_tokens += len(responses[-1]) + (cut is not None)
-        return responses
+    def complete(self, c: Completion) -> TurnRequest | None:
+        """Record an answer; the conversation's next request (or None)."""
+        st: _ConvState = c.request.state
+        st.counts["generated_tokens"] += len(c.tokens) + c.ended
+        st.counts["truncated_responses"] += not c.ended
+        text = self.tokenizer.decode(c.tokens, skip_special_tokens=True)
+        if not text.strip():
+            st.counts["empty_answers"] += 1
+            st.finish("the target's first answer is empty")
+            return None
+        st.out.append({"role": "assistant", "content": text})
+        st.cursor += 1
+        st.turns += 1
+        return self.next_request(st)
 
-    def regenerate(self, batch: list[_ConvState]) -> None:
-        """Replace every assistant turn of the batch's conversations, round by round."""
-        while True:
-            active, prompts = [], []
-            for st in batch:
-                if st.done:
-                    continue
-                if self.max_turns and st.turns >= self.max_turns:
-                    st.finish("")
-                    continue
-                msgs = st.next_prompt()
-                if msgs is None:
-                    continue
-                ids = encode_prompt(self.tokenizer, msgs)
-                if len(ids) + self.max_new_tokens > self.max_length:
-                    st.finish(f"first prompt + max_new_tokens exceeds max_length {self.max_length}")
-                    continue
-                active.append(st)
-                prompts.append(ids)
-            if not active:
-                return
-            for st, resp in zip(active, self._generate(prompts)):
-                text = self.tokenizer.decode(resp, skip_special_tokens=True)
-                if not text.strip():
-                    st.finish("the target's first answer is empty")
-                    continue
-                st.out.append({"role": "assistant", "content": text})
-                st.cursor += 1
-                st.turns += 1
+
+def _queue(ready: list[TurnRequest], req: TurnRequest | None) -> None:
+    if req is not None:
+        bisect.insort(ready, req, key=lambda r: r.order)
+
+
+def make_backend(bundle, eos: list[int], pad: int, batch: int, max_len: int, max_new: int, dec: Decoding,
+                 engine: str):
+    """The engine backend where the target allows it (halving `batch` on OOM), else HF generate."""
+    if engine not in ENGINES:
+        raise UsageError(f"--engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    why = engine_support(bundle.model) if engine != "hf" else "--engine hf"
+    if why is not None:
+        if engine == "static":
+            raise UsageError(f"--engine static: the static-KV engine cannot run this target ({why})",
+                             "use --engine auto (HF generate fallback)")
+        if not dec.greedy:
+            raise UsageError(f"--temperature {dec.temperature}: sampling needs the static-KV engine, which cannot "
+                             f"run this target ({why})", "regenerate greedily (--temperature 0)")
+        return HFBackend(bundle.model, eos, pad, batch or auto_batch_size(bundle.model, max_len, 256), max_new,
+                         why=why)
+    batch = batch or auto_batch_size(bundle.model, max_len)
+    while True:
+        try:
+            return EngineBackend(bundle.model, eos, batch, max_len, max_new, dec)
+        except torch.OutOfMemoryError:
+            batch = _halve(batch)
+
+
+def _halve(batch: int) -> int:
+    if batch == 1:
+        raise RuntimeFailure("out of GPU memory at --batch-size 1",
+                             "use a smaller [extract] max_length in the manifest, or a larger GPU")
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    log.warning("regenerate: out of GPU memory at batch %d; halving --batch-size to %d", batch, batch // 2)
+    print(f"regenerate: out of GPU memory at batch {batch}; continuing at --batch-size {batch // 2}", flush=True)
+    return batch // 2
 
 
 # --------------------------------------------------------------------------- command
 
-def _settings(cfg: RunConfig, bundle, max_new_tokens: int, max_turns: int = 0) -> dict:
-    d = cfg.data
-    return {"target": cfg.target.model, "weights_fingerprint": bundle.identity.get("weights_fingerprint"),
-            "chat_template_hash": bundle.identity.get("chat_template_hash"), "dtype": bundle.identity.get("dtype"),
-            "source": d.source, "format": d.format, "skip_samples": d.skip_samples, "max_samples": d.max_samples,
-            "max_new_tokens": max_new_tokens, "max_length": cfg.extract.max_length,
-            "mode": "multi-turn" if not max_turns else f"first {max_turns} turn(s)"}
+def _validate(cfg: RunConfig, max_new_tokens: int, batch_size: int, dec: Decoding) -> None:
+    if max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    if batch_size < 0:
+        raise UsageError(f"--batch-size must be >= 1 (or 0 = auto), got {batch_size}")
+    if cfg.extract.max_length <= max_new_tokens:
+        raise UsageError(f"[extract] max_length ({cfg.extract.max_length}) must exceed --max-new-tokens "
+                         f"({max_new_tokens})")
+    dec.validate()
 
 
-def _load_sidecar(output: Path, settings: dict) -> dict:
-    side = sidecar_path(output)
-    fresh = {"format": SIDECAR_FORMAT, "settings": settings, "rows_written": 0, "skipped": {},
-             "generated_tokens": 0, "truncated_responses": 0, "seconds": 0.0}
-    if not output.exists() or output.stat().st_size == 0:
-        return fresh
-    try:
-        state = json.loads(side.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ValidationError(f"{output} exists but has no progress sidecar {side.name}",
-                              "it was not written by `dflash-pipe regenerate`; pass a new --output") from None
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValidationError(f"{side}: unreadable progress sidecar ({exc})", "pass a new --output") from None
-    old = state.get("settings", {})
-    # Conversations are answered in input order, so a file made with max_samples = N is the prefix of one
-    # made with more: a larger (or unlimited, 0) max_samples extends it instead of being refused.
-    grows = old.get("max_samples", 0) != 0 and (settings["max_samples"] == 0 or
-                                                 settings["max_samples"] > old.get("max_samples", 0))
-    diff = {k: (old.get(k), v) for k, v in settings.items()
-            if old.get(k) != v and not (k == "max_samples" and grows)}
-    if diff:
-        lines = "; ".join(f"{k}: {a!r} in the file vs {b!r} now" for k, (a, b) in diff.items())
-        raise ValidationError(f"{output} was generated with other settings ({lines})",
-                              "rerun with the original settings to resume, or pass a new --output")
-    return {**fresh, **state, "settings": settings}
-
-
-def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batch_size: int = 16,
-                   device: str = "auto", *, bundle=None, max_turns: int = 0) -> dict:
+def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batch_size: int = 0,
+                   device: str = "auto", *, bundle=None, max_turns: int = 0, samples: int = 1,
+                   temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, engine: str = "auto") -> dict:
     """Regenerate cfg.data's conversations into `output` (JSONL); returns the final sidecar dict.
 
+    batch_size 0 = auto (16 on the CPU, up to 1024 on CUDA as memory allows).
     bundle: an already loaded TargetBundle to use instead of loading cfg.target (tests, notebooks).
     """
     output = Path(output)
-    if max_new_tokens < 1 or batch_size < 1:
-        raise UsageError(f"--max-new-tokens ({max_new_tokens}) and --batch-size ({batch_size}) must be >= 1")
-    if cfg.extract.max_length <= max_new_tokens:
-        raise UsageError(f"--max-length ({cfg.extract.max_length}) must exceed --max-new-tokens ({max_new_tokens})")
+    dec = Decoding(samples, temperature, top_p, seed)
+    _validate(cfg, max_new_tokens, batch_size, dec)
     if bundle is None:
         t = cfg.target
         bundle = load_target(t.model, device=resolve_device(device), dtype=t.dtype, revision=t.revision,
                              trust_remote_code=t.trust_remote_code, seed=t.seed, model_cache_dir=t.model_cache_dir,
                              attn_implementation=t.attn_implementation)
-    state = _load_sidecar(output, _settings(cfg, bundle, max_new_tokens, max_turns))
+    eos = eos_token_ids(bundle.model, bundle.tokenizer)
+    if not eos:
+        raise UsageError("the target defines no EOS token; regenerated answers would never end",
+                         "use a model whose tokenizer or generation config names an eos_token_id")
+    pad = getattr(bundle.tokenizer, "pad_token_id", None)
+    pad = int(pad) if isinstance(pad, int) else eos[0]
+    state = load_sidecar(output, settings_of(cfg, bundle, max_new_tokens, max_turns, dec.settings()))
     done = scan_output(output)
     state["rows_written"] = len(done)       # the output is the truth (a crash may precede a sidecar update)
     skip = done | set(state["skipped"])
     atomic_write_json(sidecar_path(output), state)
-    regen = Regenerator(bundle.model, bundle.tokenizer, max_new_tokens, cfg.extract.max_length, max_turns)
+    regen = Regenerator(bundle.tokenizer, eos, max_new_tokens, cfg.extract.max_length, max_turns, dec)
+    backend = make_backend(bundle, eos, pad, batch_size, cfg.extract.max_length, max_new_tokens, dec, engine)
+    print(f"regenerate: decode path: {backend.describe}", flush=True)
+    state["decode_path"] = backend.describe          # informational (not a pinned setting)
     stats = DataStats()
     d = cfg.data
-    convs = load_conversations(d.source, d.format, d.strict, stats, d.skip_samples, d.max_samples)
-    bar = progress_bar(d.max_samples or None, "regenerate", "conv")
+    convs = iter(load_conversations(d.source, d.format, d.strict, stats, d.skip_samples, d.max_samples))
+    bar = progress_bar(d.max_samples * dec.samples or None, "regenerate", "conv")
     if done:
         print(f"regenerate: resuming {output}: {len(done)} conversations already written", flush=True)
     writer = JsonlAppender(output)
     t0, seconds0 = time.perf_counter(), float(state["seconds"])
+    inflight: list[_ConvState] = []          # admitted, not yet written, in input order
+    ready: list[TurnRequest] = []
+    pending_rows: list[_ConvState] = []
+    order, exhausted, last_flush = 0, False, time.perf_counter()
+
+    def flush() -> None:
+        nonlocal last_flush
+        rows = [{"id": st.sample_id, "messages": st.out} for st in pending_rows if not st.skipped]
+        writer.append(rows)
+        state["rows_written"] += len(rows)
+        state["skipped"].update({st.sample_id: st.skipped for st in pending_rows if st.skipped})
+        tokens = sum(st.counts["generated_tokens"] for st in pending_rows)
+        for k in COUNTERS:
+            state[k] = int(state.get(k, 0)) + sum(st.counts[k] for st in pending_rows)
+        state["seconds"] = seconds0 + time.perf_counter() - t0
+        state["data_stats"] = stats.to_dict()
+        atomic_write_json(sidecar_path(output), state)
+        bar.update(len(pending_rows), tokens=tokens)
+        pending_rows.clear()
+        last_flush = time.perf_counter()
+
     try:
-        batch: list[_ConvState] = []
-        for conv in _with_flush(convs):
-            if conv is not None:
-                if conv.is_text or conv.sample_id in skip:
-                    bar.update(1)
-                    continue
-                batch.append(_ConvState(conv.sample_id, conv.messages))
-                if len(batch) < batch_size:
-                    continue
-            if not batch:
-                continue
-            tokens_before = regen.generated_tokens
-            regen.regenerate(batch)
-            rows = [{"id": st.sample_id, "messages": st.out} for st in batch if not st.skipped]
-            writer.append(rows)
-            state["rows_written"] += len(rows)
-            state["skipped"].update({st.sample_id: st.skipped for st in batch if st.skipped})
-            state["generated_tokens"] += regen.generated_tokens - tokens_before
-            state["truncated_responses"] += regen.truncated
-            regen.truncated = 0
-            state["seconds"] = seconds0 + time.perf_counter() - t0
-            state["data_stats"] = stats.to_dict()
-            atomic_write_json(sidecar_path(output), state)
-            bar.update(len(batch), tokens=regen.generated_tokens - tokens_before)
-            batch = []
+        completions: list[Completion] = []
+        cap = None                           # conversations admitted per round: all at first, then a trickle
+        while True:
+            launched = oom = False
+            if ready or backend.busy():
+                try:
+                    backend.launch(ready)
+                    launched = True
+                except torch.OutOfMemoryError:
+                    oom = True               # handled below, once the traceback no longer holds the engine
+            if oom:
+                for req in backend.take_back():
+                    _queue(ready, req)
+                smaller = backend.B
+                backend = None               # free its cache before allocating the smaller one
+                backend = make_backend(bundle, eos, pad, _halve(smaller), cfg.extract.max_length,
+                                       max_new_tokens, dec, engine)
+                state["decode_path"] = backend.describe
+            # host work while the device decodes: the last answers, the next turns, new prompts, the output
+            for c in completions:
+                _queue(ready, regen.complete(c))
+            admitted = 0
+            cap = backend.B if cap is None else max(16, backend.B // 16)
+            while (not exhausted and admitted < cap and len(ready) < backend.B
+                   and len(inflight) < 4 * backend.B):
+                conv = next(convs, None)
+                if conv is None:
+                    exhausted = True
+                    break
+                ids = [conv.sample_id] if dec.samples == 1 else [f"{conv.sample_id}#{k}" for k in range(dec.samples)]
+                todo = [] if conv.is_text else [sid for sid in ids if sid not in skip]
+                bar.update(len(ids) - len(todo))
+                for sid in todo:
+                    st = _ConvState(sid, conv.messages, order=order)
+                    order += 1
+                    admitted += 1
+                    inflight.append(st)
+                    _queue(ready, regen.next_request(st))
+            head = 0
+            while head < len(inflight) and inflight[head].done:
+                head += 1
+            pending_rows.extend(inflight[:head])
+            del inflight[:head]
+            finished = exhausted and not inflight
+            if pending_rows and (finished or len(pending_rows) >= backend.B
+                                 or time.perf_counter() - last_flush >= FLUSH_SECONDS):
+                flush()
+            if finished:
+                break
+            completions = backend.collect() if launched else []
+            if not launched and not ready and exhausted:
+                raise RuntimeFailure(f"regenerate stalled with {len(inflight)} conversations in flight (a bug)")
     finally:
         writer.close()
         bar.close()
-    print(f"regenerate: {output}: {state['rows_written']} conversations, {len(state['skipped'])} skipped, "
+    print(f"regenerate: {output}: {state['rows_written']} conversations, {len(state['skipped'])} skipped "
+          f"({state['prompts_too_long']} prompts too long for [extract] max_length, {state['empty_answers']} empty "
+          f"answers), "
           f"{state['generated_tokens']:,} tokens generated ({state['truncated_responses']} responses hit "
           f"--max-new-tokens)", flush=True)
     return state
-
-
-def _with_flush(items):
-    """Yield the items, then one None (the signal to process the last, partial batch)."""
-    yield from items
-    yield None

@@ -6,8 +6,11 @@ Per prompt set and method:
   * per-position acceptance: for slot k = 1..B-1, the fraction of steps (where the token budget
     allowed a draft in slot k) whose drafts were accepted up to slot k;
   * tokens/s = generated tokens / wall time over the set; speedup = method tokens/s divided by
-    target-only greedy tokens/s on the same prompts (omitted when the target ran in
-    'recompute' cache mode, whose timings say nothing about a serving engine);
+    target-only greedy tokens/s on the same prompts, both at batch 1 (omitted when the target ran
+    in 'recompute' cache mode, whose timings say nothing about a serving engine);
+  * time split of a method's wall time: target (prefill + verify forwards, with the rollback
+    re-feeds of a hybrid target), draft (the proposer) and other (accept logic, bookkeeping,
+    Python between the two), in seconds in the JSON and as shares in the table;
   * identical: fraction of prompts whose output equals target-only greedy decoding;
   * tau / n-gram: a drafter's tau over the prompt-lookup baseline's on the same prompts.
 Methods: "dflash" (one drafter) or "dflash:<name>" (several, see runner.py) and "ngram".
@@ -18,7 +21,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from ..io_utils import read_jsonl
+from ..io_utils import read_jsonl, write_optional
 from .specdecode import SpecResult
 
 BASELINE = "ngram"
@@ -49,6 +52,7 @@ def method_summary(results: list[SpecResult], reference: list[list[int]], target
         elig = [x + y for x, y in zip(elig, e)]
     tokens = sum(len(r.tokens) for r in results)
     wall = sum(r.wall_s for r in results)
+    draft, verify, prefill = (sum(getattr(r, k) for r in results) for k in ("draft_s", "verify_s", "prefill_s"))
     tok_s = tokens / wall if wall > 0 else None
     speedup = tok_s / target_tok_s if with_speedup and tok_s and target_tok_s else None
     identical = sum(r.tokens == ref for r, ref in zip(results, reference))
@@ -57,7 +61,9 @@ def method_summary(results: list[SpecResult], reference: list[list[int]], target
         "acceptance": [a / e if e else None for a, e in zip(acc, elig)],
         "accepted_per_slot": acc, "eligible_per_slot": elig,
         "steps": steps, "target_forwards": sum(r.target_forwards for r in results),
-        "generated_tokens": tokens, "wall_s": wall, "draft_s": sum(r.draft_s for r in results),
+        "refeeds": sum(r.refeeds for r in results),
+        "generated_tokens": tokens, "wall_s": wall, "draft_s": draft, "verify_s": verify, "prefill_s": prefill,
+        "other_s": max(0.0, wall - draft - verify - prefill),
         "tokens_per_s": tok_s, "speedup": speedup,
         "identical_to_target": identical / len(results) if results else None,
     }
@@ -100,19 +106,42 @@ def _fmt(x, spec: str = ".2f", suffix: str = "") -> str:
     return "-" if x is None else f"{x:{spec}}{suffix}"
 
 
+def time_split(r: dict) -> str:
+    """'target / draft / other' shares of a method's wall time, e.g. '71 / 22 / 7 %'."""
+    wall = r.get("wall_s") or 0.0
+    if wall <= 0 or "verify_s" not in r:
+        return "-"
+    parts = (r["verify_s"] + r.get("prefill_s", 0.0), r.get("draft_s", 0.0), r.get("other_s", 0.0))
+    return " / ".join(f"{100 * x / wall:.0f}" for x in parts) + " %"
+
+
+def _prompts_cell(s: dict) -> str:
+    gens = s.get("generations", s["prompts"])
+    return str(s["prompts"]) if gens == s["prompts"] else f"{s['prompts']} ({gens} turns)"
+
+
 def markdown_table(report: dict) -> str:
-    lines = ["| set | prompts | method | tau | tau / n-gram | tok/s | speedup | identical to target-only |",
-             "|---|---:|---|---:|---:|---:|---:|---:|"]
+    lines = ["| set | prompts | method | tau | tau / n-gram | tok/s | speedup (batch 1) | time target / draft / other "
+             "| identical to target-only |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+    skipped = []
     for name, s in report["sets"].items():
-        lines.append(f"| {name} | {s['prompts']} | target-only | - | - | "
-                     f"{_fmt(s['target_only']['tokens_per_s'], ',.1f')} | - | - |")
+        n = _prompts_cell(s)
+        lines.append(f"| {name} | {n} | target-only | - | - | "
+                     f"{_fmt(s['target_only']['tokens_per_s'], ',.1f')} | - | 100 / 0 / 0 % | - |")
         base = s.get(BASELINE, {}).get("tau")
         for m in methods_of(s):
             r = s[m]
             ratio = r["tau"] / base if r["tau"] is not None and base else None
-            lines.append(f"| {name} | {s['prompts']} | {method_label(m)} | {_fmt(r['tau'])} | "
+            lines.append(f"| {name} | {n} | {method_label(m)} | {_fmt(r['tau'])} | "
                          f"{_fmt(ratio, '.2f', 'x') if m != BASELINE else '-'} | {_fmt(r['tokens_per_s'], ',.1f')} | "
-                         f"{_fmt(r['speedup'], '.2f', 'x')} | {_fmt(r['identical_to_target'], '.0%')} |")
+                         f"{_fmt(r['speedup'], '.2f', 'x')} | {time_split(r)} | "
+                         f"{_fmt(r['identical_to_target'], '.0%')} |")
+        if s.get("skipped_ids"):
+            skipped.append(f"{name}: " + ", ".join(f"{x['id']} ({x['prompt_tokens']} tokens)" for x in s["skipped_ids"]))
+    if skipped:
+        lines += ["", f"Skipped (prompt empty or longer than {report.get('max_prompt_tokens', '?')} tokens, the "
+                      f"context left after the new tokens and one block): " + "; ".join(skipped) + "."]
     for m, tr in (report.get("training") or {}).items():
         if not tr:
             continue
@@ -175,7 +204,7 @@ def acceptance_markdown(report: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-def plot_acceptance(report: dict, out_png: Path) -> Path:
+def plot_acceptance(report: dict, out_png: Path) -> Path | None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -197,6 +226,6 @@ def plot_acceptance(report: dict, out_png: Path) -> Path:
     ax.set_title("per-position acceptance: DFlash vs n-gram")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out_png, dpi=110)
+    ok = write_optional(out_png, lambda tmp: fig.savefig(tmp, dpi=110, format="png"), "acceptance plot")
     plt.close(fig)
-    return out_png
+    return out_png if ok else None

@@ -1,11 +1,13 @@
 """`dflash-pipe eval`: real speculative decoding of target + exported drafter on prompt sets.
 
-For every prompt of every set (cfg.eval.prompts, at most cfg.eval.max_prompts each) these
-generations of cfg.eval.max_new_tokens tokens run on the same target, one after the other:
-target-only greedy (the reference output and the tokens/s baseline), DFlash with each drafter, and
-the n-gram prompt-lookup baseline through the same verify/accept harness. A short warm-up
-generation of each kind runs first so one-time costs (CUDA context, kernel selection) stay out of
-the timings.
+For every prompt of every set (cfg.eval.prompts; all of them unless cfg.eval.max_prompts; MT-Bench
+with both turns unless cfg.eval.mtbench_turns = 1, turn 2 asked after the target's own first answer)
+these generations of cfg.eval.max_new_tokens tokens run on the same target, one after the other, at
+batch 1: target-only greedy (the reference output and the tokens/s baseline), DFlash with each
+drafter, and the n-gram prompt-lookup baseline through the same verify/accept harness. A short
+warm-up generation of each kind runs first so one-time costs (CUDA context, kernel selection) stay
+out of the timings. A prompt (turn) longer than the context leaves room for is skipped, counted and
+named in the report.
 
 Drafters (cfg.eval.drafter): one export directory (default <train.output_dir>/export), reported as
 method "dflash" with the training tau of <train.output_dir>; or a comma list "name=dir,..."
@@ -44,7 +46,9 @@ from .progress_log import EvalProgress, run_key
 from .report import EXACT_DTYPES, acceptance_markdown, markdown_table, method_summary, plot_acceptance, training_tau
 from .specdecode import (DFlashProposer, SpecResult, eos_token_ids, make_dflash_verifier, speculative_generate,
                          sync_fn)
-from .target_step import TargetVerifier, greedy_generate
+from .draft_graph import GraphedDFlashProposer
+from .engine_step import EngineTarget, EngineVerifier, engine_greedy_generate, resolve_engine
+from .target_step import CACHED_MODES, TargetVerifier, greedy_generate
 
 log = logging.getLogger("dflash_pipe.eval")
 WARMUP_TOKENS = 8
@@ -115,14 +119,15 @@ def output_dir(cfg: RunConfig) -> Path:
     return Path(cfg.eval.output_dir) if cfg.eval.output_dir else Path(cfg.train.output_dir) / "eval"
 
 
-def _record(set_name: str, prompt: Prompt, method: str, r: SpecResult | None, tokens: list[int],
+def _record(set_name: str, gen_id: str, method: str, r: SpecResult | None, tokens: list[int],
             wall_s: float, reference: list[int]) -> dict:
-    rec = {"set": set_name, "id": prompt.id, "method": method, "generated": len(tokens), "wall_s": wall_s,
+    rec = {"set": set_name, "id": gen_id, "method": method, "generated": len(tokens), "wall_s": wall_s,
            "identical_to_target": tokens == reference}
     if r is not None:
         acc, elig = r.slot_counts()
         rec.update(tau=r.tau, steps=r.steps, target_forwards=r.target_forwards, accepted=r.accepted,
-                   accepted_per_slot=acc, eligible_per_slot=elig, draft_s=r.draft_s)
+                   accepted_per_slot=acc, eligible_per_slot=elig, draft_s=r.draft_s,
+                   verify_s=r.verify_s, prefill_s=r.prefill_s, refeeds=r.refeeds)
     return rec
 
 
@@ -144,22 +149,21 @@ def run_eval(cfg: RunConfig, *, bundle: TargetBundle | None = None) -> dict:
                              attn_implementation=t.attn_implementation)
     device = bundle.device
     model, tok = bundle.model, bundle.tokenizer
-    dcfgs, proposers = _load_drafters(specs, bundle)
+    dcfgs, proposers = _load_drafters(specs, bundle, ev.draft_graphs)
     sets = load_prompt_sets(ev.prompts, ev.max_prompts, skip_samples=cfg.data.skip_samples,
-                            source=cfg.data.source, format=cfg.data.format)
+                            source=cfg.data.source, format=cfg.data.format, mtbench_turns=ev.mtbench_turns)
     eos = eos_token_ids(model, tok)
     B = next(iter(dcfgs.values())).block_size
     max_pos = min(int(getattr(bundle.config, "max_position_embeddings", 1 << 30) or 1 << 30),
                   *(d.max_position_embeddings for d in dcfgs.values()))
     max_prompt = max_pos - ev.max_new_tokens - B
-    verifiers = {m: make_dflash_verifier(model, d, bundle.num_layers, bundle.hidden_size) for m, d in dcfgs.items()}
-    plain_verifier = TargetVerifier(model)
+    verifiers, plain_verifier, greedy, engine_note = _targets(model, bundle, dcfgs, ev, device, max_pos, B)
     cache_mode = plain_verifier.mode
     methods = [(m, verifiers[m], proposers[m]) for m in dcfgs] + [("ngram", plain_verifier, NgramProposer())]
     print(f"eval: target {bundle.identity.get('model', t.model)} ({bundle.family}, {bundle.identity['dtype']}) "
           f"on {device}, drafters " + ", ".join(f"{s.method} {s.export} (layers {dcfgs[s.method].target_layer_ids})"
                                                 for s in specs) +
-          f", B={B}, cache mode {cache_mode}, {ev.max_new_tokens} new tokens", flush=True)
+          f", B={B}, cache mode {cache_mode} ({engine_note}), {ev.max_new_tokens} new tokens", flush=True)
     if bundle.identity["dtype"] not in EXACT_DTYPES:
         print(f"eval: note: in {bundle.identity['dtype']} the outputs can drift from target-only greedy decoding "
               f"after a near-tie (the report counts identical outputs); --target-dtype float32 makes them exact",
@@ -170,43 +174,19 @@ def run_eval(cfg: RunConfig, *, bundle: TargetBundle | None = None) -> dict:
                                             "num_layers": dcfgs[s.method].num_layers,
                                             "target_layer_ids": dcfgs[s.method].target_layer_ids,
                                             "mask_token_id": dcfgs[s.method].mask_token_id} for s in specs},
-                    "device": str(device), "cache_mode": cache_mode, "max_new_tokens": ev.max_new_tokens,
-                    "eos_token_ids": eos, "sets": {}}
+                    "device": str(device), "cache_mode": cache_mode, "target_forward": engine_note,
+                    "max_new_tokens": ev.max_new_tokens,
+                    "max_prompt_tokens": max_prompt, "mtbench_turns": ev.mtbench_turns, "eos_token_ids": eos,
+                    "sets": {}}
     records: list[dict] = []
-    warmed = False
-    sync = sync_fn(device)
     progress = EvalProgress(out_dir, run_key([(s.method, s.export) for s in specs], bundle.identity,
-                                             ev.max_new_tokens, B, ev.prompts))
+                                             ev.max_new_tokens, B, f"{ev.prompts}|{cache_mode}"))
     if progress.done:
-        print(f"eval: resuming, {len(progress.done)} prompts already done ({progress.path})", flush=True)
+        print(f"eval: resuming, {len(progress.done)} generations already done ({progress.path})", flush=True)
+    run = _SetRun(greedy, tok, methods, B, ev.max_new_tokens, eos, max_prompt, progress, sync_fn(device))
     try:
         for set_name, prompts in sets.items():
-            encoded = [(p, encode_prompt(tok, p.messages)) for p in prompts]
-            kept = [(p, ids) for p, ids in encoded if 0 < len(ids) <= max_prompt]
-            if len(kept) < len(encoded):
-                log.warning("%s: skipped %d prompts longer than %d tokens", set_name, len(encoded) - len(kept),
-                            max_prompt)
-            if not warmed and any(progress.get(set_name, p.id) is None for p, _ in kept):
-                _warm_up(model, kept[0][1], eos, methods, B)
-                warmed = True
-            refs, ref_wall, res = [], [], {m: [] for m, _, _ in methods}
-            bar = progress_bar(len(kept), f"eval {set_name}", "prompt")
-            for prompt, ids in kept:
-                done = progress.get(set_name, prompt.id)
-                if done is not None:
-                    ref, wall, results = done
-                else:
-                    ref, wall, results = _decode_prompt(model, ids, methods, B, ev.max_new_tokens, eos, sync)
-                    progress.add(set_name, prompt.id, ref, wall, results)
-                refs.append(ref)
-                ref_wall.append(wall)
-                records.append(_record(set_name, prompt, "target", None, ref, wall, ref))
-                for name, r in results.items():
-                    res[name].append(r)
-                    records.append(_record(set_name, prompt, name, r, r.tokens, r.wall_s, ref))
-                bar.update(1, tokens=len(ref))
-            bar.close()
-            report["sets"][set_name] = _set_summary(refs, ref_wall, res, len(encoded) - len(kept), cache_mode)
+            report["sets"][set_name] = run.run_set(set_name, prompts, records, cache_mode)
     finally:
         for verifier in verifiers.values():
             verifier.close()
@@ -217,7 +197,67 @@ def run_eval(cfg: RunConfig, *, bundle: TargetBundle | None = None) -> dict:
     return report
 
 
-def _load_drafters(specs: list[DrafterSpec], bundle: TargetBundle):
+class _SetRun:
+    """Decodes the generations of one prompt set: every turn of every prompt, each by every method.
+
+    A prompt's later turns (MT-Bench turn 2) are asked after the target-only greedy answer to the
+    earlier ones (the reference, which every method reproduces in fp32), so all methods decode the
+    same turn-2 prompt. A generation's id is the prompt's id, "<id>/turn<k>" for turn k >= 2. A turn
+    whose prompt is empty or longer than max_prompt tokens is skipped, counted and named, and so
+    are the prompt's later turns (they would be conditioned on it).
+    """
+
+    def __init__(self, greedy, tok, methods, block_size, max_new_tokens, eos, max_prompt, progress, sync):
+        self.greedy, self.tok, self.methods, self.B = greedy, tok, methods, block_size
+        self.max_new, self.eos, self.max_prompt = max_new_tokens, eos, max_prompt
+        self.progress, self.sync = progress, sync
+        self.warmed = False
+
+    def run_set(self, set_name: str, prompts: list[Prompt], records: list[dict], cache_mode: str) -> dict:
+        refs, ref_wall, res, skipped, kept = [], [], {m: [] for m, _, _ in self.methods}, [], 0
+        bar = progress_bar(len(prompts), f"eval {set_name}", "prompt")
+        for prompt in prompts:
+            history = list(prompt.messages)
+            for k, followup in enumerate([None, *prompt.followups]):
+                gen_id = prompt.id if k == 0 else f"{prompt.id}/turn{k + 1}"
+                if followup is not None:
+                    history.append({"role": "user", "content": followup})
+                ids = encode_prompt(self.tok, history)
+                if not 0 < len(ids) <= self.max_prompt:
+                    skipped.append({"id": gen_id, "prompt_tokens": len(ids)})
+                    break
+                kept += k == 0
+                ref, wall, results = self._generation(set_name, gen_id, ids)
+                refs.append(ref)
+                ref_wall.append(wall)
+                records.append(_record(set_name, gen_id, "target", None, ref, wall, ref))
+                for name, r in results.items():
+                    res[name].append(r)
+                    records.append(_record(set_name, gen_id, name, r, r.tokens, r.wall_s, ref))
+                bar.update(0, tokens=len(ref))
+                history.append({"role": "assistant", "content": self.tok.decode(ref, skip_special_tokens=True)})
+            bar.update(1)
+        bar.close()
+        if skipped:
+            log.warning("%s: skipped %d generations whose prompt is empty or longer than %d tokens: %s", set_name,
+                        len(skipped), self.max_prompt, ", ".join(s["id"] for s in skipped))
+        summary = _set_summary(refs, ref_wall, res, len(skipped), cache_mode)
+        summary.update(prompts=kept, generations=len(refs), skipped_ids=skipped)
+        return summary
+
+    def _generation(self, set_name: str, gen_id: str, ids: list[int]):
+        done = self.progress.get(set_name, gen_id)
+        if done is not None:
+            return done
+        if not self.warmed:
+            _warm_up(self.greedy, ids, self.eos, self.methods, self.B)
+            self.warmed = True
+        ref, wall, results = _decode_prompt(self.greedy, ids, self.methods, self.B, self.max_new, self.eos, self.sync)
+        self.progress.add(set_name, gen_id, ref, wall, results)
+        return ref, wall, results
+
+
+def _load_drafters(specs: list[DrafterSpec], bundle: TargetBundle, draft_graphs: str = "auto"):
     """(method -> drafter config, method -> proposer), every drafter checked against the target; all of
     one block size (the n-gram baseline drafts blocks of that size too)."""
     dcfgs, proposers = {}, {}
@@ -229,15 +269,39 @@ def _load_drafters(specs: list[DrafterSpec], bundle: TargetBundle):
             raise ValidationError(f"drafter {spec.export} has block size {dcfg.block_size}, {specs[0].export} has "
                                   f"{first.block_size}", "compare drafters of one block size in one eval")
         dcfgs[spec.method] = dcfg
-        proposers[spec.method] = DFlashProposer(drafter, dcfg, bundle.model.get_input_embeddings().weight,
-                                                bundle.model.get_output_embeddings())
+        args = (drafter, dcfg, bundle.model.get_input_embeddings().weight, bundle.model.get_output_embeddings())
+        graphed = draft_graphs == "on" or (draft_graphs == "auto" and bundle.device.type == "cuda")
+        proposers[spec.method] = (GraphedDFlashProposer(*args, use_graphs=draft_graphs) if graphed
+                                  else DFlashProposer(*args))
     return dcfgs, proposers
 
 
-def _decode_prompt(model, ids, methods, block_size, max_new_tokens, eos, sync):
+def _targets(model, bundle: TargetBundle, dcfgs: dict, ev, device, max_pos: int, B: int):
+    """(verifier per drafter, the n-gram verifier, greedy(ids, n, eos), a note): on the static-KV engine
+    (engine_step.py) or on the model's HF cache (target_step.py), as --engine and --cache-mode choose."""
+    engine = ev.engine
+    if ev.cache_mode not in ("auto", "crop"):
+        if engine == "static":
+            raise UsageError(f"--engine static verifies with a static KV cache, not cache mode {ev.cache_mode!r}",
+                             "use --cache-mode auto (or crop), or --engine hf")
+        engine = "hf"
+    kind, note = resolve_engine(model, engine, device)
+    if kind == "static":
+        union = sorted(set().union(*(d.target_layer_ids for d in dcfgs.values())))
+        target = EngineTarget(model, union, max_len=min(max_pos, 2048), limit=max_pos)
+        verifiers = {m: EngineVerifier(target, d.target_layer_ids, B) for m, d in dcfgs.items()}
+        return (verifiers, EngineVerifier(target, (), B),
+                lambda ids, n, eos: engine_greedy_generate(target, ids, n, eos), note)
+    verifiers = {m: make_dflash_verifier(model, d, bundle.num_layers, bundle.hidden_size, ev.cache_mode)
+                 for m, d in dcfgs.items()}
+    return (verifiers, TargetVerifier(model, cache_mode=ev.cache_mode),
+            lambda ids, n, eos: greedy_generate(model, ids, n, eos), f"HF forward and cache ({note})")
+
+
+def _decode_prompt(greedy, ids, methods, block_size, max_new_tokens, eos, sync):
     """Target-only greedy (reference tokens, wall s), then every method's speculative generation."""
     t0 = time.perf_counter()
-    ref = greedy_generate(model, ids, max_new_tokens, eos)
+    ref = greedy(ids, max_new_tokens, eos)
     sync()
     wall = time.perf_counter() - t0
     results = {name: speculative_generate(verifier, proposer, ids, block_size=block_size,
@@ -251,11 +315,12 @@ def _set_summary(refs, ref_wall, results: dict[str, list[SpecResult]], skipped: 
     target_tok_s = target_tokens / target_wall if target_wall > 0 else None
     return {"prompts": len(refs), "skipped_too_long": skipped,
             "target_only": {"generated_tokens": target_tokens, "wall_s": target_wall, "tokens_per_s": target_tok_s},
-            **{m: method_summary(rs, refs, target_tok_s, cache_mode == "crop") for m, rs in results.items()}}
+            **{m: method_summary(rs, refs, target_tok_s, cache_mode in CACHED_MODES + ("static",))
+               for m, rs in results.items()}}
 
 
-def _warm_up(model, ids, eos, methods, block_size) -> None:
-    greedy_generate(model, ids, WARMUP_TOKENS, eos)
+def _warm_up(greedy, ids, eos, methods, block_size) -> None:
+    greedy(ids, WARMUP_TOKENS, eos)
     for _, verifier, proposer in methods:
         speculative_generate(verifier, proposer, ids, block_size=block_size, max_new_tokens=WARMUP_TOKENS,
                              eos_ids=eos)

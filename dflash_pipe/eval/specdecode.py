@@ -60,7 +60,10 @@ class SpecResult:
     slot_limit: list[int] = field(default_factory=list)
     committed: list[int] = field(default_factory=list)   # tokens committed per step (after EOS cut)
     wall_s: float = 0.0
-    draft_s: float = 0.0
+    draft_s: float = 0.0                                 # proposer time (drafter forward + argmax)
+    verify_s: float = 0.0                                # target verify + commit (crop / rollback re-feed)
+    prefill_s: float = 0.0                               # the prompt's forward (first token)
+    refeeds: int = 0                                     # rollback re-feed forwards (recurrent targets)
 
     @property
     def steps(self) -> int:
@@ -93,7 +96,7 @@ def speculative_generate(verifier: TargetVerifier, proposer: Proposer, prompt_id
         raise UsageError(f"block_size must be >= 2, got {block_size}")
     if max_new_tokens < 1:
         raise UsageError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if proposer.needs_features and verifier.capture is None:
+    if proposer.needs_features and not verifier.has_features:
         raise UsageError("this proposer needs target features: build the TargetVerifier with a FeatureCapture")
     eos = set(int(e) for e in eos_ids)
     sync = sync_fn(verifier.device)
@@ -103,6 +106,7 @@ def speculative_generate(verifier: TargetVerifier, proposer: Proposer, prompt_id
     first = verifier.prefill(prompt_ids, feature_rows=len(prompt_ids) + max_new_tokens + block_size)
     out = [first]
     res = SpecResult(out, block_size)
+    res.prefill_s = time.perf_counter() - t0
     while out[-1] not in eos and len(out) < max_new_tokens:
         remaining = max_new_tokens - len(out)
         limit = min(block_size - 1, remaining - 1)      # the target adds one token of its own
@@ -111,12 +115,15 @@ def speculative_generate(verifier: TargetVerifier, proposer: Proposer, prompt_id
         drafts = list(proposer.propose(list(verifier.tokens), feats, limit))[:limit] if limit else []
         sync()
         res.draft_s += time.perf_counter() - t_draft
+        t_verify = time.perf_counter()
         target = verifier.verify(drafts)
         accepted = 0
         while accepted < len(drafts) and drafts[accepted] == target[accepted]:
             accepted += 1
         new = drafts[:accepted] + [target[accepted]]
         verifier.commit(accepted, target[accepted])
+        sync()
+        res.verify_s += time.perf_counter() - t_verify
         cut = next((i + 1 for i, t in enumerate(new) if t in eos), len(new))
         out.extend(new[:cut])
         res.proposed.append(len(drafts))
@@ -126,6 +133,7 @@ def speculative_generate(verifier: TargetVerifier, proposer: Proposer, prompt_id
     sync()
     res.wall_s = time.perf_counter() - t0
     res.target_forwards = verifier.forwards
+    res.refeeds = verifier.refeeds
     return res
 
 
@@ -144,7 +152,8 @@ class DFlashProposer:
     final once committed (the verifier writes a row when its token is first fed), so the cache never
     goes stale within a generation; `reset()` (called by speculative_generate) starts a new one. (In
     the 'recompute' cache mode every verify re-runs the whole sequence and rewrites the committed rows
-    with the same values up to rounding; the cache keeps the first ones.)
+    with the same values up to rounding; the cache keeps the first ones. The 'rollback' mode's re-feed
+    writes no rows.)
     context_cache=False recomputes the context every step through the training forward (reference).
     """
 

@@ -17,10 +17,16 @@ committed token and the a accepted drafts) and crops the rest out of the cache.
 Cache modes:
   * ``crop`` (attention-only targets, e.g. Llama/SmolLM2, Qwen3): HF DynamicCache, cropped with
     a negative count (the form both transformers 5.17 and 5.24 accept).
-  * ``recompute`` (targets with Gated DeltaNet / other recurrent layers, whose recurrent state
-    cannot be rolled back by HF caches): no cache, every verify re-runs the whole sequence.
-    Tokens and acceptance are exact; wall-clock numbers are not representative of a serving
-    engine (which snapshots the recurrent state instead), so the report omits speedups.
+  * ``rollback`` (the default for targets with Gated DeltaNet layers, e.g. Qwen3.5/3.6): the HF
+    cache, whose linear-attention states cannot be cropped, so `verify` first snapshots every
+    linear layer's conv + recurrent state (`recurrent_state.py`); `commit` with a rejected draft
+    restores the snapshot, crops the attention layers by the whole block and re-feeds the
+    accepted tokens (one more forward of accepted + 1 tokens, without feature capture: the
+    verify already wrote those rows from the same prefix). A fully accepted block needs neither.
+    A step costs O(block), not O(sequence).
+  * ``recompute`` (reference for recurrent targets): no cache, every verify re-runs the whole
+    sequence. Tokens and acceptance are exact; wall-clock numbers are not representative of a
+    serving engine, so the report omits speedups in this mode.
 
 The transformers API moved between the two versions we support: the forward's cache argument
 is ``past_key_values`` on 5.17 and ``cache`` on 5.24 (the old name still works there, with a
@@ -36,8 +42,10 @@ import torch
 
 from ..errors import UsageError
 from ..target.runner_utils import decoder_layers, final_norm, layer_kinds
+from .recurrent_state import RecurrentSnapshot, crop_attention
 
-CACHE_MODES = ("auto", "crop", "recompute")
+CACHE_MODES = ("auto", "crop", "rollback", "recompute")
+CACHED_MODES = ("crop", "rollback")
 
 
 def cache_kwarg_name(model: torch.nn.Module) -> str:
@@ -55,15 +63,18 @@ def new_dynamic_cache(model: torch.nn.Module):
 
 
 def resolve_cache_mode(model: torch.nn.Module, mode: str) -> str:
-    """'auto' -> 'crop' for attention-only targets, 'recompute' when any layer is recurrent."""
+    """'auto' -> 'crop' for attention-only targets, 'rollback' when any layer is recurrent."""
     if mode not in CACHE_MODES:
         raise UsageError(f"cache mode must be one of {', '.join(CACHE_MODES)}, got {mode!r}")
     recurrent = "linear_attention" in layer_kinds(model)
     if mode == "crop" and recurrent:
         raise UsageError("this target has linear-attention (Gated DeltaNet) layers, whose recurrent state a "
-                         "KV-cache crop cannot roll back", "use cache mode 'recompute' (or 'auto')")
+                         "KV-cache crop cannot roll back", "use cache mode 'rollback' (or 'auto')")
+    if mode == "rollback" and not recurrent:
+        raise UsageError("cache mode 'rollback' is for targets with linear-attention layers; this one has none",
+                         "use cache mode 'crop' (or 'auto')")
     if mode == "auto":
-        return "recompute" if recurrent else "crop"
+        return "rollback" if recurrent else "crop"
     return mode
 
 
@@ -120,23 +131,25 @@ class TargetVerifier:
         self.device = next(model.parameters()).device
         self.cache = None
         self.tokens: list[int] = []       # committed tokens
-        self.forwards = 0
+        self.forwards = 0                 # prefill + verify forwards
+        self.refeeds = 0                  # rollback re-feed forwards (rejected drafts on a recurrent target)
         self._pending: list[int] = []     # tokens fed by the last verify
+        self.snapshot = RecurrentSnapshot() if self.mode == "rollback" else None
 
-    def _forward(self, ids: list[int], offset: int, keep_logits: int) -> torch.Tensor:
+    def _forward(self, ids: list[int], offset: int, keep_logits: int, capture: bool = True) -> torch.Tensor:
         """Forward `ids` (positions offset..); returns argmax ids of the last `keep_logits` positions."""
         x = torch.tensor([ids], dtype=torch.long, device=self.device)
-        kwargs = {"use_cache": self.mode == "crop", "logits_to_keep": keep_logits}
-        if self.mode == "crop":
+        cached = self.mode in CACHED_MODES
+        kwargs = {"use_cache": cached, "logits_to_keep": keep_logits}
+        if cached:
             kwargs[self.cache_kw] = self.cache
-        if self.capture is not None:
+        if self.capture is not None and capture:
             self.capture.offset, self.capture.active = offset, True
         try:
             out = self.model(input_ids=x, **kwargs)
         finally:
             if self.capture is not None:
                 self.capture.active = False
-        self.forwards += 1
         return out.logits[0, -keep_logits:].argmax(dim=-1)
 
     @torch.inference_mode()
@@ -145,14 +158,17 @@ class TargetVerifier:
         if not prompt_ids:
             raise UsageError("cannot generate from an empty prompt")
         self.tokens = [int(t) for t in prompt_ids]
-        self.forwards = 0
-        self.cache = new_dynamic_cache(self.model) if self.mode == "crop" else None
+        self.forwards = self.refeeds = 0
+        self.cache = new_dynamic_cache(self.model) if self.mode in CACHED_MODES else None
+        if self.snapshot is not None:
+            self.snapshot.reset()
         if self.capture is not None:
             width = len(self.capture.layer_ids) * self.capture.hidden_size
             dtype = next(self.model.parameters()).dtype
             self.capture.buffer = torch.zeros((max(feature_rows, len(self.tokens) + 1), width), dtype=dtype,
                                               device=self.device)
         first = int(self._forward(self.tokens, 0, 1)[-1])
+        self.forwards += 1
         self.tokens.append(first)
         return first
 
@@ -161,13 +177,17 @@ class TargetVerifier:
         """Feed [last committed token, *drafts]; the target's greedy token after each of them."""
         p = len(self.tokens) - 1
         fed = [self.tokens[p]] + [int(d) for d in drafts]
-        if self.mode == "crop":
+        if self.snapshot is not None:
+            self.snapshot.save(self.cache)
+        if self.mode in CACHED_MODES:
             argmax = self._forward(fed, p, len(fed))
         else:
             argmax = self._forward(self.tokens[:p] + fed, 0, len(fed))
+        self.forwards += 1
         self._pending = fed
         return [int(t) for t in argmax.tolist()]
 
+    @torch.inference_mode()
     def commit(self, accepted: int, bonus: int) -> None:
         """Keep the last token + `accepted` drafts of the last verify, then append `bonus`."""
         fed = self._pending
@@ -176,9 +196,18 @@ class TargetVerifier:
         drop = len(fed) - 1 - accepted
         if self.mode == "crop" and drop:
             self.cache.crop(-drop)
+        elif self.mode == "rollback" and drop:
+            self._roll_back(fed, accepted)
         self.tokens.extend(fed[1:1 + accepted])
         self.tokens.append(int(bonus))
         self._pending = []
+
+    def _roll_back(self, fed: list[int], accepted: int) -> None:
+        """Cache back to before the verify (snapshot + attention crop), then feed the kept tokens again."""
+        self.snapshot.restore(self.cache)
+        crop_attention(self.cache, len(fed))
+        self._forward(fed[:1 + accepted], len(self.tokens) - 1, 1, capture=False)
+        self.refeeds += 1
 
     def close(self) -> None:
         """Remove the capture hooks and drop the cache (the model is a plain HF model again)."""
@@ -191,6 +220,10 @@ class TargetVerifier:
 
     def __exit__(self, *exc):
         self.close()
+
+    @property
+    def has_features(self) -> bool:
+        return self.capture is not None
 
     def features(self) -> torch.Tensor:
         """The feature buffer (rows 0..p-1 final, p = len(tokens) - 1)."""

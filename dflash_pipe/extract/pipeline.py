@@ -5,10 +5,10 @@ Order of work (every rank):
   2. rank 0 creates or checks ``cache_spec.json`` (a different fingerprint is refused) and writes
      the frozen ``target_head.safetensors`` (embeddings + lm_head, all stage 2 needs of the target);
   3. each rank takes every world-th shard of the requested subset and skips committed ones;
-  4. per shard: stream its conversations, tokenize, pack up to the token budget, forward, hand
-     the features to the host pipeline (copy / compress / write overlapped); the shard's commit
-     and sidecar run on the pipeline's writer thread while the next shard's forwards run (one
-     pipeline per rank, see host_pipeline.py);
+  4. per shard: take its conversations (the source is read once per rank, shard_docs.py),
+     tokenize, pack up to the token budget, forward, hand the features to the host pipeline
+     (copy / compress / write overlapped); the shard's commit and sidecar run on the pipeline's
+     writer thread while the next shard's forwards run (one pipeline per rank, see host_pipeline.py);
   5. once all of its commits finished, every rank tries to finalize ``manifest.json``
      (idempotent; done once all shards exist).
 """
@@ -30,24 +30,24 @@ from ..cache import init_or_check_spec, make_spec, shard_name, try_finalize, wri
 from ..cache.codec import FP8, fp8_error_terms
 from ..cache.budget import DiskBudget
 from ..cache.fs import CacheFS, open_cache_fs
-from ..cache.manifest import LAYER_CONVENTION, committed_shards, sidecar_name
+from ..cache.manifest import HEAD_FILE, LAYER_CONVENTION, committed_shards, sidecar_name
 from ..cache.schema import shard_meta
 from ..cache.window import reset_consumed
 from ..cache.writer import ShardWriter
 from ..config import RunConfig, parse_shard_subset, write_resolved
-from ..data.sources import dataset_fingerprint, load_conversations
+from ..data.sources import dataset_fingerprint
 from ..data.stats import DataStats
-from ..data.tokenize import ConversationTokenizer, iter_shard
+from ..data.tokenize import ConversationTokenizer
 from ..faults import fault_point
 from ..dist import DistInfo, barrier, init_process_group, pick_device, set_rank_cache_dirs
 from ..progress import progress_bar
 from .fingerprint import fingerprint_fields, resolve_target_dtype
 from .host_pipeline import DocMeta, HostPipeline, ShardHandle
+from .shard_docs import RankShardReader
 from .staging import max_batch_bytes
 from .sanity import feature_stats, layer_rms_summary
 
 log = logging.getLogger("dflash_pipe.extract")
-HEAD_FILE = "target_head.safetensors"
 
 
 @dataclass
@@ -179,8 +179,8 @@ def run_extract(cfg: RunConfig) -> ExtractSummary:
     if todo:
         runner = TargetRunner(bundle, layer_ids, topk=ex.topk, linear_attn_kernels=t.linear_attn_kernels)
         summary.kernel_paths = getattr(runner, "kernel_paths", {})
-        total_docs = _count_docs(cfg, todo)
-        bar = progress_bar(total_docs, f"extract rank {info.rank}", unit="doc", enabled=info.is_main)
+        shard_docs = RankShardReader(cfg.data, ex.num_shards, todo)  # one pass over the source, not one per shard
+        bar = progress_bar(shard_docs.total_docs, f"extract rank {info.rank}", unit="doc", enabled=info.is_main)
         t0 = time.perf_counter()
         # one pipeline for all of this rank's shards: staging slots allocated once, shard commits
         # run on its writer thread while the next shard's forwards run here
@@ -190,7 +190,7 @@ def run_extract(cfg: RunConfig) -> ExtractSummary:
         try:
             for s in todo:
                 _extract_shard(cfg, spec, runner, bundle.tokenizer, host, s, device, layer_ids, bar, info.rank,
-                               budget)
+                               budget, shard_docs)
             summary.writer_wait_s = host.close()  # every shard committed once this returns
         except BaseException:
             host.abort()
@@ -224,13 +224,6 @@ def _save_head(bundle, cache_dir: CacheFS) -> None:
         cache_dir.upload_file(HEAD_FILE, local)
 
 
-def _count_docs(cfg: RunConfig, shards: list[int]) -> int:
-    """Selected conversations in these shards (for the progress bar's ETA; no tokenization)."""
-    d = cfg.data
-    n = sum(1 for _ in load_conversations(d.source, d.format, False, DataStats(), d.skip_samples, d.max_samples))
-    return sum(len(range(s, n, cfg.extract.num_shards)) for s in shards)
-
-
 def _compress_workers(cfg: RunConfig) -> int:
     if cfg.extract.compress_workers > 0:
         return cfg.extract.compress_workers
@@ -241,7 +234,7 @@ def _compress_workers(cfg: RunConfig) -> int:
 
 def _extract_shard(cfg: RunConfig, spec: dict, runner, tokenizer, host: HostPipeline, shard: int,
                    device: torch.device, layer_ids: list[int], bar, rank: int,
-                   budget: DiskBudget | None = None) -> ShardHandle:
+                   budget: DiskBudget | None = None, shard_docs: RankShardReader | None = None) -> ShardHandle:
     """Forward one shard's documents into `host` and queue its end (main thread).
 
     Returns as soon as the last batch is submitted: the commit and the sidecar run later on the
@@ -250,8 +243,10 @@ def _extract_shard(cfg: RunConfig, spec: dict, runner, tokenizer, host: HostPipe
     """
     ex, d = cfg.extract, cfg.data
     num_layers = len(layer_ids)
-    reader_stats, tok_stats = DataStats(), DataStats()
-    convs = load_conversations(d.source, d.format, d.strict, reader_stats, d.skip_samples, d.max_samples)
+    if shard_docs is None:
+        shard_docs = RankShardReader(d, ex.num_shards, [shard])
+    mine = shard_docs.take(shard)  # this shard's (index, conversation) pairs, read once per rank
+    reader_stats, tok_stats = mine.stats, DataStats()  # reader_stats: the whole reader's counts, as before
     ctok = ConversationTokenizer(tokenizer, ex.max_length)
     width = spec["features"]["width"]
     with budget.room_for_next_shard() if budget is not None else nullcontext():  # --max-cache-gib: wait for room
@@ -274,7 +269,7 @@ def _extract_shard(cfg: RunConfig, spec: dict, runner, tokenizer, host: HostPipe
         bar.update(len(pack), tokens=sum(lens))
 
     pack, pack_tokens = [], 0
-    for idx, conv in iter_shard(convs, shard, ex.num_shards):
+    for idx, conv in mine.docs:
         sample = ctok(conv, tok_stats, d.strict)
         if sample is None:
             continue

@@ -28,8 +28,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import RuntimeFailure, UsageError
-from ..io_utils import TMP_MARK, fsync_dir
+from ..errors import UsageError
+from ..io_utils import TMP_MARK, disk_error, fsync_dir, os_error_of
 from .fingerprint import file_sample_digest
 
 log = logging.getLogger("dflash_pipe.target")
@@ -175,13 +175,14 @@ def _convert(name: str, cache_dir: Path, kind: str, dir_name: str) -> Path:
         if kind == "model":
             _write_dequantized_model(gguf, tmp)
         _finish_conversion(tmp, final, gguf, digest, kind)
-    except OSError as exc:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise RuntimeFailure(f"converting {gguf} into {final} failed: {exc}",
-                             "check free disk space and permissions of --model-cache-dir") from exc
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        os_exc = os_error_of(exc)  # OSError, or safetensors' SafetensorError "... (os error 28)"
+        if os_exc is None:
+            raise
+        err = disk_error(os_exc, final, f"converting {gguf.name} into")
+        err.hint = "free space in --model-cache-dir (or point it elsewhere) and rerun the same command"
+        raise err from exc
     return final
 
 

@@ -104,7 +104,8 @@ def _load_config_and_locations(path: Path) -> tuple[dict, dict[str, Path]]:
                 names = list(sf.keys())
         except Exception as exc:
             raise CacheError(f"{path}: not a readable safetensors file: {exc}",
-                             "re-run `dflash-pipe extract` to rewrite the target head file") from exc
+                             f"delete {path} and rerun `dflash-pipe extract` with the cache's settings: it "
+                             "rewrites the head file and keeps the committed shards") from exc
         if HEAD_CONFIG_KEY not in meta:
             raise CacheError(f"{path}: no '{HEAD_CONFIG_KEY}' metadata; not a dflash-pipe target head file",
                              "pass the target's model directory or the cache's head file")

@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 
 from ..errors import CacheError
 from ..faults import fault_point
-from ..io_utils import disk_error, atomic_write_json, fsync_dir, fsync_path, temp_path_for
+from ..io_utils import disk_error, atomic_write_json, fsync_dir, fsync_path, os_error_of, temp_path_for
 from .master_weights import MasterWeights
 
 MARKER = "COMPLETE"
@@ -92,11 +92,11 @@ def save_checkpoint(out_dir: str | Path, step: int, weights: MasterWeights, opt:
             shutil.rmtree(final)
         os.replace(tmp, final)
         fsync_dir(out_dir)
-    except OSError as exc:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise disk_error(exc, final, "writing checkpoint") from exc
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        os_exc = os_error_of(exc)  # OSError, or safetensors' SafetensorError "... (os error 28)"
+        if os_exc is not None:
+            raise disk_error(os_exc, final, "writing checkpoint") from exc
         raise
     prune(out_dir, keep)
     atomic_write_json(out_dir / "latest.json", {"checkpoint": final.name, "step": step})

@@ -8,7 +8,6 @@ any earlier checkpoint the same way.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -16,7 +15,7 @@ from safetensors import safe_open
 
 from ..drafter import DFlashDrafter, DrafterModelConfig, export_drafter
 from ..errors import CacheError
-from .checkpoint import MARKER, complete_checkpoints
+from .checkpoint import MARKER, complete_checkpoints, read_state
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -32,7 +31,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 def export_checkpoint(path: str | Path, out_dir: str | Path) -> Path:
     ckpt = resolve_checkpoint(path)
-    state = json.loads((ckpt / "state.json").read_text(encoding="utf-8"))
+    state = read_state(ckpt)  # a damaged state.json is a CacheError naming it, not a traceback
     cfg = DrafterModelConfig.from_dict(state["drafter_config"], where=f"{ckpt}/state.json drafter_config")
     with torch.device("meta"):
         model = DFlashDrafter(cfg)

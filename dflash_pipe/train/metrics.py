@@ -9,12 +9,17 @@ DFLASH_PEAK_TFLOPS for other cards). The ETA skips the first steps (compilation,
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import time
 from pathlib import Path
 
 import torch
+
+from ..io_utils import append_durably, atomic_write_text, write_optional
+
+log = logging.getLogger("dflash_pipe.train")
 
 WARMUP_STEPS_FOR_ETA = 3
 
@@ -50,7 +55,11 @@ class StepLogger:
                 from torch.utils.tensorboard import SummaryWriter
 
                 self.tb = SummaryWriter(str(out_dir / "tensorboard"))
-            except Exception:  # noqa: BLE001 - tensorboard is optional
+            except ImportError:  # tensorboard is optional
+                self.tb = None
+            except Exception as exc:  # noqa: BLE001 - e.g. a full disk: the run goes on without it
+                log.warning("TensorBoard not started in %s (%s); continuing without TensorBoard",
+                            out_dir / "tensorboard", exc)
                 self.tb = None
 
     def truncate_history(self, after_step: int) -> None:
@@ -60,7 +69,7 @@ class StepLogger:
         for path in (self.history_path, self.out_dir / "val_metrics.jsonl"):
             if path.exists():
                 keep = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] <= after_step]
-                path.write_text("".join(k + "\n" for k in keep))
+                atomic_write_text(path, "".join(k + "\n" for k in keep))
 
     def log(self, step: int, epoch: int, metrics: dict, step_s: float, data_wait_s: float, tokens: int,
             lr: float, grad_norm: float) -> dict:
@@ -87,13 +96,23 @@ class StepLogger:
             line += f" mem {rec['peak_mem_gib']:.1f}GiB"
         line += f" | ETA {_fmt(eta)}"
         print(line, flush=True)
-        with open(self.history_path, "a") as f:
-            f.write(json.dumps(rec) + "\n")
-        if self.tb is not None:
-            for k, v in rec.items():
-                if isinstance(v, (int, float)) and k not in ("step", "epoch") and math.isfinite(v):
-                    self.tb.add_scalar(f"train/{k}", v, step)
+        append_durably(self.history_path, (json.dumps(rec) + "\n").encode(), fsync=False)
+        self._tensorboard("train/", {k: v for k, v in rec.items() if k not in ("step", "epoch")}, step)
         return rec
+
+    def _tensorboard(self, prefix: str, scalars: dict, step: int) -> None:
+        """TensorBoard is a nice-to-have: a failing write (disk full) warns once and turns it off for
+        the rest of the run instead of stopping training (metrics.jsonl keeps every record)."""
+        if self.tb is None:
+            return
+        try:
+            for k, v in scalars.items():
+                if isinstance(v, (int, float)) and math.isfinite(v):
+                    self.tb.add_scalar(prefix + k, v, step)
+        except Exception as exc:  # noqa: BLE001 - the event writer thread re-raises its OSError here
+            log.warning("TensorBoard writes to %s failed (%s); continuing without TensorBoard",
+                        self.out_dir / "tensorboard", exc)
+            self._close_tensorboard()
 
     def log_validation(self, step: int, metrics: dict) -> dict:
         """One validation pass: a log line, `val_metrics.jsonl`, TensorBoard `val/*`."""
@@ -102,17 +121,20 @@ class StepLogger:
             return rec
         print(f"val  {step + 1}/{self.total} loss {metrics['val_loss']:.4f} acc {metrics['val_acc']:.3f} "
               f"tau {metrics['val_tau']:.2f} (walk {metrics.get('val_tau_walk', math.nan):.2f})", flush=True)
-        with open(self.out_dir / "val_metrics.jsonl", "a") as f:
-            f.write(json.dumps(rec) + "\n")
-        if self.tb is not None:
-            for k, v in metrics.items():
-                if isinstance(v, (int, float)) and math.isfinite(v):
-                    self.tb.add_scalar(f"val/{k[4:]}", v, step)
+        append_durably(self.out_dir / "val_metrics.jsonl", (json.dumps(rec) + "\n").encode(), fsync=False)
+        self._tensorboard("val/", {k[4:]: v for k, v in metrics.items()}, step)
         return rec
+
+    def _close_tensorboard(self) -> None:
+        tb, self.tb = self.tb, None
+        try:
+            tb.close()
+        except Exception:  # noqa: BLE001 - the flush of a full disk fails again; already warned
+            pass
 
     def close(self) -> None:
         if self.tb is not None:
-            self.tb.close()
+            self._close_tensorboard()
 
 
 def _fmt(seconds: float) -> str:
@@ -152,9 +174,9 @@ def plot_history(history_path: Path, out_png: Path) -> Path | None:
     a2.set_ylabel("accuracy (last quarter of steps)")
     a2.set_title("per-position acceptance")
     fig.tight_layout()
-    fig.savefig(out_png, dpi=110)
+    ok = write_optional(out_png, lambda tmp: fig.savefig(tmp, dpi=110, format="png"), "training plot")
     plt.close(fig)
-    return out_png
+    return out_png if ok else None
 
 
 class Stopwatch:

@@ -1,0 +1,138 @@
+"""Wall-clock of `dflash-pipe eval` on a subset of every prompt set, extrapolated to the whole sets.
+
+Issue-18 goal: SmolLM2, MT-Bench 80 (both turns) + HumanEval 164 + 300 held-out, 256 new tokens,
+target-only + prompt lookup + one drafter, in <= 10 minutes on the H200. This driver runs the real
+eval (dflash_pipe.eval.runner.run_eval: same harness, same report) on the first --per-set prompts
+of each set, then scales each set's decode time by (prompts in the whole set / prompts run) and adds
+the one-time costs (target load, warm-up, graph captures) once. It prints, per set and method, the
+decode seconds with their split (target forwards / draft / other) and tau, and the projection.
+
+The drafter is --drafter DIR, or a random-init export of --drafter-layers layers at the target's
+shape (tau ~ 1, the slowest case for DFlash: every step commits one token; a trained drafter's
+steps are fewer by its tau, so the projection is an upper bound for it).
+
+    # H200, inside bench/quality_gpu.sh's environment (GGUF, prompt files, wheels; see its header):
+    # (there, --heldout-source defaults to $QUALITY_CARRY/data/sharegpt_first_turns.jsonl, --json to $OUT/eval_speed.json)
+    bash bench/quality_gpu.sh exec python3 bench/eval_speed.py --per-set 40
+    python bench/eval_speed.py --smoke          # CPU: tiny random Llama, 2 prompts per set, 12 tokens
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from dflash_pipe.config import RunConfig  # noqa: E402
+from dflash_pipe.drafter import DFlashDrafter, derive_drafter_config, export_drafter  # noqa: E402
+from dflash_pipe.eval.runner import resolve_device, run_eval  # noqa: E402
+from dflash_pipe.target import load_target  # noqa: E402
+from dflash_pipe.target.layers import default_target_layer_ids  # noqa: E402
+
+FULL = {"mtbench": 80, "humaneval": 164, "heldout": 300}
+
+
+def random_drafter(bundle, out: Path, layers: int, block: int) -> Path:
+    cfg = derive_drafter_config({"family": bundle.family, "hidden_size": bundle.hidden_size,
+                                 "num_attention_heads": bundle.config.num_attention_heads,
+                                 "num_key_value_heads": bundle.config.num_key_value_heads,
+                                 "intermediate_size": bundle.config.intermediate_size,
+                                 "vocab_size": bundle.vocab_size, "num_layers": bundle.num_layers},
+                                target_layer_ids=default_target_layer_ids(min(5, bundle.num_layers), bundle.num_layers),
+                                num_layers=layers,
+                                block_size=block, mask_token_id=bundle.vocab_size - 1, attention="sdpa")
+    torch.manual_seed(0)
+    export_drafter(DFlashDrafter(cfg, attention="sdpa"), cfg, out)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--target", default="embedded:smollm2-135m-instruct")
+    ap.add_argument("--target-dtype", default="float32", help="float32: outputs identical to target-only")
+    ap.add_argument("--model-cache-dir", default="", help="default: $QUALITY_DIR/models or ~/.cache/dflash-pipe/models")
+    ap.add_argument("--drafter", default="", help="exported drafter dir (default: a random-init export)")
+    ap.add_argument("--drafter-layers", type=int, default=3)
+    ap.add_argument("--block", type=int, default=16)
+    ap.add_argument("--sets", default="mtbench,humaneval,heldout")
+    ap.add_argument("--per-set", type=int, default=40, help="prompts run per set (the projection scales up)")
+    carry = os.environ.get("QUALITY_CARRY", "")
+    ap.add_argument("--heldout-source", default=f"{carry}/data/sharegpt_first_turns.jsonl" if carry else "embedded:sharegpt",
+                    help="conversations whose first 300 are the heldout set")
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--engine", default="auto", choices=("auto", "static", "hf"))
+    ap.add_argument("--draft-graphs", default="auto", choices=("auto", "on", "off"))
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--out-dir", default="", help="eval output (default: a temp dir)")
+    ap.add_argument("--smoke", action="store_true", help="CPU, random:tiny-llama, 2 prompts per set, 12 tokens")
+    ap.add_argument("--json", default=f"{os.environ['OUT']}/eval_speed.json" if os.environ.get("OUT") else "")
+    args = ap.parse_args()
+    if args.smoke:
+        args.target, args.per_set, args.max_new_tokens, args.device = "random:tiny-llama", 2, 12, "cpu"
+        args.drafter_layers, args.block = 1, 4
+
+    cache_dir = args.model_cache_dir or (str(Path(os.environ["QUALITY_DIR"]) / "models") if os.environ.get("QUALITY_DIR")
+                                         else "~/.cache/dflash-pipe/models")
+    t_start = time.perf_counter()
+    device = resolve_device(args.device)
+    bundle = load_target(args.target, device=device, dtype=args.target_dtype, model_cache_dir=Path(cache_dir).expanduser())
+    t_loaded = time.perf_counter()
+    work = Path(args.out_dir) if args.out_dir else Path(tempfile.mkdtemp(prefix="eval_speed-"))
+    drafter = Path(args.drafter) if args.drafter else random_drafter(bundle, work / "drafter", args.drafter_layers,
+                                                                     args.block)
+    cfg = RunConfig()
+    cfg.target.model, cfg.target.dtype = args.target, args.target_dtype
+    cfg.data.source, cfg.data.skip_samples = args.heldout_source, FULL["heldout"]
+    ev = cfg.eval
+    ev.drafter, ev.prompts, ev.max_prompts = str(drafter), args.sets, args.per_set
+    ev.max_new_tokens, ev.output_dir, ev.device = args.max_new_tokens, str(work / "eval"), str(device)
+    ev.engine, ev.draft_graphs = args.engine, args.draft_graphs
+    t0 = time.perf_counter()
+    report = run_eval(cfg, bundle=bundle)
+    eval_wall = time.perf_counter() - t0
+    decode_measured, decode_projected, sets = 0.0, 0.0, {}
+    methods = ["target_only"] + [m for m in next(iter(report["sets"].values())) if m.startswith("dflash") or m == "ngram"]
+    print(f"\n{'set':>10s} {'prompts':>8s} {'method':>12s} {'tau':>5s} {'decode s':>9s} {'target s':>9s} {'draft s':>8s} "
+          f"{'other s':>8s} {'projected s':>12s}")
+    for name, s in report["sets"].items():
+        n = s["prompts"]
+        scale = FULL.get(name, n) / n if n else 0.0
+        measured = sum(s[m]["wall_s"] for m in methods)
+        decode_measured += measured
+        decode_projected += measured * scale
+        sets[name] = {"prompts": n, "generations": s.get("generations", n), "scale": scale, "decode_s": measured,
+                      "projected_s": measured * scale,
+                      "methods": {m: {k: s[m].get(k) for k in ("tau", "wall_s", "verify_s", "prefill_s", "draft_s",
+                                                               "other_s", "tokens_per_s", "speedup", "identical_to_target")}
+                                  for m in methods}}
+        for m in methods:
+            r = s[m]
+            target_s = r["wall_s"] if m == "target_only" else r["verify_s"] + r["prefill_s"]
+            print(f"{name:>10s} {n:>8d} {m:>12s} {r.get('tau') or 1.0:>5.2f} {r['wall_s']:>9.2f} {target_s:>9.2f} "
+                  f"{r.get('draft_s', 0.0):>8.2f} {r.get('other_s', 0.0):>8.2f} {r['wall_s'] * scale:>12.1f}")
+    overhead = eval_wall - decode_measured + (t_loaded - t_start)
+    total = decode_projected + overhead
+    print(f"\nmeasured: eval {eval_wall:.1f}s (decode {decode_measured:.1f}s), target load {t_loaded - t_start:.1f}s; "
+          f"projected for the whole sets ({', '.join(f'{k} {FULL.get(k)}' for k in report['sets'])}): "
+          f"{total:.0f}s = decode {decode_projected:.0f}s + one-time {overhead:.0f}s (goal <= 600 s)")
+    result = {"target": args.target, "dtype": args.target_dtype, "device": str(device), "engine": args.engine,
+              "draft_graphs": args.draft_graphs,
+              "target_forward": report.get("target_forward"), "cache_mode": report.get("cache_mode"),
+              "per_set": args.per_set, "max_new_tokens": args.max_new_tokens, "drafter": str(drafter),
+              "random_drafter": not args.drafter, "eval_wall_s": eval_wall, "load_s": t_loaded - t_start,
+              "decode_measured_s": decode_measured, "projected_total_s": total, "sets": sets,
+              "torch": torch.__version__}
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

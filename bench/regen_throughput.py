@@ -1,0 +1,182 @@
+"""Generated tokens per second of `dflash-pipe regenerate` against a bare decode loop and HF `generate`.
+
+Three measurements, same target, same prompts (ShareGPT first turns), same --new-tokens:
+  regen   `run_regenerate` (the command's code path: tokenizing, continuous batching on the static-KV
+          engine, CUDA graphs, EOS checks, in-order writing with fsync) at its default batch (auto), on
+          --prompts prompts, first turn only. Wall time from the call to its return; generated tokens from
+          the sidecar. A short untimed run first loads the kernels.
+  bare    the engine's graphed decode step in a plain loop at the same batch: prefill the first `batch`
+          prompts, then --new-tokens greedy steps with no stopping and no scheduling (tokens = batch x
+          steps), CUDA events around the loop only.
+  hf      `run_regenerate --engine hf` (left-padded HF generate, dynamic cache) on the first --hf-prompts
+          prompts at --hf-batch, the old path, as a baseline.
+The ratio regen / bare is the share of the bare loop's rate the command keeps (goal >= 0.9; it pays for
+prefills, EOS-idle slots until the next check, the tail where slots run empty, and host work). `bare`
+also reports its own prefill time (eager, 64 prompts a call) and the rate with it included, which
+bounds what any scheduler can reach at these prompt lengths.
+
+    python bench/regen_throughput.py --data /tmp/quality/carry/data/sharegpt_first_turns.jsonl \
+        --model-cache /tmp/quality/models --json out.json          # H200, real SmolLM2 weights (bf16)
+    python bench/regen_throughput.py --smoke                        # CPU, toy sizes, random tiny-llama
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from dflash_pipe.config import RunConfig  # noqa: E402
+from dflash_pipe.data import load_conversations  # noqa: E402
+from dflash_pipe.eval.regen_backends import auto_batch_size  # noqa: E402
+from dflash_pipe.eval.regenerate import run_regenerate  # noqa: E402
+from dflash_pipe.eval.runner import encode_prompt  # noqa: E402
+from dflash_pipe.target import load_target  # noqa: E402
+from dflash_pipe.target.static_forward import StaticKVEngine  # noqa: E402
+
+
+def _cfg(args, n: int, skip: int = 0) -> RunConfig:
+    cfg = RunConfig()
+    cfg.target.model = args.model
+    cfg.data.source = args.data
+    cfg.data.skip_samples = skip
+    cfg.data.max_samples = n
+    cfg.extract.max_length = args.max_length
+    return cfg
+
+
+def run_regen(args, bundle, out: Path, n: int, skip: int = 0, **kw) -> dict:
+    if bundle.device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    state = run_regenerate(_cfg(args, n, skip), out, max_new_tokens=args.new_tokens, bundle=bundle, max_turns=1,
+                           **kw)
+    wall = time.perf_counter() - t0
+    return {"conversations": state["rows_written"], "skipped": len(state["skipped"]),
+            "generated_tokens": state["generated_tokens"], "truncated": state["truncated_responses"],
+            "wall_s": round(wall, 3), "tok_s": round(state["generated_tokens"] / wall, 1)}
+
+
+@torch.inference_mode()
+def bare_loop(args, bundle, batch: int) -> dict:
+    """Prefill `batch` real prompts, then new_tokens graphed greedy steps (no stopping, no scheduling)."""
+    tok = bundle.tokenizer
+    prompts = []
+    for conv in load_conversations(args.data, max_samples=4 * batch):
+        first = [m for m in conv.messages if m["role"] != "assistant"][:2]
+        ids = encode_prompt(tok, first)
+        if len(ids) + args.new_tokens <= args.max_length:
+            prompts.append(ids)
+        if len(prompts) == batch:
+            break
+    prompts = (prompts * (batch // max(1, len(prompts)) + 1))[:batch]
+    eng = StaticKVEngine(bundle.model, batch, args.max_length)
+    cuda = bundle.device.type == "cuda"
+    chunk = 64
+    if cuda:
+        torch.cuda.synchronize()
+    t_pre = time.perf_counter()
+    for s in range(0, batch, chunk):
+        part = prompts[s:s + chunk]
+        T = max(map(len, part))
+        ids = torch.zeros((len(part), T), dtype=torch.long)
+        for i, p in enumerate(part):
+            ids[i, :len(p)] = torch.tensor(p)
+        out = eng.forward(ids, torch.tensor([len(p) for p in part]), rows=list(range(s, s + len(part))),
+                          last_only=True)
+        nxt = out.logits.argmax(-1) if s == 0 else torch.cat([nxt, out.logits.argmax(-1)])
+    if cuda:
+        torch.cuda.synchronize()
+    prefill_s = time.perf_counter() - t_pre       # includes the first-call costs of this shape: an upper bound
+    first = nxt[:, None].clone()
+    cur = first
+    for _ in range(args.new_tokens):         # untimed pass: captures every graph the timed loop replays
+        cur = eng.forward(cur).logits[:, 0].argmax(-1, keepdim=True)
+    for r in range(batch):
+        eng.truncate(r, len(prompts[r]))
+    cur = first
+    if cuda:
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+    t0 = time.perf_counter()
+    for _ in range(args.new_tokens):
+        out = eng.forward(cur)
+        cur = out.logits[:, 0].argmax(-1, keepdim=True)
+    if cuda:
+        b.record()
+        torch.cuda.synchronize()
+        secs = a.elapsed_time(b) / 1e3
+    else:
+        secs = time.perf_counter() - t0
+    return {"batch": batch, "steps": args.new_tokens, "tokens": batch * args.new_tokens,
+            "mean_prompt_tokens": round(sum(map(len, prompts)) / batch, 1), "graphs": eng.graph_count,
+            "kv_cache_gb": round(eng.cache_bytes() / 1e9, 2), "ms_per_step": round(1e3 * secs / args.new_tokens, 3),
+            "tok_s": round(batch * args.new_tokens / secs, 1), "prefill_s": round(prefill_s, 3),
+            "tok_s_with_prefill": round(batch * args.new_tokens / (secs + prefill_s), 1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="embedded:smollm2-135m-instruct")
+    ap.add_argument("--model-cache", default="~/.cache/dflash-pipe/models")
+    ap.add_argument("--data", default="embedded:sharegpt")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--prompts", type=int, default=8192, help="conversations for the timed regenerate run")
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--max-length", type=int, default=512,
+                    help="prompt + new tokens limit, the engine's max_len (512 as in "
+                         "manifests/quality-smollm2-gpu.toml; longer prompts are skipped and counted)")
+    ap.add_argument("--batch", type=int, default=0, help="0 = regenerate's default (auto)")
+    ap.add_argument("--hf-prompts", type=int, default=256)
+    ap.add_argument("--hf-batch", type=int, default=256)
+    ap.add_argument("--smoke", action="store_true", help="CPU, random tiny-llama, toy sizes")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    if args.smoke:
+        args.model, args.device, args.dtype = "random:tiny-llama", "cpu", "float32"
+        args.prompts, args.new_tokens, args.max_length, args.hf_prompts, args.hf_batch = 12, 8, 384, 4, 4
+        args.batch = args.batch or 4
+    bundle = load_target(args.model, device=args.device, dtype=args.dtype, model_cache_dir=args.model_cache)
+    batch = args.batch or auto_batch_size(bundle.model, args.max_length)
+    res = {"model": args.model, "dtype": args.dtype, "device": args.device, "new_tokens": args.new_tokens,
+           "max_length": args.max_length, "batch": batch,
+           "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+           "torch": torch.__version__}
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        warm = min(args.prompts, max(8, batch // 4))
+        run_regen(args, bundle, tmp / "warm.jsonl", warm, skip=args.prompts, batch_size=args.batch)
+        res["regen"] = run_regen(args, bundle, tmp / "regen.jsonl", args.prompts, batch_size=args.batch)
+        print("regen", res["regen"], flush=True)
+        res["bare"] = bare_loop(args, bundle, batch)
+        print("bare", res["bare"], flush=True)
+        res["ratio_regen_to_bare"] = round(res["regen"]["tok_s"] / res["bare"]["tok_s"], 3)
+        if args.hf_prompts:
+            res["hf"] = run_regen(args, bundle, tmp / "hf.jsonl", args.hf_prompts, batch_size=args.hf_batch,
+                                  engine="hf")
+            print("hf", res["hf"], flush=True)
+            # identical greedy answers on the shared prompts? (bf16: batch-dependent rounding may flip a few)
+            a = (tmp / "hf.jsonl").read_text().splitlines()
+            b = (tmp / "regen.jsonl").read_text().splitlines()[:len(a)]
+            res["hf_identical_rows"] = f"{sum(x == y for x, y in zip(a, b))}/{len(a)}"
+    print(json.dumps(res, indent=2))
+    print(f"SUMMARY batch {batch}: regenerate {res['regen']['tok_s']:,.0f} tok/s ({res['regen']['conversations']} "
+          f"answers, {res['regen']['generated_tokens']:,} tokens in {res['regen']['wall_s']} s), bare loop "
+          f"{res['bare']['tok_s']:,.0f} tok/s ({res['bare']['ms_per_step']} ms/step; "
+          f"{res['bare']['tok_s_with_prefill']:,.0f} with its prefill), ratio {res['ratio_regen_to_bare']}"
+          + (f", HF generate {res['hf']['tok_s']:,.0f} tok/s at batch {args.hf_batch}, identical rows "
+             f"{res['hf_identical_rows']}" if "hf" in res else ""), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(res, indent=2))
+
+
+if __name__ == "__main__":
+    main()

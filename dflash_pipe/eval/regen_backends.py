@@ -1,0 +1,235 @@
+"""How `regenerate` turns prompts into answers: continuous batching on the static-KV engine, or HF `generate`.
+
+Both backends take `TurnRequest`s from the front of a ready list (the driver keeps it in input
+order) in `launch` and hand back `Completion`s, in any order, from `collect`; between the two the
+host is free (the driver tokenizes and writes there while the GPU decodes).
+
+`EngineBackend` (attention-only targets, `dflash_pipe.target.static_forward`): `batch` slots.
+Every `launch` first fills the free slots from the ready list (one right-padded prefill per group
+of similar-length prompts, at most `prefill_tokens` tokens a group), then runs `check_every`
+decode steps on all slots at once (a CUDA graph each on CUDA). Token choice, the per-row answer
+buffers and the stopping masks (EOS / max_new_tokens) stay on the device; `collect` looks at them
+(one sync), frees finished slots and returns their answers. A finished row idles
+until then (at most check_every - 1 wasted steps), and costs nothing in attention (its length
+stops growing).
+
+`HFBackend` (any target; the fallback for hybrid / recurrent ones): `batch` requests at a time in
+one left-padded greedy `generate` call, as regenerate did before the engine.
+
+An answer depends only on its prompt and its key (regen_sampling), never on the slot or the batch,
+so requests in flight can be handed back and rerun: that is how an out-of-memory error becomes a
+smaller batch (the driver's `rebuild`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from ..target.static_forward import StaticKVEngine
+from .regen_sampling import Decoding, next_tokens
+
+log = logging.getLogger("dflash_pipe.eval")
+
+
+@dataclass
+class TurnRequest:
+    state: object          # the conversation (regenerate._ConvState)
+    prompt: list[int]
+    key: int               # sampling key (regen_sampling.answer_key)
+    order: int             # the conversation's input position: the ready list's sort key
+
+
+@dataclass
+class Completion:
+    request: TurnRequest
+    tokens: list[int]      # the answer without its end-of-turn token
+    ended: bool            # True when an EOS token ended it, False when it hit max_new_tokens
+
+
+def auto_batch_size(model: torch.nn.Module, max_len: int, cap: int = 1024) -> int:
+    """CPU: 16. CUDA: as many rows as fit in half the free memory with K/V for max_len tokens each."""
+    p = next(model.parameters())
+    if p.device.type != "cuda":
+        return 16
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    per_row = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (max_len + 1) * head_dim * p.element_size()
+    free, _ = torch.cuda.mem_get_info(p.device)
+    return max(1, min(cap, int(0.5 * free) // per_row))
+
+
+class EngineBackend:
+    """Continuous batching over a StaticKVEngine (module docstring)."""
+
+    name = "static-KV engine"
+
+    def __init__(self, model, eos: list[int], batch: int, max_len: int, max_new_tokens: int, dec: Decoding,
+                 check_every: int = 8, prefill_tokens: int | None = None, use_graphs: str = "auto"):
+        self.engine = StaticKVEngine(model, batch, max_len, use_graphs=use_graphs)
+        dev = self.engine.device
+        self.B, self.max_new, self.dec = batch, max_new_tokens, dec
+        self.check_every = max(1, min(check_every, max_new_tokens - 1))   # an answer ends after max_new - 1 steps
+        self.prefill_tokens = prefill_tokens or (65536 if dev.type == "cuda" else 2048)
+        self.slots: list[TurnRequest | None] = [None] * batch
+        with torch.inference_mode():
+            self.cur = torch.zeros(batch, dtype=torch.long, device=dev)        # chosen, not yet fed
+            self.active = torch.zeros(batch, dtype=torch.bool, device=dev)
+            self.ended = torch.zeros(batch, dtype=torch.bool, device=dev)
+            self.n_gen = torch.zeros(batch, dtype=torch.long, device=dev)
+            self.keys = torch.zeros(batch, dtype=torch.long, device=dev)
+            self.out = torch.zeros((batch, max_new_tokens + 1), dtype=torch.long, device=dev)  # + spare column
+            self.eos = torch.tensor(sorted(set(eos)), dtype=torch.long, device=dev)
+        self.decode_steps = 0
+        self.prefill_rows = 0
+        mode = "CUDA graphs" if self.engine.use_graphs else "eager"
+        self.describe = f"{self.name} ({mode}, batch {batch}, check every {self.check_every} steps)"
+
+    def busy(self) -> bool:
+        return any(s is not None for s in self.slots)
+
+    def take_back(self) -> list[TurnRequest]:
+        """The requests in flight (to rerun elsewhere); the slots are emptied."""
+        back = [s for s in self.slots if s is not None]
+        self.slots = [None] * self.B
+        return back
+
+    @torch.inference_mode()
+    def launch(self, ready: list[TurnRequest]) -> None:
+        """Fill free slots from the front of `ready` and queue check_every decode steps (no host sync)."""
+        free = [i for i, s in enumerate(self.slots) if s is None]
+        take = ready[:len(free)]
+        if take:
+            del ready[:len(take)]
+            rows = free[:len(take)]
+            for r, req in zip(rows, take):
+                self.slots[r] = req
+            self._prefill(rows, take)
+        if self.busy():
+            for _ in range(self.check_every):
+                self._decode()
+
+    def _start(self, logits, rows: torch.Tensor, keys: torch.Tensor) -> None:
+        """First token of freshly prefilled `rows`."""
+        tok = next_tokens(logits, keys, torch.zeros_like(keys), self.dec)
+        hit = (tok[:, None] == self.eos).any(dim=-1)
+        self.out[rows, 0] = tok
+        self.cur[rows] = tok
+        self.keys[rows] = keys
+        self.n_gen[rows] = 1
+        self.ended[rows] = hit
+        self.active[rows] = ~hit & (self.max_new > 1)
+
+    def _advance(self, logits) -> None:
+        """Next token of every live row; finished rows write to the spare column and stay put."""
+        tok = next_tokens(logits, self.keys, self.n_gen, self.dec)
+        act = self.active.clone()
+        col = torch.where(act, self.n_gen, self.max_new)
+        self.out.scatter_(1, col[:, None], tok[:, None])
+        hit = act & (tok[:, None] == self.eos).any(dim=-1)
+        self.ended |= hit
+        self.n_gen += act.long()
+        self.active.copy_(act & ~hit & (self.n_gen < self.max_new))
+        self.cur.copy_(torch.where(act, tok, self.cur))
+
+    def _prefill(self, rows: list[int], reqs: list[TurnRequest]) -> None:
+        dev = self.engine.device
+        self.engine.reset(rows)
+        order = sorted(range(len(reqs)), key=lambda i: len(reqs[i].prompt))
+        groups, cur = [], []
+        for i in order:                      # ascending lengths: the newest prompt sets the group's width
+            width = len(reqs[i].prompt)
+            if cur and width * (len(cur) + 1) > self.prefill_tokens:
+                groups.append(cur)
+                cur = []
+            cur.append(i)
+        groups.append(cur)
+        for g in groups:
+            T = max(len(reqs[i].prompt) for i in g)
+            ids = torch.zeros((len(g), T), dtype=torch.long)
+            for j, i in enumerate(g):
+                ids[j, :len(reqs[i].prompt)] = torch.tensor(reqs[i].prompt, dtype=torch.long)
+            lens = torch.tensor([len(reqs[i].prompt) for i in g], dtype=torch.long)
+            slot_rows = [rows[i] for i in g]
+            out = self.engine.forward(ids, lens, rows=slot_rows, last_only=True)
+            rt = torch.tensor(slot_rows, dtype=torch.long, device=dev)
+            keys = torch.tensor([reqs[i].key for i in g], dtype=torch.long, device=dev)
+            self._start(out.logits, rt, keys)
+            self.prefill_rows += len(g)
+
+    def _decode(self) -> None:
+        out = self.engine.forward(self.cur[:, None], self.active.long())
+        self._advance(out.logits[:, 0])
+        self.decode_steps += 1
+
+    @torch.inference_mode()
+    def collect(self) -> list[Completion]:
+        """Wait for the queued steps; the finished answers (their slots are freed)."""
+        live = [i for i, s in enumerate(self.slots) if s is not None]
+        flags = self.active.tolist()                           # the one sync of a step
+        done = [i for i in live if not flags[i]]
+        if not done:
+            return []
+        dt = torch.tensor(done, dtype=torch.long, device=self.engine.device)
+        table = torch.cat([self.n_gen[dt, None], self.ended[dt, None].long(), self.out[dt]], dim=1).tolist()
+        comps = []
+        for r, row in zip(done, table):
+            n, ended, toks = row[0], bool(row[1]), row[2:2 + row[0]]
+            comps.append(Completion(self.slots[r], toks[:-1] if ended else toks, ended))
+            self.slots[r] = None
+        self.engine.reset(done)            # idle rows then attend over nothing until refilled
+        return comps
+
+
+class HFBackend:
+    """Greedy left-padded HF `generate`, `batch` requests per call (the fallback)."""
+
+    name = "HF generate"
+
+    def __init__(self, model, eos: list[int], pad: int, batch: int, max_new_tokens: int, why: str = ""):
+        self.model, self.eos, self.pad, self.B, self.max_new = model, eos, pad, batch, max_new_tokens
+        self.device = next(model.parameters()).device
+        self.describe = f"{self.name} (batch {batch}{'; ' + why if why else ''})"
+        self.decode_steps = 0
+        self._done: list[Completion] = []
+
+    def busy(self) -> bool:
+        return bool(self._done)
+
+    def take_back(self) -> list[TurnRequest]:
+        return []
+
+    def collect(self) -> list[Completion]:
+        done, self._done = self._done, []
+        return done
+
+    def launch(self, ready: list[TurnRequest]) -> None:
+        from transformers import GenerationConfig
+
+        take = ready[:self.B]
+        del ready[:len(take)]
+        if not take:
+            return
+        prompts = [r.prompt for r in take]
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad, dtype=torch.long)
+        attn = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):                  # left padding
+            ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+            attn[i, width - len(p):] = 1
+        gen = GenerationConfig(max_new_tokens=self.max_new, do_sample=False, eos_token_id=self.eos,
+                               pad_token_id=self.pad)
+        try:
+            with torch.inference_mode():
+                out = self.model.generate(input_ids=ids.to(self.device), attention_mask=attn.to(self.device),
+                                          generation_config=gen)
+        except torch.OutOfMemoryError:
+            ready[:0] = take
+            raise
+        comps = []
+        for req, row in zip(take, out[:, width:].tolist()):
+            cut = next((i for i, t in enumerate(row) if t in self.eos), None)
+            self._done.append(Completion(req, row[:cut] if cut is not None else row, cut is not None))
+        self.decode_steps += out.shape[1] - width

@@ -1,0 +1,283 @@
+"""Static-KV decode engine for attention-only targets (Llama / SmolLM2, Qwen2, Qwen3).
+
+`StaticKVEngine(model, max_batch, max_len)` preallocates K/V buffers
+``[layers, max_batch, kv_heads, max_len + 1, head_dim]`` in the model dtype and one length per
+row (on the device). ``forward(input_ids [B, T], num_new=None, rows=None)`` appends the T tokens
+of every row at that row's length: RoPE at positions ``length .. length + T - 1``, causal within
+the new tokens, keys at or beyond a row's length masked. ``num_new[b]`` (default T) is how many of
+row b's T tokens are real: its length grows by that much and the others are right padding (their
+outputs are garbage, their K/V land in the unused area). It returns the logits (all T positions,
+or with ``last_only`` the last real one of each row) and, if `capture_layer_ids` was given, the
+outputs of those decoder layers (the cache convention: HF ``hidden_states[id + 1]``; the last
+layer after the final norm, like `dflash_pipe.target.runner`), concatenated in id order.
+``truncate(row, n)`` rolls a row back to its first n tokens (only the length moves); ``reset``
+empties rows.
+
+The weights are the HF module's own (its projections, norms, MLPs, rotary embedding and head are
+called as they are; nothing is copied); only the attention and the cache are ours. On CUDA a call
+with ``rows=None`` (rows 0..B-1) and T <= 16 (decode / verify shapes; prefills run eagerly) runs as
+a CUDA graph captured once per (B, T, attended length, last_only): a whole step is one launch.
+The attended length is the rows' largest possible length rounded up to `kv_bucket` (the host
+tracks an upper bound per row, so choosing it never syncs), so SDPA does not read the whole
+padded buffer. Outputs of a graphed call are static
+buffers, overwritten by the next call: copy what you keep. On the CPU everything runs eagerly.
+
+Usage limits: a row's length + its real new tokens must stay <= max_len (writes beyond go to a
+single spare slot and are lost); ``truncate`` only shrinks.
+
+Speculative verification at batch 1 (the eval's use)::
+
+    eng = StaticKVEngine(model, max_batch=1, max_len=4096, capture_layer_ids=drafter_layer_ids)
+    out = eng.forward(prompt_ids[None], last_only=True)     # logits [1, V]; hidden [1, P, n*H]
+    ...
+    out = eng.forward(block[None])                          # block = [last token, d_1..d_k]: logits [1, k+1, V]
+    eng.truncate(0, p + 1 + accepted)                       # keep the accepted prefix, drop the rest
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import UsageError
+from .runner_utils import decoder_layers, final_norm, text_backbone
+
+log = logging.getLogger("dflash_pipe.target")
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+GROUPED_QUERY_MAX_T = 16        # up to this many new tokens, query heads are folded onto their KV head
+
+
+def engine_support(model: torch.nn.Module) -> str | None:
+    """None when the engine can run `model`; otherwise the reason it cannot (for the log)."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    mt = getattr(cfg, "model_type", "?")
+    if mt not in SUPPORTED_MODEL_TYPES:
+        return f"model type '{mt}' is not one of {', '.join(SUPPORTED_MODEL_TYPES)} (attention-only families)"
+    kinds = set(getattr(cfg, "layer_types", None) or ["full_attention"])
+    if kinds != {"full_attention"}:
+        return f"layer types {sorted(kinds)} (only full attention is supported)"
+    if getattr(cfg, "use_sliding_window", False):
+        return "sliding-window attention"
+    if getattr(cfg, "final_logit_softcapping", None):
+        return "logit soft-capping"
+    try:
+        layers = decoder_layers(model)
+    except Exception as exc:  # noqa: BLE001 - any structural surprise means "not supported"
+        return str(exc)
+    need = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+    if not all(hasattr(layers[0], n) for n in need) or getattr(text_backbone(model), "rotary_emb", None) is None:
+        return f"{type(layers[0]).__name__} does not have the Llama layer structure"
+    return None
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+@dataclass
+class EngineOutput:
+    logits: torch.Tensor               # [B, T, V], or [B, V] with last_only
+    hidden: torch.Tensor | None        # [B, T, n_layers * H] in capture_layer_ids order (all T, also with
+                                       # last_only), or None
+
+
+class StaticKVEngine:
+    """Preallocated KV cache + own forward over the HF weights (module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, max_batch: int, max_len: int, capture_layer_ids: Sequence[int] = (),
+                 use_graphs: str = "auto", kv_bucket: int = 128):
+        why = engine_support(model)
+        if why is not None:
+            raise UsageError(f"the static-KV engine cannot run this target: {why}")
+        if max_batch < 1 or max_len < 1 or kv_bucket < 1:
+            raise UsageError(f"max_batch ({max_batch}), max_len ({max_len}) and kv_bucket ({kv_bucket}) must be >= 1")
+        self.model = model
+        backbone = text_backbone(model)
+        self.layers = list(decoder_layers(model))
+        self.embed = backbone.embed_tokens
+        self.norm = final_norm(model)
+        self.rotary = backbone.rotary_emb
+        self.lm_head = model.get_output_embeddings()
+        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        attn = self.layers[0].self_attn
+        self.heads = int(cfg.num_attention_heads)
+        self.kv_heads = int(cfg.num_key_value_heads)
+        self.head_dim = int(attn.head_dim)
+        self.hidden_size = int(cfg.hidden_size)
+        L = len(self.layers)
+        self.capture_layer_ids = sorted(set(int(i) for i in capture_layer_ids))
+        if any(not 0 <= i < L for i in self.capture_layer_ids):
+            raise UsageError(f"capture layer ids {self.capture_layer_ids} outside the target's layers 0..{L - 1}")
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.max_batch, self.max_len, self.kv_bucket = max_batch, max_len, kv_bucket
+        self.size = max_len + 1                          # + one spare slot for writes past max_len
+        shape = (L, max_batch, self.kv_heads, self.size, self.head_dim)
+        with torch.inference_mode():
+            self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.lengths = torch.zeros(max_batch, dtype=torch.long, device=self.device)
+        self._bound = [0] * max_batch                    # host upper bound of each row's length
+        if use_graphs not in ("auto", "on", "off"):
+            raise UsageError(f"use_graphs must be auto, on or off, got {use_graphs!r}")
+        if use_graphs == "on" and self.device.type != "cuda":
+            raise UsageError("CUDA graphs need a CUDA device")
+        self.use_graphs = self.device.type == "cuda" and use_graphs != "off"
+        self._graphs: dict[tuple, tuple] = {}
+        self._pool = None
+
+    # ------------------------------------------------------------------ state
+    def cache_bytes(self) -> int:
+        return 2 * self.k_cache.numel() * self.k_cache.element_size()
+
+    @torch.inference_mode()
+    def truncate(self, row: int, new_len: int) -> None:
+        """Keep the first `new_len` tokens of `row` (roll back a verify); only shrinks."""
+        if not 0 <= new_len <= self.max_len:
+            raise UsageError(f"truncate: length {new_len} outside 0..{self.max_len}")
+        self.lengths[row].fill_(new_len)
+        self._bound[row] = new_len
+
+    @torch.inference_mode()
+    def reset(self, rows: Sequence[int] | None = None) -> None:
+        """Empty `rows` (all rows when None)."""
+        rows = range(self.max_batch) if rows is None else rows
+        idx = list(rows)
+        if not idx:
+            return
+        self.lengths.index_fill_(0, torch.tensor(idx, device=self.device), 0)
+        for r in idx:
+            self._bound[r] = 0
+
+    def length(self, row: int) -> int:
+        """The row's length (a host sync; for tests and debugging)."""
+        return int(self.lengths[row])
+
+    def attended_length(self, rows: Sequence[int], T: int) -> int:
+        need = max(self._bound[r] for r in rows) + T
+        return min(self.size, -(-need // self.kv_bucket) * self.kv_bucket)
+
+    # ------------------------------------------------------------------ forward
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, num_new: torch.Tensor | None = None,
+                rows: Sequence[int] | None = None, last_only: bool = False) -> EngineOutput:
+        """Append `input_ids` [B, T] to rows `rows` (default 0..B-1); see the module docstring."""
+        if input_ids.ndim != 2:
+            raise UsageError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
+        B, T = input_ids.shape
+        host_rows = list(range(B)) if rows is None else [int(r) for r in rows]
+        if len(host_rows) != B or B > self.max_batch or any(not 0 <= r < self.max_batch for r in host_rows):
+            raise UsageError(f"forward: {B} input rows for rows {host_rows[:8]}... of a {self.max_batch}-row cache")
+        ids = input_ids.to(self.device, torch.long, non_blocking=True)
+        nn_ = (torch.full((B,), T, dtype=torch.long, device=self.device) if num_new is None
+               else num_new.to(self.device, torch.long, non_blocking=True))
+        kv_len = self.attended_length(host_rows, T)
+        for r in host_rows:
+            self._bound[r] = min(self._bound[r] + T, self.max_len)
+        if rows is None and self.use_graphs and T <= GROUPED_QUERY_MAX_T:
+            return self._replay(ids, nn_, kv_len, last_only)
+        row_t = None if rows is None else torch.tensor(host_rows, dtype=torch.long, device=self.device)
+        return self._compute(ids, nn_, row_t, kv_len, last_only)
+
+    def _compute(self, ids, num_new, row_t, kv_len: int, last_only: bool) -> EngineOutput:
+        B, T = ids.shape
+        H, KVH, D = self.heads, self.kv_heads, self.head_dim
+        G = H // KVH
+        ri = torch.arange(B, device=self.device) if row_t is None else row_t
+        old = self.lengths[:B] if row_t is None else self.lengths[row_t]
+        pos = old[:, None] + torch.arange(T, device=self.device)                   # [B, T]
+        write_pos = pos.clamp(max=self.size - 1)
+        visible = torch.arange(kv_len, device=self.device)[None, None, :] <= pos[:, :, None]   # [B, T, kv]
+        if T <= GROUPED_QUERY_MAX_T:
+            mask = visible[:, None, None].expand(B, 1, G, T, kv_len).reshape(B, 1, G * T, kv_len)
+        else:
+            mask = visible[:, None]
+        x = self.embed(ids)
+        cos, sin = self.rotary(x, pos)
+        cos, sin = cos[:, None], sin[:, None]                                        # [B, 1, T, D]
+        captured = []
+        last = len(self.layers) - 1
+        for li, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = attn.q_proj(h).view(B, T, H, D)
+            k = attn.k_proj(h).view(B, T, KVH, D)
+            v = attn.v_proj(h).view(B, T, KVH, D)
+            if getattr(attn, "q_norm", None) is not None:                          # Qwen3
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+            kc, vc = self.k_cache[li], self.v_cache[li]
+            kc[ri[:, None], :, write_pos] = k.transpose(1, 2)
+            vc[ri[:, None], :, write_pos] = v
+            if row_t is None:
+                keys, vals = kc[:B, :, :kv_len], vc[:B, :, :kv_len]
+            else:
+                keys, vals = kc[row_t, :, :kv_len], vc[row_t, :, :kv_len]
+            if T <= GROUPED_QUERY_MAX_T:       # [B, KVH, G*T, D]: query heads of one KV head share its keys
+                o = F.scaled_dot_product_attention(q.reshape(B, KVH, G * T, D), keys, vals, attn_mask=mask,
+                                                   scale=attn.scaling)
+            else:
+                o = F.scaled_dot_product_attention(q, keys.repeat_interleave(G, dim=1),
+                                                   vals.repeat_interleave(G, dim=1), attn_mask=mask,
+                                                   scale=attn.scaling)
+            o = o.reshape(B, H, T, D).transpose(1, 2).reshape(B, T, H * D)
+            x = x + attn.o_proj(o)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            if li in self.capture_layer_ids and li != last:
+                captured.append(x)
+        x = self.norm(x)
+        if last in self.capture_layer_ids:
+            captured.append(x)
+        if row_t is None:
+            self.lengths[:B] += num_new
+        else:
+            self.lengths[row_t] = old + num_new
+        if last_only:
+            at = (num_new - 1).clamp(min=0)
+            x = x[torch.arange(B, device=self.device), at]
+        hidden = torch.cat(captured, dim=-1) if captured else None
+        return EngineOutput(self.lm_head(x), hidden)
+
+    # ------------------------------------------------------------------ CUDA graphs
+    def _replay(self, ids, num_new, kv_len: int, last_only: bool) -> EngineOutput:
+        key = (ids.shape[0], ids.shape[1], kv_len, last_only)
+        entry = self._graphs.get(key)
+        if entry is None:
+            entry = self._capture(ids, num_new, kv_len, last_only)
+            self._graphs[key] = entry
+        graph, s_ids, s_num, out = entry
+        s_ids.copy_(ids)
+        s_num.copy_(num_new)
+        graph.replay()
+        return out
+
+    def _capture(self, ids, num_new, kv_len: int, last_only: bool):
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        s_ids, s_num = ids.clone(), num_new.clone()
+        saved = self.lengths.clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):                    # warm-up (lazy inits); the lengths are put back
+            for _ in range(2):
+                self._compute(s_ids, s_num, None, kv_len, last_only)
+                self.lengths.copy_(saved)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = self._compute(s_ids, s_num, None, kv_len, last_only)
+        self.lengths.copy_(saved)                        # capture does not run kernels; belt and braces
+        log.debug("captured a CUDA graph for (B, T, kv_len, last_only) = %s", (*ids.shape, kv_len, last_only))
+        return graph, s_ids, s_num, out
+
+    @property
+    def graph_count(self) -> int:
+        return len(self._graphs)

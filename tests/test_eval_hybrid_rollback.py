@@ -1,0 +1,134 @@
+"""Hybrid (Gated DeltaNet + attention) targets: the rollback cache mode against independent references.
+
+References: transformers' own greedy `generate` for the tokens, a fresh prefill of the committed
+prefix for the cache state after every commit, HF `output_hidden_states` forwards for the features.
+A fault injection (restore skipped) shows the checks catch a stale recurrent state.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash_pipe.errors import UsageError
+from dflash_pipe.eval import (TargetVerifier, eos_token_ids, make_dflash_verifier, resolve_cache_mode,
+                              speculative_generate)
+from dflash_pipe.eval.recurrent_state import RecurrentSnapshot, cache_tensors
+from dflash_pipe.eval.runner import encode_prompt
+from dflash_pipe.eval.target_step import cache_kwarg_name, new_dynamic_cache
+from dflash_pipe.target import load_target, standalone_features
+from tests.eval_helpers import PROMPTS, CorruptingOracle, hf_greedy, liven
+
+NEW = 24
+VOCAB = 49152
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    bundle = load_target("random:tiny-qwen3.5", dtype="float32",
+                         model_cache_dir=tmp_path_factory.getbasetemp() / "dflash-model-cache")
+    liven(bundle.model, std=0.2)
+    return bundle
+
+
+@pytest.fixture(scope="module")
+def cases(qwen):
+    eos = eos_token_ids(qwen.model, qwen.tokenizer)
+    out = []
+    for msgs in PROMPTS:
+        ids = encode_prompt(qwen.tokenizer, msgs)
+        out.append((ids, hf_greedy(qwen.model, ids, NEW, eos)))
+    return eos, out
+
+
+def _pattern(step: int) -> int:
+    """Wrong draft at 0, 2, 9 (= all right at B=6), 1, 0, 2, 9, ...: rejections and full acceptances."""
+    return (0, 2, 9, 1)[step % 4]
+
+
+def test_auto_is_rollback_for_hybrid_and_refused_for_attention_only(qwen):
+    assert resolve_cache_mode(qwen.model, "auto") == "rollback"
+    assert resolve_cache_mode(qwen.model, "recompute") == "recompute"
+    with pytest.raises(UsageError, match="recurrent state"):
+        resolve_cache_mode(qwen.model, "crop")
+    llama = load_target("random:tiny-llama", dtype="float32")
+    with pytest.raises(UsageError, match="has none"):
+        resolve_cache_mode(llama.model, "rollback")
+
+
+def test_rollback_output_and_acceptance_identical_to_target_greedy(qwen, cases):
+    eos, items = cases
+    assert all(len(set(ref)) > NEW // 3 for _, ref in items) and items[0][1] != items[1][1]   # not degenerate
+    verifier = TargetVerifier(qwen.model)
+    assert verifier.mode == "rollback"
+    for ids, ref in items:
+        oracle = CorruptingOracle(ids + ref, _pattern, VOCAB)
+        saves0, restores0 = verifier.snapshot.saves, verifier.snapshot.restores
+        r = speculative_generate(verifier, oracle, ids, block_size=6, max_new_tokens=NEW, eos_ids=eos)
+        assert r.tokens == ref
+        n = len(oracle.expected)                                   # a last step with no budget drafts nothing
+        assert r.accepted[:n] == oracle.expected and not any(r.accepted[n:])
+        rejected = sum(a < p for a, p in zip(r.accepted, r.proposed))
+        assert 0 < rejected < r.steps                              # both paths ran
+        assert r.refeeds == rejected and r.target_forwards == r.steps + 1
+        assert verifier.snapshot.restores - restores0 == rejected and verifier.snapshot.saves - saves0 == r.steps
+    ref_runs = [speculative_generate(TargetVerifier(qwen.model, cache_mode="recompute"),
+                                     CorruptingOracle(ids + ref, _pattern, VOCAB), ids, block_size=6,
+                                     max_new_tokens=NEW, eos_ids=eos) for ids, ref in items[:1]]
+    assert ref_runs[0].tokens == items[0][1]
+
+
+class _StateChecker:
+    """Wraps verifier.commit: after each commit, the cache must equal a fresh prefill of the fed tokens."""
+
+    def __init__(self, verifier: TargetVerifier, model):
+        self.verifier, self.model = verifier, model
+        self.inner = verifier.commit
+        self.max_err, self.checks, self.kinds = 0.0, 0, set()
+        verifier.commit = self.commit
+
+    def commit(self, accepted, bonus):
+        drop = len(self.verifier._pending) - 1 - accepted
+        self.inner(accepted, bonus)
+        fed = self.verifier.tokens[:-1]                          # the last committed token is not fed yet
+        fresh = new_dynamic_cache(self.model)
+        with torch.inference_mode():
+            self.model(input_ids=torch.tensor([fed]), use_cache=True, logits_to_keep=1,
+                       **{cache_kwarg_name(self.model): fresh})
+        got, want = cache_tensors(self.verifier.cache), cache_tensors(fresh)
+        assert [g.shape for g in got] == [w.shape for w in want]
+        self.max_err = max(self.max_err, max((g - w).abs().max().item() for g, w in zip(got, want)))
+        self.checks += 1
+        self.kinds.add("rejected" if drop else "all accepted")
+
+
+def test_cache_and_features_after_each_commit_equal_a_fresh_forward(qwen, cases):
+    eos, items = cases
+    from tests.eval_helpers import tiny_drafter
+
+    _, cfg = tiny_drafter(block_size=5, layer_ids=(1, 3, 7))       # 3 = attention, 7 = last layer (final norm)
+    ids, ref = items[1]
+    with make_dflash_verifier(qwen.model, cfg, qwen.num_layers, qwen.hidden_size) as verifier:
+        checker = _StateChecker(verifier, qwen.model)
+        oracle = CorruptingOracle(ids + ref, _pattern, VOCAB, needs_features=True)
+        r = speculative_generate(verifier, oracle, ids, block_size=5, max_new_tokens=NEW, eos_ids=eos)
+    assert r.tokens == ref
+    assert checker.checks == r.steps and checker.kinds == {"rejected", "all accepted"}
+    assert checker.max_err < 1e-4
+    for tokens, feats in oracle.seen:                              # features of every committed prefix
+        want = standalone_features(qwen, torch.tensor(tokens[:-1]), cfg.target_layer_ids).hidden_TD
+        torch.testing.assert_close(feats, want, rtol=1e-4, atol=1e-4)
+
+
+def test_fault_injection_skipping_the_restore_is_caught(qwen, cases, monkeypatch):
+    eos, items = cases
+    monkeypatch.setattr(RecurrentSnapshot, "restore", lambda self, cache: None)
+    verifier = TargetVerifier(qwen.model)
+    checker = _StateChecker(verifier, qwen.model)
+    wrong = 0
+    for ids, ref in items[:2]:
+        r = speculative_generate(verifier, CorruptingOracle(ids + ref, _pattern, VOCAB), ids, block_size=6,
+                                 max_new_tokens=NEW, eos_ids=eos)
+        wrong += r.tokens != ref
+    assert checker.max_err > 1e-2                                  # the stale state is visible in the cache
+    assert wrong >= 1                                              # and in the output

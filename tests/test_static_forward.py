@@ -1,0 +1,131 @@
+"""StaticKVEngine: prefill + decode steps over rows of different lengths equal HF's full forward (fp32, CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash_pipe.errors import UsageError
+from dflash_pipe.target.static_forward import StaticKVEngine, engine_support
+from tests.eval_helpers import hf_greedy, liven
+
+
+def _model(preset: str, **overrides):
+    from dflash_pipe.target.loading import build_random_model
+
+    model = build_random_model(preset, seed=0, device=torch.device("cpu"), dtype=torch.float32, **overrides)
+    model.eval().requires_grad_(False)
+    return liven(model)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return _model("tiny-llama")
+
+
+def _small(config_cls, **extra):
+    from transformers import AutoModelForCausalLM
+
+    cfg = config_cls(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                     tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1e4}, **extra)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")
+    with torch.no_grad():                         # biases (Qwen2's q/k/v) are zero at init: make them count
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0, 0.3)
+    return liven(model.eval().requires_grad_(False))
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    from transformers import Qwen3Config
+
+    return _small(Qwen3Config, head_dim=16)          # q_norm / k_norm on the head dim
+
+
+@pytest.fixture(scope="module")
+def qwen2():
+    from transformers import Qwen2Config
+
+    return _small(Qwen2Config)                       # q/k/v biases
+
+
+def _rel(a, b):
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def _hf(model, seq, layer_ids=()):
+    out = model(input_ids=torch.tensor([seq]), output_hidden_states=bool(layer_ids), use_cache=False)
+    hid = torch.cat([out.hidden_states[i + 1][0] for i in layer_ids], -1) if layer_ids else None
+    return out.logits[0], hid
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "qwen2"])
+def test_prefill_then_decode_steps_equal_the_full_forward_for_rows_of_different_lengths(name, request):
+    model = request.getfixturevalue(name)
+    V = model.config.vocab_size
+    L = model.config.num_hidden_layers
+    layer_ids = (1, L - 1)                       # a middle layer and the last one (after the final norm)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in (5, 11, 2)]
+    eng = StaticKVEngine(model, max_batch=4, max_len=40, capture_layer_ids=layer_ids, kv_bucket=8)
+    # batched right-padded prefill into rows 3, 0, 1 (a row subset, not in order)
+    rows = [3, 0, 1]
+    T = max(map(len, prompts))
+    ids = torch.zeros((3, T), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, :len(p)] = torch.tensor(p)
+    out = eng.forward(ids, torch.tensor([len(p) for p in prompts]), rows=rows, last_only=True)
+    seqs = [list(p) for p in prompts]
+    for i, s in enumerate(seqs):
+        ref, _ = _hf(model, s)
+        assert _rel(out.logits[i], ref[-1]) <= 1e-5
+    assert [eng.length(r) for r in rows] == [5, 11, 2]
+    # decode: 4 steps of T=1 then a verify-style step of T=3 over rows 0..3 (row 2 empty: num_new 0)
+    order = [1, 2, None, 0]                      # engine row -> index into seqs (row 2 unused)
+    for step, T in enumerate([1, 1, 1, 1, 3]):
+        new = torch.randint(0, V, (4, T), generator=g)
+        num = torch.tensor([T if order[r] is not None else 0 for r in range(4)])
+        out = eng.forward(new, num)
+        for r in range(4):
+            if order[r] is None:
+                continue
+            seqs[order[r]].extend(new[r].tolist())
+            ref, hid = _hf(model, seqs[order[r]], layer_ids)
+            assert _rel(out.logits[r], ref[-T:]) <= 1e-5, (name, step, r)
+            assert _rel(out.hidden[r], hid[-T:]) <= 1e-5
+    assert eng.length(2) == 0
+    # roll back row 0 (seqs[1]) by 2 tokens, then feed a different continuation
+    eng.truncate(0, len(seqs[1]) - 2)
+    del seqs[1][-2:]
+    new = torch.randint(0, V, (1, 2), generator=g)
+    eng_out = eng.forward(torch.cat([new, torch.zeros((3, 2), dtype=torch.long)]), torch.tensor([2, 0, 0, 0]))
+    seqs[1].extend(new[0].tolist())
+    assert _rel(eng_out.logits[0], _hf(model, seqs[1])[0][-2:]) <= 1e-5
+    eng.reset([0])
+    assert eng.length(0) == 0 and eng.length(1) == len(seqs[2])
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_engine_greedy_equals_hf_generate(name, request):
+    model = request.getfixturevalue(name)
+    eng = StaticKVEngine(model, max_batch=1, max_len=64)
+    prompt = list(range(3, 12))
+    out = eng.forward(torch.tensor([prompt]), last_only=True)
+    toks = []
+    for _ in range(20):
+        t = int(out.logits[0].argmax())
+        toks.append(t)
+        out = eng.forward(torch.tensor([[t]]))
+        out.logits = out.logits[:, 0]
+    assert toks == hf_greedy(model, prompt, 20, [-1])
+    assert len(set(toks)) > 3                     # a live model, not one repeated token
+
+
+def test_hybrid_targets_are_not_supported():
+    model = _model("tiny-qwen3.5")
+    assert "layer types" in engine_support(model) or "model type" in engine_support(model)
+    with pytest.raises(UsageError, match="static-KV engine cannot run"):
+        StaticKVEngine(model, 1, 8)
