@@ -121,15 +121,16 @@ def _manifest(fs: CacheFS, spec: dict | None, problems: list[Problem]) -> dict |
 def _sidecars(fs: CacheFS, sizes: dict[str, int], about: dict, man: dict | None, problems: list[Problem]) -> None:
     n = about["num_shards"]
     entries = {e.get("index"): e for e in man["shards"]} if man else {}
+    cmd = extract_command(fs)  # once: on a store it looks for resolved_config.toml (a request)
     for i in range(n):
         name = sidecar_name(i, n)
         path = fs.display(name)
         if name not in sizes:
             if man is not None:
-                problems.append(Problem(path, "", "missing", f"rerun {extract_command(fs)}: it redoes "
+                problems.append(Problem(path, "", "missing", f"rerun {cmd}: it redoes "
                                                              f"shard {i} and rewrites the manifest"))
             continue
-        redo = f"delete {path} and rerun {extract_command(fs)}: it redoes shard {i} and rewrites the manifest"
+        redo = f"delete {path} and rerun {cmd}: it redoes shard {i} and rewrites the manifest"
         try:
             sc = json.loads(fs.read_bytes(name).decode("utf-8"))
             if not isinstance(sc, dict):
@@ -286,10 +287,11 @@ def _shards(fs: CacheFS, sizes: dict[str, int], man: dict, checksums: bool, deco
             problems.append(Problem(fs.display(name), "", f"foreign shard (not listed in {MANIFEST_FILE})",
                                     f"move {name} out of {fs.uri}"))
     rows = tokens = 0
+    cmd = extract_command(fs)
     for entry in man["shards"]:
         path, name = entry["abs_path"], str(entry["path"])
         side = fs.display(sidecar_name(entry.get("index", 0), man["num_shards"]))
-        fix = (f"delete {path} and {side} and rerun {extract_command(fs)}: it redoes that shard "
+        fix = (f"delete {path} and {side} and rerun {cmd}: it redoes that shard "
                "and rewrites the manifest")
         size = sizes.get(name) if "/" not in name else fs.size(name)
         if size is None:
