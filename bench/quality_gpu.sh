@@ -16,6 +16,8 @@
 #   (repeat C while it exits 75; `bash bench/quality_gpu.sh status` prints what is done without running anything;
 #   `bash bench/quality_gpu.sh setup` in call B's place only reassembles the GGUF and installs the wheels, for
 #   bench/gpu_bench.sh's `smollm2` step)
+#   issue 16 instead of call B: same carry, command `bash bench/quality_gpu.sh window` runs bench/window_stream.py
+#   (extract + train --follow on the one GPU within a 0.3 GiB budget; $OUT/window_stream.json; WINDOW_FLAGS adds flags)
 #
 # Exit codes: 0 report complete; 75 stopped cleanly at the deadline, work left (printed; run again within
 # 30 s); 3 carry missing (machine went cold: start again at call A); other = a stage failed (log tails in $OUT).
@@ -283,8 +285,13 @@ case $MODE in
     stash) stash; exit 0 ;;
     status) snapshot; cat "$OUT/status.txt"; exit 0 ;;
     setup) setup; say "setup: done (GGUF $DFLASH_SMOLLM2_GGUF, site $Q/site, prompts $DFLASH_PROMPTS_DIR)"; exit 0 ;;
+    window)  # issue 16: bench/window_stream.py on the one GPU (after call A's stash; GGUF + wheels as for run)
+        setup
+        "$PY" bench/window_stream.py --model-cache-dir "$MODELS" --work "$Q/window" --limit-s "${WINDOW_LIMIT_S:-420}" \
+            --json "$OUT/window_stream.json" ${WINDOW_FLAGS:-} > "$OUT/window_stream.log" 2>&1
+        rc=$?; tail -n 40 "$OUT/window_stream.log"; cp "$Q/window/"{extract,train}.log "$OUT/" 2>/dev/null; exit $rc ;;
     run) ;;
-    *) echo "usage: bench/quality_gpu.sh stash|setup|run|status" >&2; exit 2 ;;
+    *) echo "usage: bench/quality_gpu.sh stash|setup|run|status|window" >&2; exit 2 ;;
 esac
 
 setup

@@ -82,8 +82,7 @@ def build_manifest(a, work: Path) -> Path:
     if a.model_cache_dir:
         cfg.target.model_cache_dir = a.model_cache_dir
     cfg.drafter.attention, tr.compile = a.attention, a.compile
-    ex.cache_dir, ex.num_shards = str(work / "cache"), a.shards
-    ex.max_length, ex.token_budget = a.max_length, a.token_budget
+    ex.cache_dir, ex.num_shards, ex.max_length, ex.token_budget = str(work / "cache"), a.shards, a.max_length, a.token_budget
     ex.max_cache_gib, ex.space_wait_timeout_s = a.budget_gib, a.space_timeout_s
     if a.compress_workers:
         ex.compress_workers = a.compress_workers

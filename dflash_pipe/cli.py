@@ -113,18 +113,21 @@ def export_cmd(checkpoint: Path = typer.Argument(..., help="Training output dir 
 
 
 @cache_app.command("info")
-def cache_info(cache_dir: Path = typer.Argument(..., help="Cache directory.")):
+def cache_info(cache_dir: str = typer.Argument(..., help="Cache directory or URI (s3://bucket/prefix, gs://, file://).")):
     """Print the manifest summary (fingerprint fields, features, totals) and, for a window run's cache, its
     held / retired / deleted / pending shards (also while extraction is still writing: no manifest yet).
     Exit 3 on a damaged spec or manifest."""
     from .cache import load_manifest, load_spec
     from .errors import CacheError
+    from .cache.fs import open_cache_fs
     from .cache.manifest import MANIFEST_FILE
     from .cache.window import window_status
 
+    cache_dir = open_cache_fs(cache_dir)
+
     spec = load_spec(cache_dir)  # refuses a damaged cache_spec.json, naming the fix
     window = window_status(cache_dir, spec) if spec is not None else None
-    if window is not None and not (cache_dir / MANIFEST_FILE).exists():
+    if window is not None and not cache_dir.exists(MANIFEST_FILE):
         _echo_json({k: spec[k] for k in ("fingerprint", "fingerprint_fields", "features", "num_shards",
                                          "tool_version") if k in spec} | {"complete": False, "window": window})
         return
@@ -141,7 +144,7 @@ def cache_info(cache_dir: Path = typer.Argument(..., help="Cache directory.")):
 
 
 @cache_app.command("verify")
-def cache_verify(cache_dir: Path = typer.Argument(..., help="Cache directory."),
+def cache_verify(cache_dir: str = typer.Argument(..., help="Cache directory or URI (s3://bucket/prefix, gs://, file://)."),
                  checksums: bool = typer.Option(True, "--checksums/--no-checksums", help="sha256 every shard."),
                  decode: bool = typer.Option(False, help="Decode every row (page CRCs, zstd frames)."),
                  recompute: int = typer.Option(0, help="Rerun K random samples through a plain HF forward and compare."),

@@ -66,7 +66,8 @@ class DataConfig:
 
 @dataclass
 class ExtractConfig:
-    cache_dir: str = opt("runs/default/cache", "Output directory of the feature cache.")
+    cache_dir: str = opt("runs/default/cache", "Output directory of the feature cache: a path, file://…, "
+                                               "s3://bucket/prefix[?endpoint=…&region=…] or gs://bucket/prefix.")
     layer_ids: list[int] = opt([], "Target decoder layers to capture (0-based, the layer's output = HF "
                                "hidden_states[id+1]). Empty = the DFlash default for --num-target-layers.")
     num_target_layers: int = opt(5, "How many layers to capture when --layer-ids is empty.")
@@ -112,7 +113,7 @@ class DrafterConfig:
 
 @dataclass
 class TrainConfig:
-    cache_dir: str = opt("", "Feature cache to train on (empty = [extract].cache_dir).")
+    cache_dir: str = opt("", "Feature cache to train on, a path or an s3:// / gs:// URI (empty = [extract].cache_dir).")
     output_dir: str = opt("runs/default/train", "Checkpoints, logs, TensorBoard, plots and the export.")
     epochs: int = opt(1, "Passes over the cache.")
     max_steps: int = opt(0, "Stop after this many optimizer steps (0 = run all epochs).")
@@ -145,6 +146,8 @@ class TrainConfig:
     log_every: int = opt(1, "Steps between log lines / TensorBoard points.")
     resume: str = opt("auto", "'auto' (latest complete checkpoint if any), 'never', or a checkpoint directory.")
     loader_workers: int = opt(2, "Decode threads per rank.")
+    loader_read_ahead: int = opt(4, "Caches on object storage (s3://, gs://): batches ahead of the decode whose row "
+                                    "groups are fetched (ranged GETs) on their own threads; 0 = fetch on demand.")
     shuffle_rows: int = opt(256, "Shuffle buffer, in documents (seeded by seed and epoch).")
     shards: str = opt("", "Train on these cache shards only, e.g. '0-3' or '0,2,5' (empty = all): a data subset "
                       "(shards are deterministic slices of the dataset) without a new extraction.")
@@ -324,10 +327,15 @@ def to_toml(cfg: RunConfig) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_resolved(cfg: RunConfig, out_dir: str | Path) -> Path:
+def write_resolved(cfg: RunConfig, out_dir: str | Path) -> Path | str:
+    from .cache.fs import is_remote, open_cache_fs
     from .io_utils import atomic_write_text
 
-    out = Path(out_dir) / "resolved_config.toml"
+    if is_remote(out_dir):  # a cache on object storage
+        fs = open_cache_fs(out_dir)
+        fs.write_bytes("resolved_config.toml", to_toml(cfg).encode("utf-8"))
+        return fs.display("resolved_config.toml")
+    out = open_cache_fs(out_dir).root / "resolved_config.toml"  # a path or file://
     atomic_write_text(out, to_toml(cfg))
     return out
 

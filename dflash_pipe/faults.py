@@ -4,7 +4,8 @@ Set ``DFLASH_FAULT=<point>`` (optionally ``<point>@<n>`` = on the n-th time the 
 1-based) and the process kills itself with SIGKILL there, exactly like an OOM-killer or a node
 loss would: no cleanup handlers run. Unset (the normal case) this is a dictionary lookup.
 
-Points: extract.forward, extract.compress, extract.before_rename, extract.before_sidecar,
+Points: extract.forward, extract.compress, extract.upload (object storage: after each row group handed
+to the shard's upload, which is not complete yet), extract.before_rename, extract.before_sidecar,
 extract.before_manifest, train.after_step, train.checkpoint.before_marker,
 train.checkpoint.before_rename, train.window.after_retire, train.window.before_delete.
 """

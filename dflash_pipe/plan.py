@@ -22,6 +22,7 @@ import torch
 
 from .cache import load_spec
 from .cache.budget import GIB
+from .cache.fs import CacheFS, open_cache_fs
 from .cache.manifest import MANIFEST_FILE, committed_shards, diff_fields, fingerprint_of
 from .cache.window import load_ledger
 from .config import RunConfig
@@ -92,7 +93,7 @@ def _dir_identity(model_dir: Path, trust_remote_code: bool) -> tuple[dict, dict]
              "chat_template_hash": chat_template_hash(tok)}, text)
 
 
-def window_plan(cfg: RunConfig, cache_dir: Path, spec: dict | None) -> dict:
+def window_plan(cfg: RunConfig, cache_dir: CacheFS, spec: dict | None) -> dict:
     """Budget, K, window size and expected disk high-water mark (shard sizes from committed sidecars)."""
     K, budget = cfg.train.passes_per_shard, cfg.extract.max_cache_gib
     if K <= 0 and budget <= 0:
@@ -100,9 +101,11 @@ def window_plan(cfg: RunConfig, cache_dir: Path, spec: dict | None) -> dict:
     n = cfg.extract.num_shards
     sides = []
     if spec is not None:
-        for p in cache_dir.glob("shard-*.json"):
+        for name in sorted(cache_dir.list_sizes()):
+            if not (name.startswith("shard-") and name.endswith(".json")):
+                continue
             try:
-                sides.append(json.loads(p.read_text(encoding="utf-8")))
+                sides.append(json.loads(cache_dir.read_bytes(name).decode("utf-8")))
             except (OSError, ValueError):
                 continue
     big = max((int(s.get("bytes", 0)) for s in sides), default=0)
@@ -136,13 +139,13 @@ def make_plan(cfg: RunConfig) -> Plan:
     dev = cfg.extract.device
     device = torch.device("cuda" if dev == "auto" and torch.cuda.is_available() else ("cpu" if dev == "auto" else dev))
     dtype = resolve_target_dtype(cfg.target.dtype, device)
-    cache_dir = Path(cfg.extract.cache_dir)
+    cache_dir = open_cache_fs(cfg.extract.cache_dir)
     old = load_spec(cache_dir)
     if spec_str.startswith("random:"):
         plan = Plan(cfg, "run", "random-weight target: extract checks the fingerprint itself after building "
                                 "the model (committed shards are skipped if it matches)", str(device),
                     target_line=f"{spec_str} (seed {cfg.target.seed}), {str(dtype)[6:]} on {device}")
-        if old is not None and (cache_dir / MANIFEST_FILE).exists():
+        if old is not None and cache_dir.exists(MANIFEST_FILE):
             plan.reason += "; a complete cache exists here"
         plan.window = window_plan(cfg, cache_dir, old)
         return plan
@@ -189,7 +192,7 @@ def make_plan(cfg: RunConfig) -> Plan:
         plan.stage1 = "resume"
         plan.reason = (f"a window run ({led.owner}) is streaming this cache: {len(consumed)} shards consumed, "
                        f"{plan.committed} of {old['num_shards']} committed")
-    elif (cache_dir / MANIFEST_FILE).exists() and plan.committed == old["num_shards"]:
+    elif cache_dir.exists(MANIFEST_FILE) and plan.committed == old["num_shards"]:
         plan.stage1, plan.reason = "skip", "the cache is complete and its fingerprint matches this manifest"
     else:
         plan.stage1 = "resume"

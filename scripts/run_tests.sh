@@ -3,5 +3,5 @@
 # GPU tests are opt-in: scripts/run_tests.sh -m gpu  (on a CUDA machine).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-source scripts/setup_env.sh
+DFLASH_TEST_EXTRA=1 source scripts/setup_env.sh
 exec "$PY" -m pytest -q "$@"

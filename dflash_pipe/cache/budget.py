@@ -6,6 +6,11 @@ one shard (it is still growing). The estimate of the next shard is the largest c
 far (from the sidecars, which outlive deleted shards); before the first commit it is unknown (0).
 Check and temp-file creation happen under an exclusive lock on ``.window-space.lock`` so two ranks
 cannot both take the last room. Waiting sleeps `poll_s` between looks (no busy loop).
+
+On object storage (cache/fs.py) the budget bounds the objects held under the prefix: held bytes come
+from one listing per look, the estimate from the sidecars (each read once). A store has no lock and
+no visible in-flight uploads, so each extraction job counts only its own next shard: with J jobs the
+prefix can hold up to J - 1 shards past the budget.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from pathlib import Path
 
 from ..errors import RuntimeFailure, UsageError
 from ..io_utils import TMP_MARK, is_temp_name
+from .fs import open_cache_fs
 
 log = logging.getLogger("dflash_pipe.extract")
 GIB = 1 << 30
@@ -72,7 +78,9 @@ def held_bytes(cache_dir: Path, estimate: int) -> tuple[int, int, int]:
 class DiskBudget:
     def __init__(self, cache_dir: str | Path, max_gib: float, passes_per_shard: int, timeout_s: float,
                  poll_s: float = 1.0, report_every_s: float = 30.0):
-        self.cache_dir = Path(cache_dir)
+        self.fs = open_cache_fs(cache_dir)
+        self.cache_dir = self.fs.root if self.fs.is_local else self.fs.uri
+        self._sidecar_bytes: dict[str, int] = {}  # object stores: sidecars read so far
         self.limit = int(max_gib * GIB)
         self.passes = max(1, passes_per_shard)
         self.timeout_s, self.poll_s, self.report_every_s = timeout_s, poll_s, report_every_s
@@ -96,6 +104,10 @@ class DiskBudget:
     def room_for_next_shard(self):
         """Wait until the next shard fits, then hold the lock while the caller creates its temp file."""
         if not self.enabled:
+            yield
+            return
+        if not self.fs.is_local:
+            self._wait_remote()
             yield
             return
         self.cache_dir.mkdir(parents=True, exist_ok=True)
@@ -135,3 +147,41 @@ class DiskBudget:
                         "start or resume `dflash-pipe train --follow --passes-per-shard K` on this cache (it "
                         "deletes consumed shards), then rerun extract; or raise --space-wait-timeout-s")
                 time.sleep(self.poll_s)
+
+    def _remote_held(self) -> tuple[int, int, int]:
+        """(held bytes, shard objects, estimate of the next shard) under an object-store prefix."""
+        sizes = self.fs.list_sizes()
+        for name in sizes:
+            if name.startswith("shard-") and name.endswith(".json") and name not in self._sidecar_bytes:
+                try:
+                    self._sidecar_bytes[name] = int(json.loads(self.fs.read_bytes(name)).get("bytes", 0))
+                except (FileNotFoundError, ValueError, TypeError):
+                    continue
+        shards = [n for n in sizes if n.startswith("shard-") and n.endswith(".parquet")]
+        return sum(sizes[n] for n in shards), len(shards), max(self._sidecar_bytes.values(), default=0)
+
+    def _wait_remote(self) -> None:
+        t0 = t_progress = last_report = time.monotonic()
+        last_held = None
+        while True:
+            held, files, est = self._remote_held()
+            self.check_fits_window(est)
+            if held + est <= self.limit:
+                self.waited_s += time.monotonic() - t0
+                return
+            now = time.monotonic()
+            if last_held is None or held < last_held:
+                t_progress = now
+            last_held = held
+            if now - last_report >= self.report_every_s or now == t0:
+                log.info("waiting for space: %s of %s GiB held by %d shard objects still to be trained under %s",
+                         _gib(held), _gib(self.limit), files, self.cache_dir)
+                last_report = now
+            if now - t_progress > self.timeout_s:
+                self.waited_s += now - t0
+                raise RuntimeFailure(
+                    f"no space freed under {self.cache_dir} for {self.timeout_s:.0f}s: {_gib(held)} of "
+                    f"{_gib(self.limit)} GiB held by {files} shards; the trainer seems gone",
+                    "start or resume `dflash-pipe train --follow --passes-per-shard K` on this cache (it "
+                    "deletes consumed shards), then rerun extract; or raise --space-wait-timeout-s")
+            time.sleep(self.poll_s)

@@ -18,11 +18,12 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from .. import __version__
 from ..errors import CacheError, FingerprintMismatch
-from ..io_utils import atomic_write_json, remove_stale_temps, safe_child, sha256_file, sha256_json
+from ..io_utils import sha256_json
+from .fs import CacheFS, open_cache_fs
 from .schema import FORMAT_VERSION, shard_name
 from .writer import ShardInfo
 
@@ -43,38 +44,44 @@ def diff_fields(old: dict, new: dict) -> dict[str, tuple[Any, Any]]:
     return {k: (old.get(k), new.get(k)) for k in keys if old.get(k) != new.get(k)}
 
 
-def extract_command(cache_dir: Path) -> str:
+def extract_command(cache_dir: str | Path | CacheFS) -> str:
     """The extract command line that resumes this cache with the settings it was made with."""
-    cache_dir = Path(cache_dir)
-    if (cache_dir / RESOLVED_FILE).is_file():
-        return f"`dflash-pipe extract -m {cache_dir / RESOLVED_FILE} --cache-dir {cache_dir}`"
-    return f"`dflash-pipe extract --cache-dir {cache_dir}` with the manifest that made this cache"
+    fs = open_cache_fs(cache_dir)
+    if fs.is_local and (fs.root / RESOLVED_FILE).is_file():
+        return f"`dflash-pipe extract -m {fs.display(RESOLVED_FILE)} --cache-dir {fs.uri}`"
+    if not fs.is_local and fs.exists(RESOLVED_FILE):  # -m takes a local file: the settings are in the object
+        return (f"`dflash-pipe extract --cache-dir {fs.uri}` with the settings in {fs.display(RESOLVED_FILE)} "
+                "(download it and pass it as -m)")
+    return f"`dflash-pipe extract --cache-dir {fs.uri}` with the manifest that made this cache"
 
 
-def spec_hint(cache_dir: Path) -> str:
-    return (f"delete {Path(cache_dir) / SPEC_FILE} and rerun {extract_command(cache_dir)}: it rewrites the spec "
+def spec_hint(cache_dir: str | Path | CacheFS) -> str:
+    fs = open_cache_fs(cache_dir)
+    return (f"delete {fs.display(SPEC_FILE)} and rerun {extract_command(fs)}: it rewrites the spec "
             "and keeps the shards committed under the same settings (or add --overwrite to extract the cache "
             "again from scratch)")
 
 
-def sidecar_hint(path: Path) -> str:
-    return f"delete {path} and rerun {extract_command(path.parent)}: it redoes that one shard"
+def sidecar_hint(fs: CacheFS, name: str) -> str:
+    return f"delete {fs.display(name)} and rerun {extract_command(fs)}: it redoes that one shard"
 
 
-def manifest_hint(cache_dir: Path) -> str:
+def manifest_hint(cache_dir: str | Path | CacheFS) -> str:
     return (f"rerun {extract_command(cache_dir)}: with every shard committed it only rewrites {MANIFEST_FILE} "
             "from the shard sidecars")
 
 
-def _read_json(path: Path, what: str, hint: str) -> dict:
+def _read_json(fs: CacheFS, name: str, what: str, hint: Callable[[], str] = str) -> dict:
+    """A JSON object; `hint()` (made only on an error: on a store it may cost a request) names the fix."""
+    path = fs.display(name)
     try:
-        obj = json.loads(path.read_text(encoding="utf-8"))
+        obj = json.loads(fs.read_bytes(name).decode("utf-8"))
     except FileNotFoundError:
         raise
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CacheError(f"{path}: {what} is not valid JSON ({exc})", hint) from None
+        raise CacheError(f"{path}: {what} is not valid JSON ({exc})", hint()) from None
     if not isinstance(obj, dict):
-        raise CacheError(f"{path}: {what} must be a JSON object", hint)
+        raise CacheError(f"{path}: {what} must be a JSON object", hint())
     return obj
 
 
@@ -84,13 +91,13 @@ def make_spec(fingerprint_fields: dict, target: dict, features: dict, num_shards
             "target": target, "features": features, "num_shards": num_shards, **extra}
 
 
-def load_spec(cache_dir: str | Path) -> dict | None:
+def load_spec(cache_dir: str | Path | CacheFS) -> dict | None:
     """The cache spec, or None if there is none; a damaged one (not JSON, a field missing, the
     fingerprint not matching its fields) is refused with a hint that works."""
-    cache_dir = Path(cache_dir)
-    path = cache_dir / SPEC_FILE
+    cache_dir = open_cache_fs(cache_dir)
+    path = cache_dir.display(SPEC_FILE)
     try:
-        spec = _read_json(path, "cache spec", spec_hint(cache_dir))
+        spec = _read_json(cache_dir, SPEC_FILE, "cache spec", lambda: spec_hint(cache_dir))
     except FileNotFoundError:
         return None
     for key in SPEC_KEYS:
@@ -105,7 +112,7 @@ def load_spec(cache_dir: str | Path) -> dict | None:
     return spec
 
 
-def mismatch_error(cache_dir: Path, old_fields: dict, new_fields: dict) -> FingerprintMismatch:
+def mismatch_error(cache_dir, old_fields: dict, new_fields: dict) -> FingerprintMismatch:
     diff = diff_fields(old_fields, new_fields)
     lines = "\n".join(f"    {k}: cache has {a!r}, this run has {b!r}" for k, (a, b) in diff.items())
     return FingerprintMismatch(
@@ -113,12 +120,13 @@ def mismatch_error(cache_dir: Path, old_fields: dict, new_fields: dict) -> Finge
         "use a new --cache-dir, or pass --overwrite to delete this cache and extract again")
 
 
-def init_or_check_spec(cache_dir: str | Path, spec: dict, overwrite: bool = False) -> str:
+def init_or_check_spec(cache_dir: str | Path | CacheFS, spec: dict, overwrite: bool = False) -> str:
     """Create the spec, or check the existing one. Returns 'new' | 'match' | 'overwritten'."""
-    cache_dir = Path(cache_dir)
-    cache_dir.mkdir(parents=True, exist_ok=True)
+    fs = open_cache_fs(cache_dir)
+    cache_dir = fs.uri
+    fs.ensure_root()
     try:
-        old = load_spec(cache_dir)
+        old = load_spec(fs)
     except CacheError:
         if not overwrite:
             raise
@@ -131,59 +139,67 @@ def init_or_check_spec(cache_dir: str | Path, spec: dict, overwrite: bool = Fals
         raise mismatch_error(cache_dir, old.get("fingerprint_fields", {}), spec["fingerprint_fields"])
     status = "new"
     if old is not None:
-        delete_cache_files(cache_dir)
+        delete_cache_files(fs)
         status = "overwritten"
-    atomic_write_json(cache_dir / SPEC_FILE, spec)
+    fs.write_json(SPEC_FILE, spec)
     return status
 
 
-def delete_cache_files(cache_dir: Path) -> None:
+def delete_cache_files(cache_dir: str | Path | CacheFS) -> None:
     """Remove what extract writes (and nothing else the user may keep there)."""
-    for p in cache_dir.iterdir():
+    fs = open_cache_fs(cache_dir)
+    for name in sorted(fs.list_sizes()):
         # the head file too: extract only writes it when absent, so another target's would be kept
-        if p.name in (SPEC_FILE, MANIFEST_FILE, HEAD_FILE) or (p.name.startswith("shard-")
-                                                               and p.suffix in (".parquet", ".json")):
-            p.unlink()
-    remove_stale_temps(cache_dir)
+        if name in (SPEC_FILE, MANIFEST_FILE, HEAD_FILE) or (name.startswith("shard-")
+                                                             and name.endswith((".parquet", ".json"))):
+            fs.delete(name)
+    fs.remove_stale_temps()
 
 
-def sidecar_path(cache_dir: Path, index: int, num_shards: int) -> Path:
-    return cache_dir / shard_name(index, num_shards).replace(".parquet", ".json")
+def sidecar_name(index: int, num_shards: int) -> str:
+    return shard_name(index, num_shards).replace(".parquet", ".json")
 
 
-def write_sidecar(cache_dir: str | Path, spec: dict, info: ShardInfo, stats: dict) -> None:
-    cache_dir = Path(cache_dir)
+def sidecar_path(cache_dir: str | Path, index: int, num_shards: int) -> Path:
+    return Path(cache_dir) / sidecar_name(index, num_shards)
+
+
+def write_sidecar(cache_dir: str | Path | CacheFS, spec: dict, info: ShardInfo, stats: dict) -> None:
     sidecar = {"fingerprint": spec["fingerprint"], "num_shards": spec["num_shards"], **asdict(info), "stats": stats}
-    atomic_write_json(sidecar_path(cache_dir, info.index, spec["num_shards"]), sidecar)
+    open_cache_fs(cache_dir).write_json(sidecar_name(info.index, spec["num_shards"]), sidecar)
 
 
-def committed_shards(cache_dir: str | Path, spec: dict) -> dict[int, dict]:
+def committed_shards(cache_dir: str | Path | CacheFS, spec: dict) -> dict[int, dict]:
     """Shards whose file and sidecar both exist and agree (size, fingerprint). Others are redone.
+    One listing gives every name and size (one request per 1,000 objects on a store).
 
     A shard that a window run has consumed (window.json says `deleted`) has only its sidecar left and
     still counts as committed (entry field "deleted": true): extraction must not redo it."""
     from .window import load_ledger
 
-    cache_dir = Path(cache_dir)
+    fs = open_cache_fs(cache_dir)
+    sizes = fs.list_sizes()
     out: dict[int, dict] = {}
     n = spec["num_shards"]
     missing: dict[int, dict] = {}
     for i in range(n):
-        side = sidecar_path(cache_dir, i, n)
-        if not side.exists():
+        side = sidecar_name(i, n)
+        if side not in sizes:
             continue
-        sc = _read_json(side, "shard sidecar", sidecar_hint(side))
+        sc = _read_json(fs, side, "shard sidecar", lambda: sidecar_hint(fs, side))
         if sc.get("fingerprint") != spec["fingerprint"]:
-            raise CacheError(f"{side}: belongs to a cache with another fingerprint",
+            raise CacheError(f"{fs.display(side)}: belongs to a cache with another fingerprint",
                              "a foreign shard was copied here; remove it or use --overwrite")
-        data = safe_child(cache_dir, sc.get("path", ""), f"{side} field 'path'")
-        if data.exists() and data.stat().st_size == sc.get("bytes"):
+        rel = str(sc.get("path", ""))
+        fs.child(rel, f"{fs.display(side)} field 'path'")  # refuses absolute paths and escapes
+        size = sizes.get(rel) if "/" not in rel else fs.size(rel)
+        if size is not None and size == sc.get("bytes"):
             out[i] = sc
-        elif not data.exists():
+        elif size is None:
             missing[i] = sc
     # read the ledger after looking at the files: the trainer marks a shard deleted before it unlinks it,
     # so every file seen missing above was either consumed by then or never committed
-    ledger = load_ledger(cache_dir, spec)
+    ledger = load_ledger(fs, spec)
     consumed = ledger.deleted_indices() if ledger is not None else set()
     for i, sc in missing.items():
         if i in consumed:
@@ -191,10 +207,10 @@ def committed_shards(cache_dir: str | Path, spec: dict) -> dict[int, dict]:
     return dict(sorted(out.items()))
 
 
-def try_finalize(cache_dir: str | Path, spec: dict) -> dict | None:
+def try_finalize(cache_dir: str | Path | CacheFS, spec: dict) -> dict | None:
     """If every shard is committed, merge the sidecars into manifest.json (idempotent)."""
-    cache_dir = Path(cache_dir)
-    shards = committed_shards(cache_dir, spec)
+    fs = open_cache_fs(cache_dir)
+    shards = committed_shards(fs, spec)
     if len(shards) < spec["num_shards"]:
         return None
     entries = [shards[i] for i in range(spec["num_shards"])]
@@ -216,32 +232,35 @@ def try_finalize(cache_dir: str | Path, spec: dict) -> dict | None:
                 "totals": totals, "stats": stats}
     old = None
     try:
-        old = _read_json(cache_dir / MANIFEST_FILE, "manifest", "")
+        old = _read_json(fs, MANIFEST_FILE, "manifest")
     except (FileNotFoundError, CacheError):
         pass  # none yet, or damaged: it is rewritten from the sidecars below
-    head = head_file_record(cache_dir, spec, (old or {}).get("head_file"))
+    head = head_file_record(fs, spec, (old or {}).get("head_file"))
     if head is not None:
         manifest["head_file"] = head
     if old != manifest:
-        atomic_write_json(cache_dir / MANIFEST_FILE, manifest)
+        fs.write_json(MANIFEST_FILE, manifest)
     return manifest
 
 
-def head_file_record(cache_dir: Path, spec: dict, old: dict | None) -> dict | None:
+def head_file_record(cache_dir: str | Path | CacheFS, spec: dict, old: dict | None) -> dict | None:
     """Size and sha256 of the target head file for the manifest (`cache verify` checks them). The
-    old manifest's sha256 is kept while size and mtime are unchanged (hashing a 27B target's 5 GB head
-    on every finalize would cost seconds per rank); None for caches without a head file."""
+    old manifest's sha256 is kept while size and mtime (an object's last-modified time) are unchanged
+    (hashing a 27B target's 5 GB head on every finalize would cost seconds per rank, more from a
+    store); None for caches without a head file."""
+    fs = open_cache_fs(cache_dir)
     name = spec.get("features", {}).get("head_file")
     if not name:
         return None
-    path = safe_child(cache_dir, name, f"{cache_dir / SPEC_FILE} field features.head_file")
-    if not path.is_file():
+    fs.child(name, f"{fs.display(SPEC_FILE)} field features.head_file")  # refuses absolute paths and escapes
+    st = fs.stat(name)
+    if st is None:
         return None
-    st = path.stat()
-    if (isinstance(old, dict) and old.get("path") == name and old.get("bytes") == st.st_size
-            and old.get("mtime_ns") == st.st_mtime_ns and old.get("sha256")):
+    size, mtime_ns = st
+    if (isinstance(old, dict) and old.get("path") == name and old.get("bytes") == size
+            and old.get("mtime_ns") == mtime_ns and old.get("sha256")):
         return old
-    return {"path": name, "bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha256_file(path)}
+    return {"path": name, "bytes": size, "mtime_ns": mtime_ns, "sha256": fs.sha256(name)}
 
 
 def merge_stats(parts: list[dict]) -> dict:
@@ -264,28 +283,29 @@ def merge_stats(parts: list[dict]) -> dict:
     return out
 
 
-def load_manifest(cache_dir: str | Path) -> dict:
-    """Read and structurally validate manifest.json (paths stay inside the cache dir)."""
-    cache_dir = Path(cache_dir)
-    path = cache_dir / MANIFEST_FILE
+def load_manifest(cache_dir: str | Path | CacheFS) -> dict:
+    """Read and structurally validate manifest.json (paths stay inside the cache dir). Each shard entry
+    gets `abs_path`: a local path, or the object's URI."""
+    fs = open_cache_fs(cache_dir)
+    cache_dir, path = fs.uri, fs.display(MANIFEST_FILE)
     try:
-        man = _read_json(path, "manifest", manifest_hint(cache_dir))
+        man = _read_json(fs, MANIFEST_FILE, "manifest", lambda: manifest_hint(fs))
     except FileNotFoundError:
         hint = ("extraction has not finished (or was interrupted): rerun `dflash-pipe extract` to resume"
-                if (cache_dir / SPEC_FILE).exists() else "run `dflash-pipe extract` first or fix --cache-dir")
+                if fs.exists(SPEC_FILE) else "run `dflash-pipe extract` first or fix --cache-dir")
         raise CacheError(f"{cache_dir}: no {MANIFEST_FILE}", hint) from None
     for key in ("fingerprint", "fingerprint_fields", "features", "target", "shards", "num_shards"):
         if key not in man:
-            raise CacheError(f"{path}: field '{key}' is missing", manifest_hint(cache_dir))
+            raise CacheError(f"{path}: field '{key}' is missing", manifest_hint(fs))
     if man.get("format_version") != FORMAT_VERSION:
         raise CacheError(f"{path}: format_version {man.get('format_version')} is not {FORMAT_VERSION}",
                          "this cache was written by another dflash-pipe version; re-extract it")
     if fingerprint_of(man["fingerprint_fields"]) != man["fingerprint"]:
         raise CacheError(f"{path}: field 'fingerprint' does not match 'fingerprint_fields' (edited by hand?)",
-                         manifest_hint(cache_dir))
+                         manifest_hint(fs))
     if len(man["shards"]) != man["num_shards"]:
         raise CacheError(f"{path}: lists {len(man['shards'])} shards, field 'num_shards' says {man['num_shards']}",
-                         manifest_hint(cache_dir))
+                         manifest_hint(fs))
     for i, entry in enumerate(man["shards"]):
-        entry["abs_path"] = str(safe_child(cache_dir, str(entry.get("path", "")), f"{path} shards[{i}].path"))
+        entry["abs_path"] = fs.child(str(entry.get("path", "")), f"{path} shards[{i}].path")
     return man

@@ -23,8 +23,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from ..errors import CacheError
+from ..errors import CacheError, RuntimeFailure
 from .codec import decode_hidden, decode_split, decompress_hidden_into, hidden_columns, u8_tensor
+from .fs import TRANSIENT, is_remote, scrub, split_location
 from .schema import META_KEY, column_names
 
 
@@ -83,16 +84,32 @@ class RowRef:
 
 class ShardReader:
     def __init__(self, path: str | Path, expect_fingerprint: str | None = None):
-        self.path = Path(path)
-        self.name = self.path.name
+        self._remote = None  # ObjectCacheFS of an s3:// / gs:// shard (ranged reads, retries)
         self._lock = threading.Lock()
-        try:
-            self.file = pq.ParquetFile(self.path, page_checksum_verification=True, memory_map=True)
-        except FileNotFoundError:
-            raise CacheError(f"shard {self.path} is missing", "rerun `dflash-pipe extract` to rebuild it") from None
-        except (OSError, pa.ArrowException) as exc:
-            raise CacheError(f"shard {self.path}: not a readable Parquet file ({exc}); truncated or damaged",
-                             "delete it (and its .json sidecar) and rerun `dflash-pipe extract`") from None
+        if is_remote(path):
+            self._remote, self.name = split_location(str(path))
+            self.path = self._remote.display(self.name)
+        else:
+            self.path = Path(path)
+            self.name = self.path.name
+        attempt = 0
+        while True:
+            try:
+                if self._remote is not None:  # ranged GETs: the footer, then each row group's column chunks
+                    self.file = pq.ParquetFile(self._remote.open_input_file(self.name),
+                                               page_checksum_verification=True, pre_buffer=True)
+                else:
+                    self.file = pq.ParquetFile(self.path, page_checksum_verification=True, memory_map=True)
+                break
+            except FileNotFoundError:
+                raise CacheError(f"shard {self.path} is missing", "rerun `dflash-pipe extract` to rebuild it") from None
+            except (OSError, pa.ArrowException) as exc:
+                if self._remote is not None and TRANSIENT.search(str(exc)) and attempt + 1 < self._remote.attempts:
+                    attempt += 1
+                    self._remote.note_retry(f"shard {self.path}: footer", attempt, exc)
+                    continue
+                raise CacheError(f"shard {self.path}: not a readable Parquet file ({scrub(str(exc))}); truncated or "
+                                 "damaged", "delete it (and its .json sidecar) and rerun `dflash-pipe extract`") from None
         raw_meta = (self.file.schema_arrow.metadata or {}).get(META_KEY)
         if raw_meta is None:
             raise CacheError(f"shard {self.path}: no dflash_pipe metadata; not a dflash-pipe shard")
@@ -126,16 +143,33 @@ class ShardReader:
             return self._read_unlocked(i, columns)
 
     def _read_unlocked(self, i: int, columns: list[str]) -> pa.Table:
-        try:
-            return self.file.read_row_group(i, columns=columns, use_threads=False)
-        except (OSError, pa.ArrowException) as first:
-            for col in columns:  # find the damaged column to name it
-                try:
-                    self.file.read_row_group(i, columns=[col], use_threads=False)
-                except (OSError, pa.ArrowException) as exc:
-                    raise CacheError(f"shard {self.path}: row group {i}, field {col}: {exc}",
-                                     "the shard is damaged; delete it and its .json sidecar, then rerun extract") from None
-            raise CacheError(f"shard {self.path}: row group {i}: {first}") from None
+        attempt = 0
+        while True:
+            try:
+                return self.file.read_row_group(i, columns=columns, use_threads=False)
+            except (OSError, pa.ArrowException) as exc:
+                if self._remote is None or not TRANSIENT.search(str(exc)):
+                    return self._damaged(i, columns, exc)
+                attempt += 1  # a network error, not damage: retry with backoff, bounded
+                if attempt >= self._remote.attempts:
+                    raise RuntimeFailure(f"shard {self.path}: row group {i}: {scrub(str(exc))} (after {attempt} "
+                                         "attempts)", "check the endpoint and the network, then rerun") from None
+                self._remote.note_retry(f"shard {self.path}: row group {i}", attempt, exc)
+
+    def _damaged(self, i: int, columns: list[str], first: BaseException) -> pa.Table:
+        """A read failed for another reason than the network: name the damaged column (a checksum
+        mismatch is never re-read)."""
+        for col in columns:  # find the damaged column to name it
+            try:
+                self.file.read_row_group(i, columns=[col], use_threads=False)
+            except (OSError, pa.ArrowException) as exc:
+                raise CacheError(f"shard {self.path}: row group {i}, field {col}: {exc}",
+                                 "the shard is damaged; delete it and its .json sidecar, then rerun extract") from None
+        raise CacheError(f"shard {self.path}: row group {i}: {first}") from None
+
+    def num_tokens_column(self):
+        """Every row's token count (one small column chunk per row group), as a numpy array."""
+        return self.file.read(columns=["num_tokens"], use_threads=False).column("num_tokens").to_numpy()
 
     def read_row_group(self, i: int, with_features: bool = True) -> list[RowRef]:
         cols = list(self.columns) if with_features else ["sample_id", "doc_index", "num_tokens", "input_ids",

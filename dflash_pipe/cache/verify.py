@@ -13,27 +13,37 @@
                              CRCs, zstd frames, lengths). No foreign Parquet files.
 
 Every problem is reported (not just the first) with the action that repairs it; any problem raises
-`CacheError` (exit 3). `--recompute K` (extract/recompute.py) additionally reruns K samples through
-the target.
+`CacheError` (exit 3). Local directories and object-store prefixes (s3://, gs://) go through the same
+checks (cache/fs.py); on a store the head file's header is read by two ranged GETs (``decode=True``
+downloads it to a temp dir for the value check), and incomplete multipart uploads under the prefix (a
+killed writer's; invisible to readers, they only cost storage until aborted) are reported. `--recompute K`
+(extract/recompute.py) additionally reruns K samples through the target.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import tempfile
 import tomllib
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
-from ..errors import CacheError
-from ..io_utils import is_temp_name, safe_child, sha256_file
+from ..errors import CacheError, DFlashError
+from ..io_utils import is_temp_name
+from .fs import CacheFS, open_cache_fs
 from .manifest import (MANIFEST_FILE, RESOLVED_FILE, SPEC_FILE, extract_command, load_manifest, load_spec,
-                       sidecar_path)
+                       sidecar_name)
 from .reader import ShardReader
+
+log = logging.getLogger("dflash_pipe.cache.verify")
 
 
 @dataclass
 class Problem:
-    file: Path
+    file: str           # a local path or an object's URI
     field: str          # "" = the file as a whole
     message: str
     fix: str
@@ -43,77 +53,86 @@ class Problem:
         return f"{where}: {self.message}\n      fix: {self.fix}"
 
 
-def verify_cache(cache_dir: str | Path, checksums: bool = True, decode: bool = False) -> dict:
-    cache_dir = Path(cache_dir)
-    if not cache_dir.is_dir():
-        raise CacheError(f"{cache_dir}: no such cache directory", "pass the [extract].cache_dir of a run")
-    if not (cache_dir / SPEC_FILE).exists() and not (cache_dir / MANIFEST_FILE).exists():
-        raise CacheError(f"{cache_dir}: not a dflash-pipe cache (no {SPEC_FILE}, no {MANIFEST_FILE})",
+def verify_cache(cache_dir: str | Path | CacheFS, checksums: bool = True, decode: bool = False) -> dict:
+    fs = open_cache_fs(cache_dir)
+    if fs.is_local and not fs.root.is_dir():
+        raise CacheError(f"{fs.uri}: no such cache directory", "pass the [extract].cache_dir of a run")
+    sizes = fs.list_sizes()  # one listing: every name and size (one request per 1,000 objects on a store)
+    if SPEC_FILE not in sizes and MANIFEST_FILE not in sizes:
+        raise CacheError(f"{fs.uri}: not a dflash-pipe cache (no {SPEC_FILE}, no {MANIFEST_FILE})",
                          "pass the [extract].cache_dir of a run, or run `dflash-pipe extract` first")
     problems: list[Problem] = []
-    spec = _spec(cache_dir, problems)
-    man = _manifest(cache_dir, spec, problems)
+    spec = _spec(fs, problems)
+    man = _manifest(fs, spec, problems)
     about = man or spec
+    head = None
     if about is not None:
-        _sidecars(cache_dir, about, man, problems)
-        head = _head_file(cache_dir, about, man, checksums, decode, problems)
-    else:
-        head = None
-    _resolved_config(cache_dir, problems)
-    _window_ledger(cache_dir, spec, problems)
+        _sidecars(fs, sizes, about, man, problems)
+        head = _head_file(fs, sizes, about, man, checksums, decode, problems)
+    _resolved_config(fs, sizes, problems)
+    _window_ledger(fs, spec, problems)
     rows = tokens = 0
     if man is not None:
-        rows, tokens = _shards(cache_dir, man, checksums, decode, problems)
+        rows, tokens = _shards(fs, sizes, man, checksums, decode, problems)
+    stale = fs.incomplete_uploads()  # reported, not a failure: the data is whole; they only cost storage
+    if stale:
+        log.warning("%d incomplete upload(s) under %s (killed writers; invisible to readers): %s; abort them or "
+                    "set a lifecycle rule (AbortIncompleteMultipartUpload)", len(stale), fs.uri, ", ".join(stale[:5]))
     if problems:
-        raise CacheError(f"cache {cache_dir} failed verification ({len(problems)} problem(s)):\n  "
+        raise CacheError(f"cache {fs.uri} failed verification ({len(problems)} problem(s)):\n  "
                          + "\n  ".join(str(p) for p in problems),
                          "apply each 'fix' above; `dflash-pipe cache verify` again then exits 0")
-    return {"shards": len(man["shards"]), "rows": rows, "tokens": tokens, "bytes": man["totals"]["bytes"],
-            "fingerprint": man["fingerprint"], "head_file": head,
-            "files_checked": [SPEC_FILE, MANIFEST_FILE, RESOLVED_FILE, f"{len(man['shards'])} sidecars",
-                              f"{len(man['shards'])} shards"] + ([head["path"]] if head else [])}
+    report = {"shards": len(man["shards"]), "rows": rows, "tokens": tokens, "bytes": man["totals"]["bytes"],
+              "fingerprint": man["fingerprint"], "head_file": head,
+              "files_checked": [SPEC_FILE, MANIFEST_FILE, RESOLVED_FILE, f"{len(man['shards'])} sidecars",
+                                f"{len(man['shards'])} shards"] + ([head["path"]] if head else [])}
+    if not fs.is_local:
+        report["incomplete_uploads"] = "unknown (listing them needs boto3)" if stale is None else stale
+    return report
 
 
-def _spec(cache_dir: Path, problems: list[Problem]) -> dict | None:
-    path = cache_dir / SPEC_FILE
+def _spec(fs: CacheFS, problems: list[Problem]) -> dict | None:
+    path = fs.display(SPEC_FILE)
     try:
-        spec = load_spec(cache_dir)
+        spec = load_spec(fs)
     except CacheError as exc:
         problems.append(Problem(path, _field_of(exc.message), exc.message.split(": ", 1)[-1], exc.hint or ""))
         return None
     if spec is None:
-        problems.append(Problem(path, "", "missing", f"rerun {extract_command(cache_dir)}: it rewrites the spec "
+        problems.append(Problem(path, "", "missing", f"rerun {extract_command(fs)}: it rewrites the spec "
                                                      "and keeps the shards committed under the same settings"))
     return spec
 
 
-def _manifest(cache_dir: Path, spec: dict | None, problems: list[Problem]) -> dict | None:
-    path = cache_dir / MANIFEST_FILE
+def _manifest(fs: CacheFS, spec: dict | None, problems: list[Problem]) -> dict | None:
+    path = fs.display(MANIFEST_FILE)
     try:
-        man = load_manifest(cache_dir)
+        man = load_manifest(fs)
     except CacheError as exc:
         problems.append(Problem(path, _field_of(exc.message), exc.message.split(": ", 1)[-1], exc.hint or ""))
         return None
     if spec is not None and spec["fingerprint"] != man["fingerprint"]:
         problems.append(Problem(path, "fingerprint", f"{man['fingerprint'][:12]}... but {SPEC_FILE} has "
                                 f"{spec['fingerprint'][:12]}... (the two come from different extractions)",
-                                f"rerun {extract_command(cache_dir)} with --overwrite: it extracts the cache again"))
+                                f"rerun {extract_command(fs)} with --overwrite: it extracts the cache again"))
     return man
 
 
-def _sidecars(cache_dir: Path, about: dict, man: dict | None, problems: list[Problem]) -> None:
+def _sidecars(fs: CacheFS, sizes: dict[str, int], about: dict, man: dict | None, problems: list[Problem]) -> None:
     n = about["num_shards"]
     entries = {e.get("index"): e for e in man["shards"]} if man else {}
+    cmd = extract_command(fs)  # once: on a store it looks for resolved_config.toml (a request)
     for i in range(n):
-        path = sidecar_path(cache_dir, i, n)
-        redo = f"delete {path} and rerun {extract_command(cache_dir)}: it redoes shard {i} and rewrites the manifest"
-        if not path.exists():
+        name = sidecar_name(i, n)
+        path = fs.display(name)
+        if name not in sizes:
             if man is not None:
-                problems.append(Problem(path, "", "missing", f"rerun {extract_command(cache_dir)}: it redoes "
+                problems.append(Problem(path, "", "missing", f"rerun {cmd}: it redoes "
                                                              f"shard {i} and rewrites the manifest"))
             continue
+        redo = f"delete {path} and rerun {cmd}: it redoes shard {i} and rewrites the manifest"
         try:
-            sc = json.loads(path.read_text(encoding="utf-8"))
+            sc = json.loads(fs.read_bytes(name).decode("utf-8"))
             if not isinstance(sc, dict):
                 raise ValueError("not a JSON object")
         except (ValueError, UnicodeDecodeError) as exc:
@@ -129,117 +148,160 @@ def _sidecars(cache_dir: Path, about: dict, man: dict | None, problems: list[Pro
                                                    f"for shard {i}", redo))
 
 
-def _head_file(cache_dir: Path, about: dict, man: dict | None, checksums: bool, decode: bool,
+def _head_file(fs: CacheFS, sizes: dict[str, int], about: dict, man: dict | None, checksums: bool, decode: bool,
                problems: list[Problem]) -> dict | None:
     name = about.get("features", {}).get("head_file")
     if not name:
         return None  # caches written without a head file (synthetic test caches)
     try:
-        path = safe_child(cache_dir, name, f"{cache_dir / SPEC_FILE} field features.head_file")
+        path = fs.child(name, f"{fs.display(SPEC_FILE)} field features.head_file")
     except CacheError as exc:
-        problems.append(Problem(cache_dir / SPEC_FILE, "features.head_file", exc.message, "re-extract the cache "
+        problems.append(Problem(fs.display(SPEC_FILE), "features.head_file", exc.message, "re-extract the cache "
                                 "with --overwrite"))
         return None
-    fix = (f"delete {path} and rerun {extract_command(cache_dir)}: it rewrites the head file from the target "
+    fix = (f"delete {path} and rerun {extract_command(fs)}: it rewrites the head file from the target "
            "and keeps the committed shards")
-    if not path.is_file():
+    size = sizes.get(name) if "/" not in name else fs.size(name)
+    if size is None:
         problems.append(Problem(path, "", "missing (stage 2 needs the target's embeddings and lm_head)", fix))
         return None
     before = len(problems)
-    size = path.stat().st_size
     record = (man or {}).get("head_file")
     if record is not None:
         if record.get("bytes") != size:
             problems.append(Problem(path, "", f"{size} bytes, {MANIFEST_FILE} field 'head_file.bytes' says "
                                               f"{record.get('bytes')} (truncated or replaced)", fix))
             return None
-        if checksums and sha256_file(path) != record.get("sha256"):
+        if checksums and fs.sha256(name) != record.get("sha256"):
             problems.append(Problem(path, "", f"sha256 differs from {MANIFEST_FILE} field 'head_file.sha256' "
                                               "(damaged)", fix))
-    _head_tensors(path, about.get("target", {}), decode, fix, problems)
+    _head_tensors(fs, name, about.get("target", {}), decode, fix, problems)
     if len(problems) > before:
         return None
     return {"path": name, "bytes": size, "sha256": (record or {}).get("sha256"),
             "recorded": record is not None}
 
 
-def _head_tensors(path: Path, target: dict, decode: bool, fix: str, problems: list[Problem]) -> None:
+def _head_tensors(fs: CacheFS, name: str, target: dict, decode: bool, fix: str, problems: list[Problem]) -> None:
     """The tensors stage 2 reads: embedding [V, H], lm_head [V, H] unless tied, final norm [H]."""
     from safetensors import safe_open
 
+    path = fs.display(name)
     try:
-        with safe_open(str(path), framework="pt") as sf:
-            meta = sf.metadata() or {}
+        if not fs.is_local and not decode:  # the header alone: two ranged GETs, not the whole object
+            meta, shapes = _safetensors_header(fs, name)
+            _check_head_shapes(path, meta, shapes, target, fix, problems)
+            return
+        with _local_copy(fs, name) as local, safe_open(str(local), framework="pt") as sf:
             shapes = {k: list(sf.get_slice(k).get_shape()) for k in sf.keys()}
-            config = json.loads(meta.get("dflash_config", "null"))
-            if not isinstance(config, dict):
-                problems.append(Problem(path, "dflash_config", "metadata missing: not a dflash-pipe head file", fix))
-                return
-            V, H = target.get("vocab_size"), target.get("hidden_size")
-            want = {"model.embed_tokens.weight": [V, H]}
-            if not config.get("tie_word_embeddings", False):
-                want["lm_head.weight"] = [V, H]
-            if "model.norm.weight" in shapes:
-                want["model.norm.weight"] = [H]
-            for name, shape in want.items():
-                if name not in shapes:
-                    problems.append(Problem(path, name, "tensor missing", fix))
-                elif None not in shape and shapes[name] != shape:
-                    problems.append(Problem(path, name, f"shape {shapes[name]}, the cache's target has {shape}", fix))
+            want = _check_head_shapes(path, sf.metadata() or {}, shapes, target, fix, problems)
             if decode:
-                for name in want:
-                    if name in shapes and not bool(sf.get_tensor(name).float().isfinite().all()):
-                        problems.append(Problem(path, name, "holds NaN or Inf", fix))
+                for tensor in want:
+                    if tensor in shapes and not bool(sf.get_tensor(tensor).float().isfinite().all()):
+                        problems.append(Problem(path, tensor, "holds NaN or Inf", fix))
     except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types for a damaged header
-        if isinstance(exc, (KeyboardInterrupt, MemoryError)):
-            raise
+        if isinstance(exc, (KeyboardInterrupt, MemoryError)) or (isinstance(exc, DFlashError)
+                                                                 and not isinstance(exc, CacheError)):
+            raise  # the store being down or refusing access is not damage to the file
         problems.append(Problem(path, "", f"not a readable safetensors file ({exc})", fix))
 
 
-def _resolved_config(cache_dir: Path, problems: list[Problem]) -> None:
-    path = cache_dir / RESOLVED_FILE
-    if not path.exists():
+def _check_head_shapes(path: str, meta: dict, shapes: dict[str, list], target: dict, fix: str,
+                       problems: list[Problem]) -> dict[str, list]:
+    """Problems for missing tensors or wrong shapes; returns the tensors wanted (name -> shape)."""
+    config = json.loads(meta.get("dflash_config", "null"))
+    if not isinstance(config, dict):
+        problems.append(Problem(path, "dflash_config", "metadata missing: not a dflash-pipe head file", fix))
+        return {}
+    V, H = target.get("vocab_size"), target.get("hidden_size")
+    want = {"model.embed_tokens.weight": [V, H]}
+    if not config.get("tie_word_embeddings", False):
+        want["lm_head.weight"] = [V, H]
+    if "model.norm.weight" in shapes:
+        want["model.norm.weight"] = [H]
+    for name, shape in want.items():
+        if name not in shapes:
+            problems.append(Problem(path, name, "tensor missing", fix))
+        elif None not in shape and shapes[name] != shape:
+            problems.append(Problem(path, name, f"shape {shapes[name]}, the cache's target has {shape}", fix))
+    return want
+
+
+def _safetensors_header(fs: CacheFS, name: str) -> tuple[dict, dict[str, list]]:
+    """(metadata, tensor shapes) from a safetensors file's header: an 8-byte little-endian length, then
+    that many bytes of JSON."""
+    def read():
+        f = fs.open_input_file(name)
+        try:
+            total = f.size()
+            n = int.from_bytes(f.read_at(8, 0), "little")
+            if not 2 <= n <= min(total - 8, 100 << 20):
+                raise ValueError(f"header length {n} does not fit a {total}-byte file")
+            return json.loads(f.read_at(n, 8))
+        finally:
+            f.close()
+    header = fs.call(f"reading {fs.display(name)}", read)
+    if not isinstance(header, dict):
+        raise ValueError("header is not a JSON object")
+    meta = header.pop("__metadata__", None) or {}
+    return meta, {k: list(v["shape"]) for k, v in header.items()}
+
+
+@contextmanager
+def _local_copy(fs: CacheFS, name: str) -> Iterator[Path]:
+    """The file itself, or (object storage) a download in a temp dir removed afterwards."""
+    if fs.is_local:
+        yield fs.path(name)
+        return
+    with tempfile.TemporaryDirectory(prefix="dflash-verify-") as tmp:
+        yield fs.fetch_to_local(name, Path(tmp))
+
+
+def _resolved_config(fs: CacheFS, sizes: dict[str, int], problems: list[Problem]) -> None:
+    if RESOLVED_FILE not in sizes:
         return
     try:
-        tomllib.loads(path.read_text(encoding="utf-8"))
+        tomllib.loads(fs.read_bytes(RESOLVED_FILE).decode("utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        problems.append(Problem(path, "", f"not valid TOML ({exc})",
-                                f"delete it and rerun `dflash-pipe extract --cache-dir {cache_dir}` with the manifest "
+        problems.append(Problem(fs.display(RESOLVED_FILE), "", f"not valid TOML ({exc})",
+                                f"delete it and rerun `dflash-pipe extract --cache-dir {fs.uri}` with the manifest "
                                 "that made this cache (it rewrites the file and resumes)"))
 
 
-def _window_ledger(cache_dir: Path, spec: dict | None, problems: list[Problem]) -> None:
+def _window_ledger(fs: CacheFS, spec: dict | None, problems: list[Problem]) -> None:
     """window.json of a window run (`train --passes-per-shard`): its checksum, fields and fingerprint."""
     from .window import ledger_path, load_ledger
 
     try:
-        load_ledger(cache_dir, spec)
+        load_ledger(fs, spec)
     except CacheError as exc:
-        problems.append(Problem(ledger_path(cache_dir), _field_of(exc.message), exc.message.split(": ", 1)[-1],
+        problems.append(Problem(str(ledger_path(fs)), _field_of(exc.message), exc.message.split(": ", 1)[-1],
                                 exc.hint or ""))
 
 
-def _shards(cache_dir: Path, man: dict, checksums: bool, decode: bool, problems: list[Problem]) -> tuple[int, int]:
-    listed = {Path(e["abs_path"]).name for e in man["shards"]}
-    for p in sorted(cache_dir.glob("*.parquet")):
-        if p.name not in listed and not is_temp_name(p.name):
-            problems.append(Problem(p, "", f"foreign shard (not listed in {MANIFEST_FILE})",
-                                    f"move {p.name} out of {cache_dir}"))
+def _shards(fs: CacheFS, sizes: dict[str, int], man: dict, checksums: bool, decode: bool,
+            problems: list[Problem]) -> tuple[int, int]:
+    listed = {str(e["path"]) for e in man["shards"]}
+    for name in sorted(sizes):
+        if name.endswith(".parquet") and name not in listed and not is_temp_name(name):
+            problems.append(Problem(fs.display(name), "", f"foreign shard (not listed in {MANIFEST_FILE})",
+                                    f"move {name} out of {fs.uri}"))
     rows = tokens = 0
+    cmd = extract_command(fs)
     for entry in man["shards"]:
-        path = Path(entry["abs_path"])
-        side = sidecar_path(cache_dir, entry.get("index", 0), man["num_shards"])
-        fix = (f"delete {path} and {side} and rerun {extract_command(cache_dir)}: it redoes that shard "
+        path, name = entry["abs_path"], str(entry["path"])
+        side = fs.display(sidecar_name(entry.get("index", 0), man["num_shards"]))
+        fix = (f"delete {path} and {side} and rerun {cmd}: it redoes that shard "
                "and rewrites the manifest")
-        if not path.exists():
+        size = sizes.get(name) if "/" not in name else fs.size(name)
+        if size is None:
             problems.append(Problem(path, "", f"missing (manifest lists {entry['rows']} rows)", fix))
             continue
-        size = path.stat().st_size
         if size != entry["bytes"]:
             problems.append(Problem(path, "", f"{size} bytes, manifest says {entry['bytes']} (truncated or replaced)",
                                     fix))
             continue
-        if checksums and sha256_file(path) != entry["sha256"]:
+        if checksums and fs.sha256(name) != entry["sha256"]:
             problems.append(Problem(path, "", "sha256 differs from the manifest (damaged)", fix))
             continue
         try:
@@ -264,4 +326,3 @@ def _field_of(message: str) -> str:
     if "field '" in message:
         return message.split("field '", 1)[1].split("'", 1)[0]
     return ""
-

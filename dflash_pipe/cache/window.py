@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import CacheError, ValidationError
-from ..io_utils import atomic_write_json, fsync_dir, sha256_json
+from ..io_utils import fsync_dir, sha256_json
+from .fs import CacheFS, open_cache_fs
 
 WINDOW_FILE = "window.json"
 HELD, RETIRED, DELETED = "held", "retired", "deleted"
@@ -90,17 +91,20 @@ class Ledger:
         return {**body, "checksum": sha256_json(body)}
 
 
-def ledger_path(cache_dir: str | Path) -> Path:
-    return Path(cache_dir) / WINDOW_FILE
+def ledger_path(cache_dir: str | Path | CacheFS) -> Path | str:
+    """Where the ledger is: a path, or an object's URI (for messages)."""
+    fs = open_cache_fs(cache_dir)
+    return fs.path(WINDOW_FILE) if fs.is_local else fs.display(WINDOW_FILE)
 
 
-def load_ledger(cache_dir: str | Path, spec: dict | None = None) -> Ledger | None:
+def load_ledger(cache_dir: str | Path | CacheFS, spec: dict | None = None) -> Ledger | None:
     """The ledger of this cache, or None. Damage (bad JSON, checksum, fields) is a CacheError naming it."""
-    path = ledger_path(cache_dir)
+    fs = open_cache_fs(cache_dir)
+    path = ledger_path(fs)
     hint = ("the window state was damaged or edited; if no window run is in progress delete it (and re-extract "
             "the shards it deleted), otherwise restore it from a backup")
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
+        raw = json.loads(fs.read_bytes(WINDOW_FILE).decode("utf-8"))
     except FileNotFoundError:
         return None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -126,15 +130,16 @@ def load_ledger(cache_dir: str | Path, spec: dict | None = None) -> Ledger | Non
     return led
 
 
-def save_ledger(cache_dir: str | Path, ledger: Ledger) -> None:
-    atomic_write_json(ledger_path(cache_dir), ledger.to_json())
+def save_ledger(cache_dir: str | Path | CacheFS, ledger: Ledger) -> None:
+    open_cache_fs(cache_dir).write_json(WINDOW_FILE, ledger.to_json())  # atomic: rename, or one whole PUT
 
 
-def delete_shard_file(cache_dir: str | Path, name: str) -> None:
-    """Remove a retired shard's parquet file (its sidecar stays). Idempotent."""
-    p = Path(cache_dir) / name
-    p.unlink(missing_ok=True)
-    fsync_dir(Path(cache_dir))
+def delete_shard_file(cache_dir: str | Path | CacheFS, name: str) -> None:
+    """Remove a retired shard's parquet file or object (its sidecar stays). Idempotent."""
+    fs = open_cache_fs(cache_dir)
+    fs.delete(name)
+    if fs.is_local:
+        fsync_dir(fs.root)
 
 
 def check_owner(ledger: Ledger, owner: str, passes: int, path: Path) -> None:
@@ -146,32 +151,37 @@ def check_owner(ledger: Ledger, owner: str, passes: int, path: Path) -> None:
                               f"run asks for --passes-per-shard {passes}", "resume with the original value")
 
 
-def reset_consumed(cache_dir: str | Path, spec: dict, sidecar_of) -> list[int]:
+def reset_consumed(cache_dir: str | Path | CacheFS, spec: dict, sidecar_of) -> list[int]:
     """Extraction, rank 0: a finished window run consumed this cache. Drop the ledger and the sidecars of
-    the deleted shards (and the manifest) so they are extracted again. Returns the shards to redo."""
+    the deleted shards (and the manifest) so they are extracted again. Returns the shards to redo.
+    `sidecar_of(i)`: the sidecar's path or name (only its name is used)."""
     from .manifest import MANIFEST_FILE
 
-    led = load_ledger(cache_dir, spec)
+    fs = open_cache_fs(cache_dir)
+    led = load_ledger(fs, spec)
     if led is None or not led.finished:
         return []
     redo = sorted(led.deleted_indices())
     for i in redo:
-        sidecar_of(i).unlink(missing_ok=True)
-    (Path(cache_dir) / MANIFEST_FILE).unlink(missing_ok=True)
-    ledger_path(cache_dir).unlink(missing_ok=True)
-    fsync_dir(Path(cache_dir))
+        fs.delete(Path(sidecar_of(i)).name)
+    fs.delete(MANIFEST_FILE)
+    fs.delete(WINDOW_FILE)
+    if fs.is_local:
+        fsync_dir(fs.root)
     return redo
 
 
-def window_status(cache_dir: str | Path, spec: dict) -> dict | None:
+def window_status(cache_dir: str | Path | CacheFS, spec: dict) -> dict | None:
     """`cache info`'s view of the window: shards held / retired / deleted / pending, bytes on disk."""
-    led = load_ledger(cache_dir, spec)
+    fs = open_cache_fs(cache_dir)
+    led = load_ledger(fs, spec)
     if led is None:
         return None
     from .schema import shard_name
 
     n = int(spec["num_shards"])
-    on_disk = {i: p.stat().st_size for i in range(n) if (p := Path(cache_dir) / shard_name(i, n)).exists()}
+    sizes = fs.list_sizes()
+    on_disk = {i: sizes[shard_name(i, n)] for i in range(n) if shard_name(i, n) in sizes}
     known = set(led.order())
     return {"passes_per_shard": led.passes_per_shard, "owner": led.owner, "finished": led.finished,
             "consumed": led.finished and bool(led.deleted_indices()),

@@ -5,7 +5,8 @@ A shard becomes visible in three steps, each crash-safe:
   2. the temp file is fsynced and renamed onto ``shard-...parquet``;
   3. its sidecar ``shard-...json`` (rows, tokens, bytes, sha256, stats) is written atomically.
 A shard counts as committed only once its sidecar exists and matches the file's size, so a
-SIGKILL anywhere leaves either nothing or a file that the next run redoes.
+SIGKILL anywhere leaves either nothing or a file that the next run redoes. On object storage
+(see fs.py) steps 1-2 are one upload onto the final name that becomes visible when it completes.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ..errors import ValidationError
+from ..errors import RuntimeFailure, ValidationError
 from ..faults import fault_point
 from ..io_utils import disk_error, fsync_dir, temp_path_for
+from .fs import Upload, open_cache_fs
 from .schema import MAX_VALUE_BYTES, arrow_schema, column_names, parquet_write_options
 
 
@@ -61,8 +63,9 @@ class ShardInfo:
 class _HashingFile:
     """Write-only file object that sha256-hashes what passes through (no re-read at commit)."""
 
-    def __init__(self, path: Path):
-        self._f = open(path, "wb")
+    def __init__(self, path: Path | None, upload=None):
+        self._upload = upload  # object stores: an fs.Upload onto the final name instead of a temp file
+        self._f = open(path, "wb") if upload is None else upload
         self._h = hashlib.sha256()
         self._n = 0
         self.closed = False
@@ -78,25 +81,41 @@ class _HashingFile:
         return self._n
 
     def flush(self) -> None:
-        self._f.flush()
+        if self._upload is None:
+            self._f.flush()
 
     def sync_data(self) -> None:
         """Push what is written so far to the disk (fdatasync), so that the commit's fsync waits only for
         the last row group and the footer instead of the whole shard (the writer thread pays it in
-        between, not the end of a rank's run)."""
+        between, not the end of a rank's run). An upload sends its parts in the background anyway."""
+        if self._upload is not None:
+            fault_point("extract.upload")  # a row group handed to the upload, which is not complete
+            return
         self._f.flush()
         sync = getattr(os, "fdatasync", os.fsync)  # fdatasync is POSIX; macOS has only fsync
         sync(self._f.fileno())
 
     def fsync_close(self) -> None:
+        if self._upload is not None:
+            self._upload.commit()  # the object becomes visible here, whole
+            self.closed = True
+            return
         self._f.flush()
         os.fsync(self._f.fileno())
         self._f.close()
         self.closed = True
 
+    def drop(self) -> None:
+        """Failing: pass no more bytes on (a closing ParquetWriter would write its footer)."""
+        if self._upload is not None and not self.closed:
+            self._upload.dropped = True
+
     def close(self) -> None:
         if not self.closed:
-            self._f.close()
+            if self._upload is not None:
+                self._upload.abort()  # never completes a partial object under the shard's name
+            else:
+                self._f.close()
             self.closed = True
 
     @property
@@ -124,27 +143,34 @@ def _binary_column(values: list) -> pa.Array:
 class ShardWriter:
     def __init__(self, cache_dir: str | Path, name: str, index: int, codec: str, topk: int, meta: dict,
                  row_group_bytes: int = 64 << 20, sync_row_groups: bool = True):
-        self.cache_dir = Path(cache_dir)
+        self.fs = open_cache_fs(cache_dir)
+        self.remote = not self.fs.is_local
+        self.cache_dir = self.fs.uri if self.remote else self.fs.root
         self.sync_row_groups = sync_row_groups  # fdatasync after every row group (see _HashingFile.sync_data)
-        self.final_path = self.cache_dir / name
+        self.name = name
+        self.final_path = self.fs.display(name) if self.remote else self.cache_dir / name
         self.index = index
         self.codec, self.topk = codec, topk
         self.columns = column_names(codec, topk)
         self.schema = arrow_schema(codec, topk, meta)
         self.row_group_bytes = row_group_bytes
-        self.tmp_path = temp_path_for(self.final_path)
+        # object stores have no rename: the upload goes to the final name and completes at commit
+        self.tmp_path = self.final_path if self.remote else temp_path_for(self.final_path)
         self._pending: list[EncodedRow] = []
         self._pending_bytes = 0
         self.rows = self.tokens = self.supervised = self.row_groups = self.raw_bytes = 0
         self._doc_hash = hashlib.sha256()
         self._file = None
         try:
-            self._file = _HashingFile(self.tmp_path)
+            self._file = (_HashingFile(None, self.fs.call(f"starting the upload of {self.final_path}", Upload,
+                                                          self.fs, name))
+                          if self.remote else _HashingFile(self.tmp_path))
             self._writer = pq.ParquetWriter(self._file, self.schema, **parquet_write_options(self.columns))
         except BaseException as exc:  # e.g. ENOSPC on the header write: leave no temp file behind
             if self._file is not None:
                 self._file.close()
-            self.tmp_path.unlink(missing_ok=True)
+            if not self.remote:
+                self.tmp_path.unlink(missing_ok=True)
             if isinstance(exc, OSError):
                 raise disk_error(exc, self.tmp_path, "creating") from exc
             raise
@@ -201,33 +227,43 @@ class ShardWriter:
         try:
             self._flush()
             self._writer.close()
-            self._file.fsync_close()
-            size = self.tmp_path.stat().st_size
-            fault_point("extract.before_rename")
-            os.replace(self.tmp_path, self.final_path)
-            fsync_dir(self.cache_dir)
+            if self.remote:
+                fault_point("extract.before_rename")  # = before the upload completes
+                self._file.fsync_close()
+                size = self.fs.size(self.name)
+                if size != self._file.tell():
+                    raise RuntimeFailure(f"upload of {self.final_path}: the store holds {size} bytes, "
+                                         f"{self._file.tell()} were written", "rerun `dflash-pipe extract`")
+            else:
+                self._file.fsync_close()
+                size = self.tmp_path.stat().st_size
+                fault_point("extract.before_rename")
+                os.replace(self.tmp_path, self.final_path)
+                fsync_dir(self.cache_dir)
         except OSError as exc:
             self.abort()
             raise disk_error(exc, self.final_path, "committing") from exc
         except BaseException:
             self.abort()
             raise
-        return ShardInfo(path=self.final_path.name, index=self.index, rows=self.rows, tokens=self.tokens,
+        return ShardInfo(path=self.name, index=self.index, rows=self.rows, tokens=self.tokens,
                          supervised_tokens=self.supervised, bytes=size, sha256=self._file.hexdigest,
                          row_groups=self.row_groups, raw_feature_bytes=self.raw_bytes,
                          doc_indices_sha256=self._doc_hash.hexdigest())
 
     def abort(self) -> None:
+        self._file.drop()
         try:
             self._writer.close()
         except Exception:  # noqa: BLE001 - already failing; the temp file is removed below
             pass
         try:
-            self._file.close()
+            self._file.close()  # an upload: aborted (nothing stays visible under the shard's name)
         except OSError:  # a disk-full flush of the buffered tail: the file is discarded anyway
             pass
         finally:
-            self.tmp_path.unlink(missing_ok=True)
+            if not self.remote:
+                self.tmp_path.unlink(missing_ok=True)
 
 
 def make_row(sample_id: str, doc_index: int, input_ids: np.ndarray, loss_mask: np.ndarray, enc_hidden,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -28,7 +29,8 @@ import torch
 from ..cache import init_or_check_spec, make_spec, shard_name, try_finalize, write_sidecar
 from ..cache.codec import FP8, fp8_error_terms
 from ..cache.budget import DiskBudget
-from ..cache.manifest import HEAD_FILE, LAYER_CONVENTION, committed_shards, sidecar_path
+from ..cache.fs import CacheFS, open_cache_fs
+from ..cache.manifest import HEAD_FILE, LAYER_CONVENTION, committed_shards, sidecar_name
 from ..cache.schema import shard_meta
 from ..cache.window import reset_consumed
 from ..cache.writer import ShardWriter
@@ -38,7 +40,6 @@ from ..data.stats import DataStats
 from ..data.tokenize import ConversationTokenizer
 from ..faults import fault_point
 from ..dist import DistInfo, barrier, init_process_group, pick_device, set_rank_cache_dirs
-from ..io_utils import remove_stale_temps
 from ..progress import progress_bar
 from .fingerprint import fingerprint_fields, resolve_target_dtype
 from .host_pipeline import DocMeta, HostPipeline, ShardHandle
@@ -129,7 +130,7 @@ def _owned_shards(cfg: RunConfig, info: DistInfo) -> list[int]:
 
 def run_extract(cfg: RunConfig) -> ExtractSummary:
     from ..target.layers import check_servable, default_target_layer_ids, validate_layer_ids
-    from ..target.loading import load_target, save_embeddings_and_head
+    from ..target.loading import load_target
     from ..target.runner import TargetRunner
 
     info = DistInfo.from_env()
@@ -157,21 +158,21 @@ def run_extract(cfg: RunConfig) -> ExtractSummary:
                                "skip_samples": cfg.data.skip_samples, "max_samples": cfg.data.max_samples},
                       "extract": {"max_length": ex.max_length, "token_budget": ex.token_budget,
                                   "allow_unservable_layers": ex.allow_unservable_layers}})
-    cache_dir = Path(ex.cache_dir)
+    cache_dir = open_cache_fs(ex.cache_dir)  # a directory or an object-store prefix (cache/fs.py)
     status, redo = "match", []
     if info.is_main:
         status = init_or_check_spec(cache_dir, spec, overwrite=ex.overwrite)
-        remove_stale_temps(cache_dir)
-        redo = reset_consumed(cache_dir, spec, lambda i: sidecar_path(cache_dir, i, ex.num_shards))
+        cache_dir.remove_stale_temps()
+        redo = reset_consumed(cache_dir, spec, lambda i: sidecar_name(i, ex.num_shards))
         if redo:
             log.info("a finished window run consumed shards %s of this cache: extracting them again", redo)
-        if not (cache_dir / HEAD_FILE).exists():
-            save_embeddings_and_head(bundle, cache_dir / HEAD_FILE)
-        write_resolved(cfg, cache_dir)
+        if not cache_dir.exists(HEAD_FILE):
+            _save_head(bundle, cache_dir)
+        write_resolved(cfg, ex.cache_dir)
     barrier()
     if not info.is_main:
         init_or_check_spec(cache_dir, spec, overwrite=False)
-    summary = ExtractSummary(str(cache_dir), status)
+    summary = ExtractSummary(cache_dir.uri, status)
     summary.reextracted_consumed = redo if info.is_main else []
     held = max(1, cfg.train.passes_per_shard) + cfg.train.window_checkpoint_rounds - 1  # shards the trainer may hold
     budget = DiskBudget(cache_dir, ex.max_cache_gib, held, ex.space_wait_timeout_s)
@@ -211,6 +212,20 @@ def run_extract(cfg: RunConfig) -> ExtractSummary:
     fault_point("extract.before_manifest")
     summary.complete = try_finalize(cache_dir, spec) is not None
     return summary
+
+
+def _save_head(bundle, cache_dir: CacheFS) -> None:
+    """target_head.safetensors: written in place locally; on a store saved to a local temp file, then
+    uploaded as one object."""
+    from ..target.loading import save_embeddings_and_head
+
+    if cache_dir.is_local:
+        save_embeddings_and_head(bundle, cache_dir.path(HEAD_FILE))
+        return
+    with tempfile.TemporaryDirectory(prefix="dflash-head-") as tmp:
+        local = Path(tmp) / HEAD_FILE
+        save_embeddings_and_head(bundle, local)
+        cache_dir.upload_file(HEAD_FILE, local)
 
 
 def _compress_workers(cfg: RunConfig) -> int:

@@ -92,9 +92,22 @@ def cache_identity(spec: dict) -> dict:
 class FrozenHead:
     """The target's embedding rows (on the CPU: blocks only need anchor + MASK rows) and lm_head."""
 
-    def __init__(self, cache_dir: Path, head_file: str, device: torch.device, dtype: torch.dtype):
-        path = safe_child(Path(cache_dir), head_file, f"{cache_dir}/cache_spec.json field features.head_file")
-        if not path.exists():
+    def __init__(self, cache_dir, head_file: str, device: torch.device, dtype: torch.dtype,
+                 scratch: Path | None = None):
+        """`cache_dir`: a path or a cache URI; a head file on object storage is downloaded into `scratch`."""
+        from ..cache.fs import open_cache_fs
+
+        fs = open_cache_fs(cache_dir)
+        what = f"{fs.uri}/cache_spec.json field features.head_file"
+        if fs.is_local:
+            path = safe_child(fs.root, head_file, what)
+        else:
+            fs.child(head_file, what)  # refuses absolute paths and escapes
+            try:
+                path = fs.fetch_to_local(head_file, Path(scratch or "."))
+            except FileNotFoundError:
+                path = fs.display(head_file)
+        if not Path(path).exists():
             raise CacheError(f"{path} is missing: stage 2 needs the target's embeddings and lm_head",
                              "rerun `dflash-pipe extract` on this cache (it rewrites the head file)")
         from ..target.heads import read_embeddings_and_head

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import pyarrow.parquet as pq
 import torch
 
 from ..cache import load_manifest, load_spec
 from ..cache.codec import FP8, decode_split, planes_shape
+from ..cache.fs import open_cache_fs
 from ..cache.manifest import MANIFEST_FILE, committed_shards
 from ..cache.reader import ShardReader
 from ..cache.window import WINDOW_FILE, load_ledger
@@ -103,16 +103,17 @@ class CacheIndex:
     """What the trainer knows about a cache: spec, which shards exist, document lengths."""
 
     def __init__(self, cache_dir: str | Path, follow: bool = False, shards: str = "", wait_s: float = 0.0):
-        self.cache_dir = Path(cache_dir)
+        self.fs = open_cache_fs(cache_dir)
+        self.cache_dir = self.fs.root if self.fs.is_local else self.fs.uri
         self.follow = follow
-        self.spec = self._wait_for_spec(wait_s) if follow and wait_s > 0 else load_spec(self.cache_dir)
+        self.spec = self._wait_for_spec(wait_s) if follow and wait_s > 0 else load_spec(self.fs)
         if self.spec is None:
             raise CacheError(f"{self.cache_dir}: no cache_spec.json (not a dflash-pipe cache)",
                              "run `dflash-pipe extract` first or fix --cache-dir")
         self.subset = shard_subset(self.spec, shards)
         self.features = self.spec["features"]
         self.lengths: dict[int, list[list[int]]] = {}
-        self.paths: dict[int, Path] = {}
+        self.paths: dict[int, Path | str] = {}
         self.final = False
         self._readers: dict[tuple[int, int], ShardReader] = {}
         self._lock = threading.Lock()
@@ -123,8 +124,8 @@ class CacheIndex:
         t0 = time.monotonic()
         said = False
         while True:
-            spec = load_spec(self.cache_dir)
-            if spec is not None and (self.cache_dir / spec["features"].get("head_file", "")).is_file():
+            spec = load_spec(self.fs)
+            if spec is not None and self.fs.exists(spec["features"].get("head_file", "") or "-"):
                 return spec
             if time.monotonic() - t0 > wait_s:
                 return spec  # the caller names what is missing
@@ -136,25 +137,25 @@ class CacheIndex:
 
     def refresh(self) -> bool:
         """Pick up newly committed shards. Returns whether the data is final (manifest written)."""
-        led = load_ledger(self.cache_dir, self.spec)
+        led = load_ledger(self.fs, self.spec)
         if led is not None and led.deleted_indices():
             raise CacheError(f"{self.cache_dir}: shards {sorted(led.deleted_indices())} were consumed (deleted) by "
                              f"the window run {led.owner} ({WINDOW_FILE})",
                              "rerun `dflash-pipe extract` to re-extract them (a finished window run's cache), or "
                              "resume that run with --follow --passes-per-shard K")
-        if (self.cache_dir / MANIFEST_FILE).exists():
-            man = load_manifest(self.cache_dir)
+        if self.fs.exists(MANIFEST_FILE):
+            man = load_manifest(self.fs)
             if man["fingerprint"] != self.spec["fingerprint"]:
                 raise CacheError(f"{self.cache_dir}: manifest and cache_spec.json disagree on the fingerprint",
                                  f"`dflash-pipe cache verify {self.cache_dir}` prints the fix")
-            shards = {e["index"]: Path(e["abs_path"]) for e in man["shards"]}
+            shards = {e["index"]: self._location(e["abs_path"]) for e in man["shards"]}
             self.final = True
         elif self.follow:
-            done = committed_shards(self.cache_dir, self.spec)
+            done = committed_shards(self.fs, self.spec)
             prefix = 0
             while prefix in done:  # only a prefix keeps the schedule stable as shards arrive
                 prefix += 1
-            shards = {i: self.cache_dir / done[i]["path"] for i in range(prefix)}
+            shards = {i: self._location(self.fs.display(done[i]["path"])) for i in range(prefix)}
         else:
             raise CacheError(f"{self.cache_dir}: no {MANIFEST_FILE}: extraction has not finished",
                              "wait for `dflash-pipe extract` to finish (or rerun it to resume), or pass --follow")
@@ -166,9 +167,13 @@ class CacheIndex:
                 self.paths[i] = path
         return self.final
 
-    def _read_lengths(self, path: Path) -> list[list[int]]:
+    def _location(self, path: str) -> Path | str:
+        """A shard's local path, or its object URI (Path() would fold 's3://' into 's3:/')."""
+        return Path(path) if self.fs.is_local else path
+
+    def _read_lengths(self, path: Path | str) -> list[list[int]]:
         reader = ShardReader(path, expect_fingerprint=self.spec["fingerprint"])
-        col = pq.read_table(path, columns=["num_tokens"]).column("num_tokens").to_numpy()
+        col = reader.num_tokens_column()
         out, start = [], 0
         for rg in range(reader.num_row_groups):
             n = reader.row_group_rows(rg)
@@ -208,6 +213,20 @@ class RowGroupCache:
         with self._lock:
             for key in [k for k in self._items if k[0] == shard]:
                 del self._items[key]
+
+    def prefetch(self, shard: int, rg: int, pool: ThreadPoolExecutor) -> None:
+        """Start reading a row group the schedule needs soon (object storage: hides the GET latency behind
+        the decode of earlier batches). A failed prefetch is dropped: the decode worker's own read raises."""
+        with self._lock:
+            if (shard, rg) in self._items or (shard, rg) in self._reading:
+                return
+
+        def fetch():
+            try:
+                self.rows(shard, rg)
+            except Exception:  # noqa: BLE001 - surfaced by the worker that needs it
+                pass
+        pool.submit(fetch)
 
     def rows(self, shard: int, rg: int):
         key = (shard, rg)
@@ -259,7 +278,8 @@ class PlanePool:
 class BatchLoader:
     def __init__(self, index: CacheIndex, *, rank: int, world: int, seed: int, context_tokens: int,
                  num_anchors: int, max_anchors_per_doc: int, block_size: int, shuffle_rows: int,
-                 workers: int, want_topk: bool, pin_memory: bool, follow_poll_s: float = 2.0, prefetch: int = 3):
+                 workers: int, want_topk: bool, pin_memory: bool, follow_poll_s: float = 2.0, prefetch: int = 3,
+                 read_ahead: int = 4):
         self.index = index
         self.rank, self.world, self.seed = rank, world, seed
         self.S, self.N, self.B = context_tokens, num_anchors, block_size
@@ -276,6 +296,11 @@ class BatchLoader:
         self.producer = ThreadPoolExecutor(max_workers=self.prefetch, thread_name_prefix="dflash-batch")
         self._stat_lock = threading.Lock()
         self.rg_cache = RowGroupCache(index)
+        # object storage: the row groups of the next `read_ahead` batches are fetched on their own threads
+        # (ranged GETs) while the decode workers work; local caches are memory-mapped and need none
+        self.read_ahead = 0 if index.fs.is_local else max(0, read_ahead)
+        self.fetcher = (ThreadPoolExecutor(max_workers=max(2, workers), thread_name_prefix="dflash-fetch")
+                        if self.read_ahead else None)
         self.codec = index.features["codec"]
         self.width = index.features["width"]
         self.num_layers = index.features["num_layers"]
@@ -312,13 +337,14 @@ class BatchLoader:
     # ------------------------------------------------------------------ batches
     def iterate(self, epoch: int, start_step: int, follow_first_epoch: bool = False):
         """Yield TrainBatch for steps start_step.. of this epoch, `prefetch` batches ahead."""
-        step = start_step
+        step = ahead = start_step
         pending: deque = deque()
         sched = self.schedule(epoch, follow_first_epoch)
         while True:
             while len(pending) < self.prefetch and step < sched.steps:
                 pending.append(self.producer.submit(self.assemble, sched.batch(self.rank, step), epoch, step))
                 step += 1
+            ahead = self._fetch_ahead(sched, step, max(ahead, step))
             if not pending:
                 if sched.final:
                     return
@@ -329,6 +355,23 @@ class BatchLoader:
             yield pending.popleft().result()
             if step >= sched.steps and not sched.final:
                 sched = self.schedule(epoch, follow_first_epoch)
+
+    def _fetch_ahead(self, sched: EpochSchedule, step: int, ahead: int) -> int:
+        """Prefetch the row groups of steps [ahead, step + read_ahead); returns the new `ahead`. The row-group
+        cache grows to hold what the batches in flight and the read-ahead need, so nothing fetched is evicted
+        before its batch reads it."""
+        if not self.read_ahead:
+            return ahead
+        end = min(sched.steps, step + self.read_ahead)
+        if ahead >= end:
+            return ahead
+        window = {(d.shard, d.row_group) for s in range(max(0, step - self.prefetch), end)
+                  for d in sched.batch(self.rank, s)}
+        self.rg_cache.capacity = max(self.rg_cache.capacity, len(window) + 8)
+        for s in range(ahead, end):
+            for d in sched.batch(self.rank, s):
+                self.rg_cache.prefetch(d.shard, d.row_group, self.fetcher)
+        return end
 
     def assemble(self, docs: list[DocRef], epoch: int, step: int) -> TrainBatch:
         """One batch: each decode worker reads its document's row group (cached, deduplicated) and
@@ -404,3 +447,5 @@ class BatchLoader:
     def close(self) -> None:
         self.producer.shutdown(wait=True, cancel_futures=True)
         self.pool.shutdown(wait=True, cancel_futures=True)
+        if self.fetcher is not None:
+            self.fetcher.shutdown(wait=True, cancel_futures=True)

@@ -84,8 +84,9 @@ def run_train(cfg: RunConfig) -> dict:
     dcfg = build_drafter_config(cfg, spec, device)
     check_against_cache(dcfg, spec, "drafter config")
     precision = _precision(cfg, device)
-    head = FrozenHead(Path(cfg.train_cache_dir), spec["features"]["head_file"], device,
-                      torch.bfloat16 if precision == "bf16" else torch.float32)
+    head = FrozenHead(cfg.train_cache_dir, spec["features"]["head_file"], device,
+                      torch.bfloat16 if precision == "bf16" else torch.float32,
+                      scratch=out_dir / ".cache_head")  # object storage only
     compile_layers = tr.compile == "on" or (tr.compile == "auto" and device.type == "cuda")
     model = build_model(dcfg, device, tr.seed, compile_layers, tr.checkpoint_mlp_layers)
     weights = MasterWeights(model, resolve_param_dtype(cfg, precision))  # before DDP and the optimizer
@@ -93,7 +94,7 @@ def run_train(cfg: RunConfig) -> dict:
                          num_anchors=tr.num_anchors, max_anchors_per_doc=tr.max_anchors_per_doc,
                          block_size=dcfg.block_size, shuffle_rows=tr.shuffle_rows, workers=tr.loader_workers,
                          want_topk=tr.kd_weight > 0, pin_memory=device.type == "cuda",
-                         follow_poll_s=tr.follow_poll_s)
+                         follow_poll_s=tr.follow_poll_s, read_ahead=tr.loader_read_ahead)
     resume = find_resume(out_dir, tr.resume)
     coord = _window(cfg, index, out_dir, info, device, loader)
     if coord is not None:  # window mode: rounds instead of epochs; the plan comes from the first shard

@@ -71,7 +71,8 @@ class Validator:
         self.loader = BatchLoader(self.index, rank=0, world=1, seed=tr.seed, context_tokens=tr.context_tokens,
                                   num_anchors=tr.num_anchors, max_anchors_per_doc=tr.max_anchors_per_doc,
                                   block_size=dcfg.block_size, shuffle_rows=1, workers=max(1, tr.loader_workers // 2),
-                                  want_topk=tr.kd_weight > 0, pin_memory=device.type == "cuda")
+                                  want_topk=tr.kd_weight > 0, pin_memory=device.type == "cuda",
+                                  read_ahead=tr.loader_read_ahead)
         self.cfg, self.dcfg, self.head, self.device = cfg, dcfg, head, device
         self.autocast, self.gamma = autocast, gamma
         feats = self.index.spec["features"]

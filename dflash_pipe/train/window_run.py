@@ -127,13 +127,15 @@ class WindowCoordinator:
             if c in self.lengths_by_seq:
                 continue
             shard = self.order[c]
-            path = self.cache_dir / self._name(shard)
+            fs = self.index.fs  # a directory or an object-store prefix
+            path = fs.path(self._name(shard)) if fs.is_local else fs.display(self._name(shard))
+            present = fs.exists(self._name(shard))
             entry = self.ledger.entry(shard) if self.ledger is not None else None
-            if not path.exists() and entry is not None and entry.state == DELETED:
+            if not present and entry is not None and entry.state == DELETED:
                 raise CacheError(f"window: round {round_} reads shard {path} (commit #{c}), which this window run "
                                  "already deleted: the checkpoint resumed from is older than the deletion",
                                  "resume from the newest checkpoint (--resume auto); older ones are pruned")
-            if not path.exists():
+            if not present:
                 raise CacheError(f"window: shard {path} (commit #{c}) is still in the window (round {round_} reads "
                                  f"it) but its file is missing: deleted by hand?",
                                  "rerun `dflash-pipe extract` on this cache to re-extract it, then rerun this train "
