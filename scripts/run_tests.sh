@@ -4,4 +4,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DFLASH_TEST_EXTRA=1 source scripts/setup_env.sh
-exec "$PY" -m pytest -q "$@"
+# The CPU suite runs in DFLASH_TEST_WORKERS (2) processes, a test file per worker at a time (--dist loadfile:
+# module fixtures such as a file's tiny extraction are built once): many tests wait on subprocesses (SIGKILL
+# matrices, torchrun ranks, follow-mode polls), so two workers keep both cores busy. `-m gpu` runs serially
+# (one GPU), as does DFLASH_TEST_WORKERS=0.
+workers=()
+if [ "${DFLASH_TEST_WORKERS:-2}" != 0 ] && [[ " $* " != *" -m gpu "* ]] && [[ " $* " != *" -n "* ]] \
+   && "$PY" -c "import xdist" >/dev/null 2>&1; then
+  workers=(-n "${DFLASH_TEST_WORKERS:-2}" --dist loadfile)
+fi
+exec "$PY" -m pytest -q "${workers[@]}" "$@"

@@ -33,11 +33,16 @@ else
   fi
   _ok "$PY" || { echo "setup: the environment in $_venv is incomplete" >&2; exit 4; }
 fi
-# The test extra's S3 server (tests/s3_helpers.py): an existing ./.venv made before it was added gets it here.
+# The test extra's S3 server (tests/s3_helpers.py) and pytest-xdist: an existing ./.venv made before they were
+# added gets them here.
 if [ "${DFLASH_TEST_EXTRA:-0}" = 1 ] && [ "$PY" = "$_venv/bin/python" ] && ! "$PY" -c "import moto.server" >/dev/null 2>&1; then
   echo "setup: installing moto[server] (test extra) into $_venv" >&2
   "$PY" -m pip install -q "moto[server]>=5.1,<6" \
     || echo "setup: warning: moto[server] did not install; the object-storage tests will be skipped" >&2
+fi
+if [ "${DFLASH_TEST_EXTRA:-0}" = 1 ] && [ "$PY" = "$_venv/bin/python" ] && ! "$PY" -c "import xdist" >/dev/null 2>&1; then
+  echo "setup: installing pytest-xdist (test extra) into $_venv" >&2
+  "$PY" -m pip install -q "pytest-xdist>=3.5" || echo "setup: warning: pytest-xdist did not install; tests run serially" >&2
 fi
 export PY
 export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1

@@ -68,7 +68,12 @@ def test_engine_verifier_equals_the_hf_verifier_tokens_acceptance_and_features(l
             torch.testing.assert_close(f_en, f_hf, rtol=1e-4, atol=1e-4)
         tok, f_en = o_en.seen[-1]
         want = standalone_features(llama, torch.tensor(tok[:-1]), list(layer_ids)).hidden_TD
-        torch.testing.assert_close(f_en, want, rtol=1e-4, atol=1e-4)
+        # fp32 against a full forward (another attention kernel, other summation order): the relative error
+        # of the whole feature block, as METHOD.md measures it (a wrong row or position gives O(1)), and a
+        # per-element bound; one element of 12,480 once missed the old per-element 1e-4 by 7e-5
+        rel = float((f_en.double() - want.double()).norm() / want.double().norm())
+        assert rel < 1e-5, rel
+        torch.testing.assert_close(f_en, want, rtol=1e-3, atol=1e-3)
 
 
 def test_engine_choice_and_errors(llama, tmp_path):
