@@ -155,7 +155,7 @@ class EngineBackend:
             d = to_device(dst, self.engine.device)
             for t in (self.cur, self.active, self.ended, self.n_gen, self.keys, self.out):
                 t[d] = t[s]
-            self.active[s] = False
+            self.active.index_fill_(0, s, False)
             for a, b in zip(src, dst):
                 self.slots[b], self.slots[a] = self.slots[a], None
         self.width = w
@@ -190,7 +190,7 @@ class EngineBackend:
         self.out[rows, 0] = tok
         self.cur[rows] = tok
         self.keys[rows] = keys
-        self.n_gen[rows] = 1
+        self.n_gen.index_fill_(0, rows, 1)  # `n_gen[rows] = 1` copies the scalar from the host: a sync on CUDA
         self.ended[rows] = hit
         self.active[rows] = ~hit & (self.max_new > 1)
 
