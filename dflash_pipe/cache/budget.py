@@ -141,12 +141,16 @@ class DiskBudget:
                     last_report = now
                 if now - t_progress > self.timeout_s:
                     self.waited_s += now - t0
-                    raise RuntimeFailure(
-                        f"no space freed in {self.cache_dir} for {self.timeout_s:.0f}s: {_gib(held)} of "
-                        f"{_gib(self.limit)} GiB held by {files} shards; the trainer seems gone",
-                        "start or resume `dflash-pipe train --follow --passes-per-shard K` on this cache (it "
-                        "deletes consumed shards), then rerun extract; or raise --space-wait-timeout-s")
+                    raise self._trainer_gone("in", held, files)
                 time.sleep(self.poll_s)
+
+    def _trainer_gone(self, where: str, held: int, files: int) -> RuntimeFailure:
+        """The error of a wait that saw no space freed for timeout_s (local: 'in' the dir; store: 'under' it)."""
+        return RuntimeFailure(
+            f"no space freed {where} {self.cache_dir} for {self.timeout_s:.0f}s: {_gib(held)} of "
+            f"{_gib(self.limit)} GiB held by {files} shards; the trainer seems gone",
+            "start or resume `dflash-pipe train --follow --passes-per-shard K` on this cache (it "
+            "deletes consumed shards), then rerun extract; or raise --space-wait-timeout-s")
 
     def _remote_held(self) -> tuple[int, int, int]:
         """(held bytes, shard objects, estimate of the next shard) under an object-store prefix."""
@@ -179,9 +183,5 @@ class DiskBudget:
                 last_report = now
             if now - t_progress > self.timeout_s:
                 self.waited_s += now - t0
-                raise RuntimeFailure(
-                    f"no space freed under {self.cache_dir} for {self.timeout_s:.0f}s: {_gib(held)} of "
-                    f"{_gib(self.limit)} GiB held by {files} shards; the trainer seems gone",
-                    "start or resume `dflash-pipe train --follow --passes-per-shard K` on this cache (it "
-                    "deletes consumed shards), then rerun extract; or raise --space-wait-timeout-s")
+                raise self._trainer_gone("under", held, files)
             time.sleep(self.poll_s)
