@@ -64,8 +64,10 @@ def test_engine_verifier_equals_the_hf_verifier_tokens_acceptance_and_features(l
         assert r_en.accepted == r_hf.accepted and 0 < sum(r_en.accepted) < sum(r_en.proposed)
         assert d_en.accepted == d_hf.accepted                        # the drafter saw the same features
         assert r_en.target_forwards == r_hf.target_forwards
-        for (tok, f_en), (_, f_hf) in zip(o_en.seen, o_hf.seen):
-            torch.testing.assert_close(f_en, f_hf, rtol=1e-4, atol=1e-4)
+        for (tok, f_en), (_, f_hf) in zip(o_en.seen, o_hf.seen):   # two attention kernels (SDPA vs the engine's
+            rel = float((f_en.double() - f_hf.double()).norm() / f_hf.double().norm())   # explicit few-query math)
+            assert rel < 1e-5, rel
+            torch.testing.assert_close(f_en, f_hf, rtol=1e-3, atol=1e-3)
         tok, f_en = o_en.seen[-1]
         want = standalone_features(llama, torch.tensor(tok[:-1]), list(layer_ids)).hidden_TD
         # fp32 against a full forward (another attention kernel, other summation order): the relative error

@@ -45,6 +45,7 @@ import torch.nn.functional as F
 
 from ..errors import UsageError
 from .runner_utils import decoder_layers, final_norm, text_backbone
+from .small_batch_ops import LayerOps, few_query_attention, few_query_bias
 
 log = logging.getLogger("dflash_pipe.target")
 
@@ -101,7 +102,8 @@ class StaticKVEngine:
     """Preallocated KV cache + own forward over the HF weights (module docstring)."""
 
     def __init__(self, model: torch.nn.Module, max_batch: int, max_len: int, capture_layer_ids: Sequence[int] = (),
-                 use_graphs: str = "auto", kv_bucket: int = 128):
+                 use_graphs: str = "auto", kv_bucket: int = 128, attention: str = "auto", linear: str = "auto",
+                 fused: bool = True, tune_rows: Sequence[int] = (1, GROUPED_QUERY_MAX_T)):
         why = engine_support(model)
         if why is not None:
             raise UsageError(f"the static-KV engine cannot run this target: {why}")
@@ -139,6 +141,8 @@ class StaticKVEngine:
         if use_graphs == "on" and self.device.type != "cuda":
             raise UsageError("CUDA graphs need a CUDA device")
         self.use_graphs = self.device.type == "cuda" and use_graphs != "off"
+        self.ops = LayerOps(self.layers, self.lm_head, self.device, self.dtype, attention=attention, linear=linear,
+                            fused=fused, tune_rows=tune_rows)      # small_batch_ops.py
         self._graphs: dict[tuple, tuple] = {}
         self._pool = None
 
@@ -221,6 +225,9 @@ class StaticKVEngine:
             mask = visible[:, None, None].expand(B, 1, G, T, kv_len).reshape(B, 1, G * T, kv_len)
         else:
             mask = visible[:, None]
+        explicit = T <= GROUPED_QUERY_MAX_T and self.ops.explicit_attention(B, KVH)
+        if explicit:
+            mask = few_query_bias(mask, KVH, self.dtype)                             # [B*KVH, G*T, kv], additive
         x = self.embed(ids)
         cos, sin = self.rotary(x, pos)
         cos, sin = cos[:, None], sin[:, None]                                        # [B, 1, T, D]
@@ -228,10 +235,9 @@ class StaticKVEngine:
         last = len(self.layers) - 1
         for li, layer in enumerate(self.layers):
             attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = attn.q_proj(h).view(B, T, H, D)
-            k = attn.k_proj(h).view(B, T, KVH, D)
-            v = attn.v_proj(h).view(B, T, KVH, D)
+            h = self.ops.norm(layer.input_layernorm, x)
+            q, k, v = self.ops.project_qkv(li, attn, h)
+            q, k, v = q.view(B, T, H, D), k.view(B, T, KVH, D), v.view(B, T, KVH, D)
             if getattr(attn, "q_norm", None) is not None:                          # Qwen3
                 q, k = attn.q_norm(q), attn.k_norm(k)
             q, k = q.transpose(1, 2), k.transpose(1, 2)
@@ -244,7 +250,9 @@ class StaticKVEngine:
                 keys, vals = kc[:B, :, :kv_len], vc[:B, :, :kv_len]
             else:
                 keys, vals = kc[row_t, :, :kv_len], vc[row_t, :, :kv_len]
-            if T <= GROUPED_QUERY_MAX_T:       # [B, KVH, G*T, D]: query heads of one KV head share its keys
+            if explicit:
+                o = few_query_attention(q.reshape(B, KVH, G * T, D), keys, vals, mask, attn.scaling)
+            elif T <= GROUPED_QUERY_MAX_T:     # [B, KVH, G*T, D]: query heads of one KV head share its keys
                 o = F.scaled_dot_product_attention(q.reshape(B, KVH, G * T, D), keys, vals, attn_mask=mask,
                                                    scale=attn.scaling)
             else:
@@ -252,11 +260,11 @@ class StaticKVEngine:
                                                    vals.repeat_interleave(G, dim=1), attn_mask=mask,
                                                    scale=attn.scaling)
             o = o.reshape(B, H, T, D).transpose(1, 2).reshape(B, T, H * D)
-            x = x + attn.o_proj(o)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = x + self.ops.o[li](o)
+            x = x + self.ops.mlp(li, layer.mlp, self.ops.norm(layer.post_attention_layernorm, x))
             if li in self.capture_layer_ids and li != last:
                 captured.append(x)
-        x = self.norm(x)
+        x = self.ops.norm(self.norm, x)
         if last in self.capture_layer_ids:
             captured.append(x)
         if row_t is None:
@@ -267,7 +275,7 @@ class StaticKVEngine:
             at = (num_new - 1).clamp(min=0)
             x = x[torch.arange(B, device=self.device), at]
         hidden = torch.cat(captured, dim=-1) if captured else None
-        return EngineOutput(self.lm_head(x), hidden)
+        return EngineOutput(self.ops.head(x), hidden)
 
     # ------------------------------------------------------------------ CUDA graphs
     def _replay(self, ids, num_new, kv_len: int, last_only: bool) -> EngineOutput:

@@ -1,0 +1,182 @@
+"""The static-KV engine's per-layer math at small batch: fused projections, few-query attention, chosen GEMMs.
+
+`LayerOps(engine)` is built once per engine and used by `StaticKVEngine._compute`:
+
+* **fused projections**: q|k|v as one weight [(H + 2 KVH) D, hidden] and gate|up as one [2 I, hidden]
+  per layer, concatenated once; the HF modules' own `weight` (and `bias`) parameters are then
+  replaced by views into the fused tensor, so memory is not doubled and the HF model computes what
+  it computed before (same values; `fused_views_intact` checks it). A rebuilt engine reuses the
+  fusion it finds. Moving the model (``.to``) after building an engine breaks the views; build
+  engines after moving. Layers whose projections differ in dtype / device / input width, or
+  modules that are not plain `nn.Linear`, keep their separate calls.
+* **few-query attention**: with T <= 16 new tokens and B x KV-heads below the GPU's SM count,
+  SDPA's memory-efficient fp32 kernel runs a handful of CTAs (~33 us a layer on the H200 whatever
+  T); explicit math is cheaper there: ``baddbmm(mask bias, q, k^T, alpha=scale)`` -> softmax ->
+  ``bmm(., v)`` on [B * KVH, G * T, kv] (query heads folded onto their KV head), the additive mask
+  built once per forward. Large batches (regenerate's decode) keep SDPA.
+* **linear layers**: every projection and the LM head go through `LinearChooser`
+  (linear_choice.py): on CUDA the fastest fp32 formulation per (M, N, K) for M in `tune_rows`,
+  timed when the engine is built; `F.linear` otherwise and on the CPU.
+* **RMSNorm** (fp32 models): `F.rms_norm`, one kernel instead of HF's six.
+
+``attention`` = auto | sdpa | explicit, ``linear`` = auto | linear, ``fused`` = True | False.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .linear_choice import CANDIDATES, LinearChooser, extra_for, tf32_on
+
+log = logging.getLogger("dflash_pipe.target")
+
+ATTENTION_MODES = ("auto", "sdpa", "explicit")
+DEFAULT_SM_COUNT = 132          # the CPU has none; the same rule as an H200, so CPU tests run the GPU's choice
+
+
+def few_query_bias(visible: torch.Tensor, kv_heads: int, dtype: torch.dtype) -> torch.Tensor:
+    """The additive mask [B * KVH, R, kv] (0 where visible, -inf elsewhere) from a boolean [B, 1, R, kv]."""
+    B, _, R, S = visible.shape
+    bias = torch.zeros((B, 1, R, S), dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
+    return bias.expand(B, kv_heads, R, S).reshape(B * kv_heads, R, S)
+
+
+def few_query_attention(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, bias: torch.Tensor,
+                        scale: float) -> torch.Tensor:
+    """softmax(q k^T * scale + bias) v for q [B, KVH, R, D], keys / vals [B, KVH, S, D] -> [B, KVH, R, D]."""
+    B, KVH, R, D = q.shape
+    scores = torch.baddbmm(bias, q.reshape(B * KVH, R, D), keys.flatten(0, 1).transpose(1, 2), alpha=scale)
+    return torch.bmm(torch.softmax(scores, dim=-1), vals.flatten(0, 1)).view(B, KVH, R, D)
+
+
+def _plain_linears(mods) -> bool:
+    return all(type(m) is torch.nn.Linear for m in mods) and len({(m.weight.dtype, m.weight.device, m.in_features)
+                                                                  for m in mods}) == 1
+
+
+def fuse_linears(mods: Sequence[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None, list[int]] | None:
+    """One weight (and bias) for `mods` stacked on the output dim; the modules' parameters become views of it.
+    Reuses an earlier fusion of the same modules if its views are intact. None when they cannot be fused."""
+    if not _plain_linears(mods):
+        return None
+    sizes = [m.out_features for m in mods]
+    prev = getattr(mods[0], "_dflash_fused", None)
+    if prev is not None and fused_views_intact(mods, prev):
+        return prev
+    with torch.no_grad():
+        W = torch.cat([m.weight.detach() for m in mods], 0)
+        has_bias = any(m.bias is not None for m in mods)
+        b = (torch.cat([m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features) for m in mods])
+             if has_bias else None)
+        off = 0
+        for m, n in zip(mods, sizes):
+            m.weight = torch.nn.Parameter(W[off:off + n], requires_grad=m.weight.requires_grad)
+            if m.bias is not None:
+                m.bias = torch.nn.Parameter(b[off:off + n], requires_grad=m.bias.requires_grad)
+            off += n
+    fused = (W, b, sizes)
+    for m in mods:
+        m._dflash_fused = fused                     # plain attribute: not a parameter, not in the state dict
+    return fused
+
+
+def fused_views_intact(mods, fused) -> bool:
+    """True while every module's weight (and bias) is still the view of `fused` it was made."""
+    W, b, sizes = fused
+    off = 0
+    for m, n in zip(mods, sizes):
+        if m.weight.data_ptr() != W[off].data_ptr() or m.weight.shape[0] != n:
+            return False
+        if m.bias is not None and (b is None or m.bias.data_ptr() != b[off].data_ptr()):
+            return False
+        off += n
+    return True
+
+
+class _Linear:
+    """One weight with its chosen formulation per row count."""
+
+    def __init__(self, W, b, chooser: LinearChooser, rows: Sequence[int], copies: int, shared: dict):
+        self.W, self.b = W, b
+        self.how: dict[int, tuple] = {}
+        for m in rows:
+            name = chooser.choose(W, b, m, copies)
+            if name != "linear":
+                key = (name, W.data_ptr())
+                if key not in shared:
+                    shared[key] = extra_for(name, W, b)
+                self.how[m] = (CANDIDATES[name][0], shared[key])
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        lead, K = x.shape[:-1], x.shape[-1]
+        x2 = x.reshape(-1, K)
+        how = self.how.get(x2.shape[0])
+        y = F.linear(x2, self.W, self.b) if how is None else how[0](x2, self.W, self.b, how[1])
+        return y.view(*lead, y.shape[-1])
+
+
+class LayerOps:
+    """Per-engine fused weights and op choices (module docstring)."""
+
+    def __init__(self, layers, lm_head, device: torch.device, dtype: torch.dtype, *, attention: str = "auto",
+                 linear: str = "auto", fused: bool = True, tune_rows: Sequence[int] = (1, 16)):
+        if attention not in ATTENTION_MODES:
+            raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {attention!r}")
+        self.attention = attention
+        self.sm_count = (torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda"
+                         else DEFAULT_SM_COUNT)
+        self.chooser = LinearChooser(device, linear)
+        self.fused_norm = dtype == torch.float32 and hasattr(F, "rms_norm")
+        rows, n, shared = sorted(set(int(r) for r in tune_rows)), len(layers), {}
+        self.qkv, self.o, self.gate_up, self.down, self.act = [], [], [], [], []
+        for layer in layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            f = fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj]) if fused else None
+            self.qkv.append((_Linear(f[0], f[1], self.chooser, rows, n, shared), f[2]) if f else None)
+            self.o.append(_Linear(attn.o_proj.weight, attn.o_proj.bias, self.chooser, rows, n, shared)
+                          if _plain_linears([attn.o_proj]) else attn.o_proj)
+            mlp_parts = all(hasattr(mlp, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn"))
+            g = fuse_linears([mlp.gate_proj, mlp.up_proj]) if fused and mlp_parts else None
+            self.gate_up.append((_Linear(g[0], g[1], self.chooser, rows, n, shared), g[2]) if g else None)
+            self.down.append(_Linear(mlp.down_proj.weight, mlp.down_proj.bias, self.chooser, rows, n, shared)
+                             if g and _plain_linears([mlp.down_proj]) else None)
+            self.act.append(mlp.act_fn if g else None)
+        self.head = (_Linear(lm_head.weight, lm_head.bias, self.chooser, rows, 1, shared)
+                     if _plain_linears([lm_head]) else lm_head)
+        if self.chooser.active:
+            log.info("engine linear layers: %d shapes timed in %.2f s (TF32 %s), weight copies %.1f MiB",
+                     len(self.chooser.table), self.chooser.tuned_s, "ON: not exact fp32" if tf32_on() else "off",
+                     self.chooser.copy_bytes / 2**20)
+
+    def explicit_attention(self, batch: int, kv_heads: int) -> bool:
+        """Explicit few-query math (not SDPA) for this batch: `attention` mode, or auto by B * KVH vs SMs."""
+        if self.attention != "auto":
+            return self.attention == "explicit"
+        return batch * kv_heads < self.sm_count
+
+    def norm(self, module, x: torch.Tensor) -> torch.Tensor:
+        eps = getattr(module, "variance_epsilon", None)
+        if not self.fused_norm or eps is None or x.dtype != torch.float32:
+            return module(x)
+        return F.rms_norm(x, (x.shape[-1],), module.weight, eps)
+
+    def project_qkv(self, li: int, attn, h: torch.Tensor):
+        """(q, k, v) of layer `li`, each [B, T, out]."""
+        fused = self.qkv[li]
+        if fused is None:
+            return attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+        lin, sizes = fused
+        return lin(h).split(sizes, dim=-1)
+
+    def mlp(self, li: int, mlp, h: torch.Tensor) -> torch.Tensor:
+        fused = self.gate_up[li]
+        if fused is None:
+            return mlp(h)
+        lin, sizes = fused
+        gate, up = lin(h).split(sizes, dim=-1)
+        x = self.act[li](gate) * up
+        return self.down[li](x) if self.down[li] is not None else mlp.down_proj(x)
