@@ -140,8 +140,8 @@ class EngineVerifier:
         fed = [self.tokens[p]] + [int(d) for d in drafts]
         n = len(fed)
         width = max(self.block_size, n)
-        ids = torch.tensor([fed + [fed[-1]] * (width - n)], device=self.device)
-        out = self.engine.forward(ids, num_new=torch.tensor([n], device=self.device))
+        ids = torch.tensor([fed + [fed[-1]] * (width - n)])       # host tensors: the engine copies them through
+        out = self.engine.forward(ids, num_new=torch.tensor([n]))  # pinned memory, no sync (a device= would sync)
         self._write(out.hidden, p, n)
         argmax = out.logits[0, :n].argmax(dim=-1).tolist()
         self.forwards += 1

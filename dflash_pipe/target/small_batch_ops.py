@@ -9,14 +9,16 @@
   fusion it finds. Moving the model (``.to``) after building an engine breaks the views; build
   engines after moving. Layers whose projections differ in dtype / device / input width, or
   modules that are not plain `nn.Linear`, keep their separate calls.
-* **few-query attention**: with T <= 16 new tokens and B x KV-heads below the GPU's SM count,
+* **few-query attention** (fp32; other dtypes keep SDPA, whose softmax runs in fp32 whatever the
+  input): with T <= 16 new tokens and B x KV-heads below the GPU's SM count,
   SDPA's memory-efficient fp32 kernel runs a handful of CTAs (~33 us a layer on the H200 whatever
   T); explicit math is cheaper there: ``baddbmm(mask bias, q, k^T, alpha=scale)`` -> softmax ->
   ``bmm(., v)`` on [B * KVH, G * T, kv] (query heads folded onto their KV head), the additive mask
   built once per forward. Large batches (regenerate's decode) keep SDPA.
 * **linear layers**: every projection and the LM head go through `LinearChooser`
-  (linear_choice.py): on CUDA the fastest fp32 formulation per (M, N, K) for M in `tune_rows`,
-  timed when the engine is built; `F.linear` otherwise and on the CPU.
+  (linear_choice.py): on CUDA the fastest formulation per (M, N, K) for M in `tune_rows` (the
+  engine's default: 1 and 16 at max_batch 1, the eval; none otherwise), timed when the engine is
+  built; `F.linear` for other M and on the CPU.
 * **RMSNorm** (fp32 models): `F.rms_norm`, one kernel instead of HF's six.
 
 ``attention`` = auto | sdpa | explicit, ``linear`` = auto | linear, ``fused`` = True | False.
@@ -126,7 +128,7 @@ class LayerOps:
                  linear: str = "auto", fused: bool = True, tune_rows: Sequence[int] = (1, 16)):
         if attention not in ATTENTION_MODES:
             raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {attention!r}")
-        self.attention = attention
+        self.attention, self.dtype = attention, dtype
         self.sm_count = (torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda"
                          else DEFAULT_SM_COUNT)
         self.chooser = LinearChooser(device, linear)
@@ -156,7 +158,7 @@ class LayerOps:
         """Explicit few-query math (not SDPA) for this batch: `attention` mode, or auto by B * KVH vs SMs."""
         if self.attention != "auto":
             return self.attention == "explicit"
-        return batch * kv_heads < self.sm_count
+        return self.dtype == torch.float32 and batch * kv_heads < self.sm_count
 
     def norm(self, module, x: torch.Tensor) -> torch.Tensor:
         eps = getattr(module, "variance_epsilon", None)

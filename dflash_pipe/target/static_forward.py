@@ -13,8 +13,11 @@ layer after the final norm, like `dflash_pipe.target.runner`), concatenated in i
 ``truncate(row, n)`` rolls a row back to its first n tokens (only the length moves); ``reset``
 empties rows.
 
-The weights are the HF module's own (its projections, norms, MLPs, rotary embedding and head are
-called as they are; nothing is copied); only the attention and the cache are ours. On CUDA a call
+The weights are the HF module's own: q|k|v and gate|up are fused once into one tensor each, of which
+the HF parameters become views (small_batch_ops.py: no copy, the HF model still works); the
+projections, attention (explicit math for few query rows, else SDPA) and RMSNorm run through
+`LayerOps` (small_batch_ops.py; ``attention``, ``linear``, ``fused``, ``tune_rows`` pick its modes),
+the rotary embedding is the HF module's. On CUDA a call
 with ``rows=None`` (rows 0..B-1) and T <= 16 (decode / verify shapes; prefills run eagerly) runs as
 a CUDA graph captured once per (B, T, attended length, last_only): a whole step is one launch.
 The attended length is the rows' largest possible length rounded up to `kv_bucket` (the host
@@ -103,7 +106,7 @@ class StaticKVEngine:
 
     def __init__(self, model: torch.nn.Module, max_batch: int, max_len: int, capture_layer_ids: Sequence[int] = (),
                  use_graphs: str = "auto", kv_bucket: int = 128, attention: str = "auto", linear: str = "auto",
-                 fused: bool = True, tune_rows: Sequence[int] = (1, GROUPED_QUERY_MAX_T)):
+                 fused: bool = True, tune_rows: Sequence[int] | None = None):
         why = engine_support(model)
         if why is not None:
             raise UsageError(f"the static-KV engine cannot run this target: {why}")
@@ -142,7 +145,8 @@ class StaticKVEngine:
             raise UsageError("CUDA graphs need a CUDA device")
         self.use_graphs = self.device.type == "cuda" and use_graphs != "off"
         self.ops = LayerOps(self.layers, self.lm_head, self.device, self.dtype, attention=attention, linear=linear,
-                            fused=fused, tune_rows=tune_rows)      # small_batch_ops.py
+                            fused=fused, tune_rows=(1, GROUPED_QUERY_MAX_T) if tune_rows is None and max_batch == 1
+                            else tune_rows or ())      # small_batch_ops.py; linears timed for the eval's batch 1
         self._graphs: dict[tuple, tuple] = {}
         self._pool = None
 
