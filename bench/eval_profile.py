@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.eval_speed import random_drafter  # noqa: E402
+from bench.eval_speed import linear_choice, random_drafter  # noqa: E402
 from dflash_pipe.config import RunConfig  # noqa: E402
 from dflash_pipe.data.prompts import load_prompt_sets  # noqa: E402
 from dflash_pipe.eval.ngram import NgramProposer  # noqa: E402
@@ -130,6 +130,10 @@ def main() -> int:
         row["profile_counts_per_step"] = profile_table(lambda: run(name, ids_list[0]), device, s, args.rows)
         print(f"per step: {row['profile_counts_per_step']}", flush=True)
         result["methods"][name] = row
+    result["linear_choice"] = linear_choice(bundle)
+    result["tf32"] = bool(torch.backends.cuda.matmul.allow_tf32)
+    for row in result["linear_choice"]:
+        print(f"linear M={row['M']} N={row['N']} K={row['K']}: {row['choice']} {row['us']}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return 0

@@ -53,6 +53,27 @@ def random_drafter(bundle, out: Path, layers: int, block: int) -> Path:
     return out
 
 
+def per_step(r: dict) -> dict:
+    """ms per generated token and per step of one method's set totals, with the step split (target-only: a step
+    is one token, all of it target time; the prefill counts in the verify share)."""
+    tokens = r.get("generated_tokens") or 0
+    steps = r.get("steps") or tokens
+    wall = r.get("wall_s") or 0.0
+    ms = (lambda x: 1e3 * x / steps) if steps else (lambda x: 0.0)
+    verify = wall if "verify_s" not in r else r["verify_s"] + r.get("prefill_s", 0.0)
+    return {"ms_per_token": 1e3 * wall / tokens if tokens else 0.0, "ms_per_step": ms(wall), "steps": steps,
+            "verify_ms_per_step": ms(verify), "draft_ms_per_step": ms(r.get("draft_s", 0.0)),
+            "other_ms_per_step": ms(r.get("other_s", 0.0))}
+
+
+def linear_choice(bundle) -> list[dict]:
+    """The engine's per-shape linear choices made in this process (empty off CUDA)."""
+    from dflash_pipe.target.linear_choice import _CACHE
+
+    return [{"M": k[4], "N": k[2], "K": k[3], "bias": k[5], "choice": name, "us": {n: round(t, 2) for n, t in us.items()}}
+            for k, (name, us) in _CACHE.items()]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", default="embedded:smollm2-135m-instruct")
@@ -100,7 +121,7 @@ def main() -> int:
     decode_measured, decode_projected, sets = 0.0, 0.0, {}
     methods = ["target_only"] + [m for m in next(iter(report["sets"].values())) if m.startswith("dflash") or m == "ngram"]
     print(f"\n{'set':>10s} {'prompts':>8s} {'method':>12s} {'tau':>5s} {'decode s':>9s} {'target s':>9s} {'draft s':>8s} "
-          f"{'other s':>8s} {'projected s':>12s}")
+          f"{'other s':>8s} {'projected s':>12s} {'ms/tok':>7s} {'ms/step':>8s} {'verify':>7s} {'draft':>6s} {'other':>6s}")
     for name, s in report["sets"].items():
         n = s["prompts"]
         scale = FULL.get(name, n) / n if n else 0.0
@@ -114,9 +135,13 @@ def main() -> int:
                                   for m in methods}}
         for m in methods:
             r = s[m]
+            per = per_step(r)
+            sets[name]["methods"][m].update(per)
             target_s = r["wall_s"] if m == "target_only" else r["verify_s"] + r["prefill_s"]
             print(f"{name:>10s} {n:>8d} {m:>12s} {r.get('tau') or 1.0:>5.2f} {r['wall_s']:>9.2f} {target_s:>9.2f} "
-                  f"{r.get('draft_s', 0.0):>8.2f} {r.get('other_s', 0.0):>8.2f} {r['wall_s'] * scale:>12.1f}")
+                  f"{r.get('draft_s', 0.0):>8.2f} {r.get('other_s', 0.0):>8.2f} {r['wall_s'] * scale:>12.1f} "
+                  f"{per['ms_per_token']:>7.2f} {per['ms_per_step']:>8.2f} {per['verify_ms_per_step']:>7.2f} "
+                  f"{per['draft_ms_per_step']:>6.2f} {per['other_ms_per_step']:>6.2f}")
     overhead = eval_wall - decode_measured + (t_loaded - t_start)
     total = decode_projected + overhead
     print(f"\nmeasured: eval {eval_wall:.1f}s (decode {decode_measured:.1f}s), target load {t_loaded - t_start:.1f}s; "
@@ -128,7 +153,8 @@ def main() -> int:
               "per_set": args.per_set, "max_new_tokens": args.max_new_tokens, "drafter": str(drafter),
               "random_drafter": not args.drafter, "eval_wall_s": eval_wall, "load_s": t_loaded - t_start,
               "decode_measured_s": decode_measured, "projected_total_s": total, "sets": sets,
-              "torch": torch.__version__}
+              "torch": torch.__version__, "linear_choice": linear_choice(bundle),
+              "tf32": bool(torch.backends.cuda.matmul.allow_tf32)}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return 0

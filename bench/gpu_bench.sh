@@ -14,6 +14,7 @@
 #     loader    the loader's decode rate, 256 vs 64 MiB row groups interleaved (CPU side of the host)
 #     evalspeed bench/eval_speed.py: eval on --per-set prompts of each set, projected to all 544 (needs smollm2)
 #     window    bench/window_stream.py: extract + train --follow on one GPU within a 0.3 GiB budget (needs smollm2)
+#     smallgemm bench/small_gemm.py: batch-1 linear formulations (M 1 / 16) and SDPA vs explicit attention, fp32
 #     evalprofile bench/eval_profile.py: ms/token of each eval method at batch 1 + a profiler table (needs smollm2)
 #     gputests  pytest -m gpu
 #     smollm2   (first) reassemble the carried SmolLM2 GGUF and data for the steps after it
@@ -90,8 +91,9 @@ print(json.dumps(rows, indent=1)); open('$OUT/loader_rate.json', 'w').write(json
         evalspeed) step evalspeed "${EVALSPEED_S:-300}" python3 bench/eval_speed.py --per-set "${EVALSPEED_PER_SET:-40}" \
                        --heldout-source /tmp/quality/carry/data/sharegpt_first_turns.jsonl \
                        --model-cache-dir /tmp/quality/models --json "$OUT/eval_speed.json" ;;
+        smallgemm) step smallgemm "${SMALLGEMM_S:-120}" python3 bench/small_gemm.py --json "$OUT/small_gemm.json" ;;
         evalprofile) step evalprofile "${EVALPROFILE_S:-200}" python3 bench/eval_profile.py --model-cache-dir /tmp/quality/models ;;
         gputests) step gputests "${TESTS_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider tests ;;
-        *) echo "unknown step $what (smollm2 extract flex train topk stats draft loader regentests regen hybrid evaltests window evalspeed gputests)"; exit 2 ;;
+        *) echo "unknown step $what (smollm2 extract flex train topk stats draft loader regentests regen hybrid evaltests window smallgemm evalprofile evalspeed gputests)"; exit 2 ;;
     esac
 done
