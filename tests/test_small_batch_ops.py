@@ -103,3 +103,16 @@ def test_engine_equals_the_full_forward_in_each_op_mode(kw):
     eng.truncate(0, 39)                                           # T = 1 after a rollback of one token
     c = eng.forward(torch.tensor([seq[-1:]]))
     assert _rel(c.logits[0, 0], ref[-1]) <= 1e-5
+
+
+def test_rope_equals_hf_rotate_half():
+    from dflash_pipe.target.small_batch_ops import rope, signed_sin
+    from dflash_pipe.target.static_forward import rotate_half
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 7, 5, 64, generator=g).transpose(1, 2)          # [B, H, T, D] strided, as the engine's q / k
+    ang = torch.randn(2, 1, 7, 64, generator=g)
+    cos, sin = ang.cos(), ang.sin()
+    want = x.double() * cos.double() + rotate_half(x.double()) * sin.double()
+    got = rope(x, cos, signed_sin(sin))
+    assert float((got.double() - want).abs().max()) < 1e-6

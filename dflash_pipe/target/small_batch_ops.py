@@ -19,7 +19,8 @@
   (linear_choice.py): on CUDA the fastest formulation per (M, N, K) for M in `tune_rows` (the
   engine's default: 1 and 16 at max_batch 1, the eval; none otherwise), timed when the engine is
   built; `F.linear` for other M and on the CPU.
-* **RMSNorm** (fp32 models): `F.rms_norm`, one kernel instead of HF's six.
+* **RMSNorm** (fp32 models): `F.rms_norm`, one kernel instead of HF's six; **rotary**: `rope`, three
+  kernels per tensor instead of five (the signed sine made once per forward).
 
 ``attention`` = auto | sdpa | explicit, ``linear`` = auto | linear, ``fused`` = True | False.
 """
@@ -53,6 +54,18 @@ def few_query_attention(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor,
     B, KVH, R, D = q.shape
     scores = torch.baddbmm(bias, q.reshape(B * KVH, R, D), keys.flatten(0, 1).transpose(1, 2), alpha=scale)
     return torch.bmm(torch.softmax(scores, dim=-1), vals.flatten(0, 1)).view(B, KVH, R, D)
+
+
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """[-sin_1, sin_2] (halves of the last dim): with it, rotate_half(x) * sin == swap_halves(x) * signed_sin."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """HF's ``x * cos + rotate_half(x) * sin`` in three kernels (swap the halves, multiply, addcmul), not five."""
+    swapped = x.unflatten(-1, (2, x.shape[-1] // 2)).flip(-2).flatten(-2)
+    return torch.addcmul(x * cos, swapped, sin_signed)
 
 
 def _plain_linears(mods) -> bool:

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 
 from ..errors import UsageError
 from .runner_utils import decoder_layers, final_norm, text_backbone
-from .small_batch_ops import LayerOps, few_query_attention, few_query_bias
+from .small_batch_ops import LayerOps, few_query_attention, few_query_bias, rope, signed_sin
 
 log = logging.getLogger("dflash_pipe.target")
 
@@ -235,6 +235,7 @@ class StaticKVEngine:
         x = self.embed(ids)
         cos, sin = self.rotary(x, pos)
         cos, sin = cos[:, None], sin[:, None]                                        # [B, 1, T, D]
+        sin_signed = signed_sin(sin)                                                 # once per forward
         captured = []
         last = len(self.layers) - 1
         for li, layer in enumerate(self.layers):
@@ -245,8 +246,7 @@ class StaticKVEngine:
             if getattr(attn, "q_norm", None) is not None:                          # Qwen3
                 q, k = attn.q_norm(q), attn.k_norm(k)
             q, k = q.transpose(1, 2), k.transpose(1, 2)
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
+            q, k = rope(q, cos, sin_signed), rope(k, cos, sin_signed)
             kc, vc = self.k_cache[li], self.v_cache[li]
             kc[ri[:, None], :, write_pos] = k.transpose(1, 2)
             vc[ri[:, None], :, write_pos] = v
