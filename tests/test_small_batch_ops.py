@@ -116,3 +116,37 @@ def test_rope_equals_hf_rotate_half():
     want = x.double() * cos.double() + rotate_half(x.double()) * sin.double()
     got = rope(x, cos, signed_sin(sin))
     assert float((got.double() - want).abs().max()) < 1e-6
+
+
+def test_linear_choice_skips_broken_and_inexact_candidates_and_keeps_to_the_copy_budget(monkeypatch):
+    from dflash_pipe.target import linear_choice as lc
+
+    real = lc.CANDIDATES
+    calls = {"boom": 0}
+
+    def boom(x, W, b, extra):
+        calls["boom"] += 1
+        raise RuntimeError("no such kernel here")
+
+    def wrong(x, W, b, extra):
+        return torch.nn.functional.linear(x, W, b) * 1.01          # fast and wrong
+
+    cands = {"linear": real["linear"], "boom": (boom, lambda *a: True, False),
+             "wrong": (wrong, lambda *a: True, False), "split_k4": real["split_k4"], "mm_t": real["mm_t"],
+             "w_x": real["w_x"]}
+    fake_us = {"linear": 10.0, "boom": 1.0, "wrong": 1.0, "split_k4": 6.0, "mm_t": 4.0, "w_x": 9.8}
+    monkeypatch.setattr(lc, "CANDIDATES", cands)
+    monkeypatch.setattr(lc, "_graph_time_us", lambda fn, *a: next(fake_us[n] for n, c in cands.items() if c[0] is fn))
+    monkeypatch.setattr(lc, "_CACHE", {})
+    W = torch.randn(64, 32)
+    ch = lc.LinearChooser(torch.device("cpu"))
+    ch.device = torch.device("cuda")                                 # as if on a GPU (timing is faked)
+    assert ch.choose(W, None, 16, copies=4) == "mm_t"                 # fastest exact one; its copies fit
+    assert calls["boom"] == 1 and set(ch.table[next(iter(ch.table))][1]) == {"linear", "split_k4", "mm_t", "w_x"}
+    assert ch.copy_bytes == 4 * W.numel() * 4
+    tight = lc.LinearChooser(torch.device("cpu"), max_copy_bytes=W.numel() * 4)
+    tight.device = torch.device("cuda")
+    assert tight.choose(W, None, 16, copies=4) == "split_k4" and tight.copy_bytes == 0   # the copy does not fit
+    del cands["split_k4"], cands["mm_t"]
+    monkeypatch.setattr(lc, "_CACHE", {})
+    assert ch.choose(W, None, 16) == "linear"                        # w_x is within MIN_GAIN of F.linear
