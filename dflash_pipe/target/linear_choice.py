@@ -4,7 +4,8 @@ At batch 1 the engine's projections run with M = 1 (a decode step) or M = 16 (a 
 cuBLAS's default fp32 kernel for M = 16 tiles N by 128 columns: a 576-wide projection is a handful of
 CTAs on a 132-SM H200, ~50 us a call where the weights alone would stream in ~1 us. The candidates
 (`CANDIDATES`) compute the same product in other ways (a pre-transposed weight copy, W @ x.T,
-split-K as one batched matmul plus a sum, N in chunks, addmm, the cuBLASLt backend); all are plain
+split-K as one batched matmul plus a sum, N in chunks, addmm, one batched matmul of M single rows
+over the shared weight, the cuBLASLt backend); all are plain
 fp32 (TF32 stays as the user set it, and is reported: with it on, nothing here is exact).
 
 `LinearChooser.choose(W, b, rows)` times every candidate on the real weight at M = `rows`, each as a
@@ -82,6 +83,11 @@ def _chunks_n(c):
     return run
 
 
+def _rows_bmm(x, W, b, extra):                   # M one-row products in one batched call, W shared (stride 0)
+    M, K = x.shape
+    return _add(torch.bmm(x.unsqueeze(1), W.t().unsqueeze(0).expand(M, K, W.shape[0])).squeeze(1), b)
+
+
 def _cublaslt(x, W, b, extra):
     with blas_backend("cublaslt"):
         return F.linear(x, W, b)
@@ -98,6 +104,7 @@ CANDIDATES: dict[str, tuple[Callable, Callable, bool]] = {
     "split_k16": (_split_k(16), lambda N, K, d: K % 16 == 0, False),
     "chunks_n2": (_chunks_n(2), lambda N, K, d: N % 2 == 0, False),
     "chunks_n4": (_chunks_n(4), lambda N, K, d: N % 4 == 0, False),
+    "rows_bmm": (_rows_bmm, lambda N, K, d: True, False),
     "cublaslt": (_cublaslt, lambda N, K, d: d.type == "cuda" and torch.version.hip is None, False),
 }
 
