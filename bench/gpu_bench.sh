@@ -85,7 +85,8 @@ print(json.dumps(rows, indent=1)); open('$OUT/loader_rate.json', 'w').write(json
         hybrid) step hybrid "${HYBRID_S:-300}" python3 bench/hybrid_eval_step.py --contexts 1024,2048,4096,8192 \
                     --json "$OUT/hybrid_eval_step.json" ;;
         evaltests) step evaltests "${EVALTESTS_S:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider \
-                       tests/test_eval_hybrid_gpu.py tests/test_eval_engine_gpu.py tests/test_eval_specdecode.py ;;
+                       tests/test_eval_hybrid_gpu.py tests/test_eval_engine_gpu.py tests/test_eval_specdecode.py \
+                       tests/test_eval_fast_gpu.py ;;
         window) step window "${WINDOW_S:-300}" python3 bench/window_stream.py --data /tmp/quality/regenerated.jsonl --samples 4000 \
                     --limit-s "$(( ${WINDOW_S:-300} - 30 ))" --json "$OUT/window_stream.json" ${WINDOW_FLAGS:-} ;;
         evalspeed) step evalspeed "${EVALSPEED_S:-300}" python3 bench/eval_speed.py --per-set "${EVALSPEED_PER_SET:-40}" \
