@@ -75,3 +75,33 @@ def test_fault_injection_a_skipped_context_update_changes_the_drafts(llama, monk
     differ = sum(prop.propose(toks[:p + 1], feats, B - 1) != plain.propose(toks[:p + 1], feats, B - 1)
                  for p in (20, 21, 25, 31, 36, 37))
     assert differ >= 3                                           # the rows it skipped are visible in the drafts
+
+
+def test_drafter_linears_on_their_chosen_formulation_draft_the_same_tokens(llama, monkeypatch):
+    """The GPU's per-shape GEMM choice, forced on the CPU (timing faked: split-K fastest): same drafts."""
+    import copy
+
+    from dflash_pipe.target import linear_choice as lc
+    from dflash_pipe.target.small_batch_ops import ChosenLinear
+
+    B = 6
+    drafter, cfg = tiny_drafter(block_size=B, layer_ids=(1, 4, 7), seed=5)
+    liven(drafter, std=0.2, seed=5)
+    m = llama.model
+    emb, head = m.get_input_embeddings().weight, m.get_output_embeddings()
+    monkeypatch.setattr(lc, "_CACHE", {})
+    monkeypatch.setattr(lc, "_graph_time_us", lambda fn, *a: 1.0 if fn is lc.CANDIDATES["split_k4"][0] else 10.0)
+    chooser = lc.LinearChooser(torch.device("cpu"))
+    chooser.device = torch.device("cuda")                        # as if on a GPU
+    graphed = GraphedDFlashProposer(copy.deepcopy(drafter), cfg, emb, head, kv_bucket=8, chooser=chooser)
+    plain = DFlashProposer(drafter, cfg, emb, head)
+    chosen = [mod.forward for mod in graphed.drafter.modules() if isinstance(mod.forward, ChosenLinear)]
+    assert chosen and all(B in c.how for c in chosen) and (B - 1) in graphed._head.how
+    assert not any(isinstance(mod.forward, ChosenLinear) for mod in drafter.modules())   # the plain one untouched
+    g = torch.Generator().manual_seed(0)
+    feats = torch.randn(60, 3 * 64, generator=g)
+    toks = torch.randint(3, 1000, (60,), generator=g).tolist()
+    graphed.reset()
+    plain.reset()
+    for p in (20, 21, 25, 31, 36, 37):
+        assert graphed.propose(toks[:p + 1], feats, B - 1) == plain.propose(toks[:p + 1], feats, B - 1), p

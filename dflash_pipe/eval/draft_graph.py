@@ -13,6 +13,8 @@ host read of the drafts:
     lm_head + argmax of slots 1..B-1.
 The per-step inputs (r, p, token p and B feature rows) are copied into static tensors on the
 device (fill_ / copy_, no host sync); graph outputs are static and read with one `.tolist()`.
+With graphs, the drafter's linear layers (B rows) and the head (B - 1 rows) run the fp32 formulation
+timed fastest for their shape (target/linear_choice.py; `F.linear` on the CPU).
 `use_graphs='off'` (and any CPU run) executes the same two functions eagerly: that is what the CPU
 tests compare with `DFlashProposer`.
 """
@@ -22,6 +24,8 @@ from __future__ import annotations
 import torch
 
 from ..drafter import AttentionMask
+from ..target.linear_choice import LinearChooser
+from ..target.small_batch_ops import ChosenLinear, choose_linear_forwards
 from ..errors import UsageError
 from .specdecode import DFlashProposer
 
@@ -30,12 +34,19 @@ class GraphedDFlashProposer(DFlashProposer):
     """`DFlashProposer` with persistent buffers and CUDA-graphed steps (module docstring)."""
 
     def __init__(self, drafter, cfg, embed_VH, lm_head, *, use_graphs: str = "auto", kv_bucket: int = 128,
-                 max_rows: int = 2048):
+                 max_rows: int = 2048, chooser: LinearChooser | None = None):
         if use_graphs not in ("auto", "on", "off"):
             raise UsageError(f"use_graphs must be auto, on or off, got {use_graphs!r}")
         super().__init__(drafter, cfg, embed_VH, lm_head)
         self.use_graphs = embed_VH.device.type == "cuda" and use_graphs != "off"
         self.kv_bucket = kv_bucket
+        self.chooser, self._head = chooser, lm_head
+        if self.use_graphs or chooser is not None:   # (a chooser given: tests drive the formulations on the CPU)
+            self.chooser = chooser or LinearChooser(self.device)
+            B = cfg.block_size                  # the drafter's linears run on B rows, the head on B - 1
+            choose_linear_forwards(self.drafter, (B,), self.chooser)
+            if type(lm_head) is torch.nn.Linear:
+                self._head = ChosenLinear(lm_head.weight, lm_head.bias, self.chooser, (B - 1,), 1, {})
         self._alloc(max_rows, None)
 
     def _alloc(self, rows: int, feat_width: int | None) -> None:
@@ -71,7 +82,7 @@ class GraphedDFlashProposer(DFlashProposer):
         blk_pos = self.s_anchor + torch.arange(B, device=d)
         hidden = self.drafter.forward_cached([(kb[:L], vb[:L]) for kb, vb in self._kvbuf], self.embed_VH[self.s_ids],
                                              blk_pos, mask)
-        return self.lm_head(hidden[1:].to(self.lm_head.weight.dtype)).argmax(dim=-1)
+        return self._head(hidden[1:].to(self.lm_head.weight.dtype)).argmax(dim=-1)
 
     # ------------------------------------------------------------------ graphs
     def _run(self, key, fn):

@@ -112,7 +112,7 @@ def fused_views_intact(mods, fused) -> bool:
     return True
 
 
-class _Linear:
+class ChosenLinear:
     """One weight with its chosen formulation per row count."""
 
     def __init__(self, W, b, chooser: LinearChooser, rows: Sequence[int], copies: int, shared: dict):
@@ -134,6 +134,20 @@ class _Linear:
         return y.view(*lead, y.shape[-1])
 
 
+def choose_linear_forwards(module: torch.nn.Module, rows: Sequence[int], chooser: LinearChooser) -> int:
+    """Route every plain `nn.Linear` inside `module` through its chosen formulation at `rows` rows (an instance
+    `forward` over the module's own weight: inputs of other row counts run `F.linear`); returns how many.
+    For a module used only by this process's eval (the drafter the eval loaded)."""
+    lins = [m for m in module.modules() if type(m) is torch.nn.Linear]
+    shapes: dict[tuple, int] = {}
+    for m in lins:
+        shapes[tuple(m.weight.shape)] = shapes.get(tuple(m.weight.shape), 0) + 1
+    shared: dict = {}
+    for m in lins:
+        m.forward = ChosenLinear(m.weight, m.bias, chooser, rows, shapes[tuple(m.weight.shape)], shared)
+    return len(lins)
+
+
 class LayerOps:
     """Per-engine fused weights and op choices (module docstring)."""
 
@@ -151,16 +165,16 @@ class LayerOps:
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
             f = fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj]) if fused else None
-            self.qkv.append((_Linear(f[0], f[1], self.chooser, rows, n, shared), f[2]) if f else None)
-            self.o.append(_Linear(attn.o_proj.weight, attn.o_proj.bias, self.chooser, rows, n, shared)
+            self.qkv.append((ChosenLinear(f[0], f[1], self.chooser, rows, n, shared), f[2]) if f else None)
+            self.o.append(ChosenLinear(attn.o_proj.weight, attn.o_proj.bias, self.chooser, rows, n, shared)
                           if _plain_linears([attn.o_proj]) else attn.o_proj)
             mlp_parts = all(hasattr(mlp, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn"))
             g = fuse_linears([mlp.gate_proj, mlp.up_proj]) if fused and mlp_parts else None
-            self.gate_up.append((_Linear(g[0], g[1], self.chooser, rows, n, shared), g[2]) if g else None)
-            self.down.append(_Linear(mlp.down_proj.weight, mlp.down_proj.bias, self.chooser, rows, n, shared)
+            self.gate_up.append((ChosenLinear(g[0], g[1], self.chooser, rows, n, shared), g[2]) if g else None)
+            self.down.append(ChosenLinear(mlp.down_proj.weight, mlp.down_proj.bias, self.chooser, rows, n, shared)
                              if g and _plain_linears([mlp.down_proj]) else None)
             self.act.append(mlp.act_fn if g else None)
-        self.head = (_Linear(lm_head.weight, lm_head.bias, self.chooser, rows, 1, shared)
+        self.head = (ChosenLinear(lm_head.weight, lm_head.bias, self.chooser, rows, 1, shared)
                      if _plain_linears([lm_head]) else lm_head)
         if self.chooser.active:
             log.info("engine linear layers: %d shapes timed in %.2f s (TF32 %s), weight copies %.1f MiB",
