@@ -13,11 +13,8 @@ layer after the final norm, like `dflash_pipe.target.runner`), concatenated in i
 ``truncate(row, n)`` rolls a row back to its first n tokens (only the length moves); ``reset``
 empties rows.
 
-The weights are the HF module's own: q|k|v and gate|up are fused once into one tensor each, of which
-the HF parameters become views (small_batch_ops.py: no copy, the HF model still works); the
-projections, attention (explicit math for few query rows, else SDPA) and RMSNorm run through
-`LayerOps` (small_batch_ops.py; ``attention``, ``linear``, ``fused``, ``tune_rows`` pick its modes),
-the rotary embedding is the HF module's. On CUDA a call
+The weights are the HF module's own (its projections, norms, MLPs, rotary embedding and head are
+called as they are; nothing is copied); only the attention and the cache are ours. On CUDA a call
 with ``rows=None`` (rows 0..B-1) and T <= 16 (decode / verify shapes; prefills run eagerly) runs as
 a CUDA graph captured once per (B, T, attended length, last_only): a whole step is one launch.
 The attended length is the rows' largest possible length rounded up to `kv_bucket` (the host
@@ -27,6 +24,11 @@ buffers, overwritten by the next call: copy what you keep. On the CPU everything
 
 Usage limits: a row's length + its real new tokens must stay <= max_len (writes beyond go to a
 single spare slot and are lost); ``truncate`` only shrinks.
+
+Small-batch ops (small_batch_ops.py, `LayerOps`; ``attention``, ``linear``, ``fused``, ``tune_rows`` pick
+its modes): q|k|v and gate|up are fused once into one weight each, of which the HF parameters become
+views (no copy; the HF model still works); the projections, the head, few-query attention (explicit
+math below the SM count, else SDPA), RMSNorm and RoPE run through it rather than the HF modules.
 
 Speculative verification at batch 1 (the eval's use)::
 
