@@ -230,7 +230,7 @@ class EngineBackend:
         self.prefill_rows += len(reqs)
         self.prefill_calls += 1
         self.prefill_real += sum(lens)
-        rb, tb = self.engine.prefill_shape(len(reqs), max(lens))
+        rb, tb = self.engine.last_prefill_shape
         self.prefill_padded += rb * tb
 
     @torch.inference_mode()

@@ -38,7 +38,7 @@ class RefillPolicy:
                   min_free: int | None = None, min_rows: int = 8) -> RefillPolicy:
         """Defaults: refill at B/32 free slots on CUDA (32 of 1024: see BENCHMARKS.md), any free slot on the CPU."""
         return cls(min_free=max(1, batch // 32 if cuda else 1) if min_free is None else max(1, min_free),
-                   lookahead=max(256, batch // 2), budget=budget or (16384 if cuda else 2048),
+                   lookahead=max(256, batch), budget=budget or (16384 if cuda else 2048),
                    min_rows=min_rows, max_len=max_len)
 
     def bucket(self, n: int) -> int:

@@ -24,10 +24,10 @@ buffers, overwritten by the next call: copy what you keep. On the CPU everything
 
 Bucketed prefill (``bucketed_prefill=True``, regenerate's continuous batching): ``prefill(prompts, rows)``
 appends R prompts to R rows as one call padded to `prefill_shape(R, longest)` (prefill_shapes.py: rows up
-to a power of two, tokens up to two buckets per octave). Padding rows point at one scratch row beyond
+to a power of two, tokens up to two buckets per octave, or a larger shape already in use). Padding rows point at one scratch row beyond
 `max_batch` (allocated only in this mode), so they never touch a live row. On CUDA a shape's first call
-runs eagerly and its second one captures a CUDA graph (row indices, ids and lengths in static inputs),
-replayed from then on; at most `max_prefill_graphs` prefill graphs (then eager), all in the one memory
+runs eagerly (its warm-up) and its second one captures a CUDA graph (row indices, ids and lengths in static
+inputs), replayed from then on; at most `max_prefill_graphs` prefill graphs (then eager), all in the one memory
 pool of the decode graphs (graphs are replayed one after another, never concurrently). On the CPU the
 same padded call runs eagerly.
 
@@ -53,7 +53,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import UsageError
-from .prefill_shapes import length_bucket, row_bucket
+from .prefill_shapes import PrefillShapes
 from .runner_utils import decoder_layers, final_norm, text_backbone
 
 log = logging.getLogger("dflash_pipe.target")
@@ -112,7 +112,7 @@ class StaticKVEngine:
 
     def __init__(self, model: torch.nn.Module, max_batch: int, max_len: int, capture_layer_ids: Sequence[int] = (),
                  use_graphs: str = "auto", kv_bucket: int = 128, bucketed_prefill: bool = False,
-                 prefill_min_rows: int = 8, max_prefill_graphs: int = 64):
+                 prefill_min_rows: int = 8, max_prefill_graphs: int = 64, prefill_reuse_ratio: float = 4.0):
         why = engine_support(model)
         if why is not None:
             raise UsageError(f"the static-KV engine cannot run this target: {why}")
@@ -149,7 +149,7 @@ class StaticKVEngine:
             self.lengths = torch.zeros(n_rows, dtype=torch.long, device=self.device)
         self._bound = [0] * n_rows                       # host upper bound of each row's length
         self.prefill_min_rows, self.max_prefill_graphs = max(1, prefill_min_rows), max_prefill_graphs
-        self._prefill_uses: dict[tuple, int] = {}        # calls per padded prefill shape (graph on the second)
+        self.prefill_shapes = PrefillShapes(self.prefill_min_rows, max_len, prefill_reuse_ratio)   # calls per shape
         self.prefill_graph_count = 0
         if use_graphs not in ("auto", "on", "off"):
             raise UsageError(f"use_graphs must be auto, on or off, got {use_graphs!r}")
@@ -226,8 +226,8 @@ class StaticKVEngine:
         return self._compute(ids, nn_, row_t, kv_len, last_only)
 
     def prefill_shape(self, rows: int, longest: int) -> tuple[int, int]:
-        """(rows, tokens) a prefill of `rows` prompts, the longest `longest` tokens, is padded to."""
-        return row_bucket(rows, self.prefill_min_rows), max(min(length_bucket(longest), self.max_len), longest)
+        """(rows, tokens) a prefill of `rows` prompts, the longest `longest` tokens, would be padded to now."""
+        return self.prefill_shapes.choose(rows, longest)
 
     @torch.inference_mode()
     def prefill(self, prompts: Sequence[Sequence[int]], rows: Sequence[int]) -> torch.Tensor:
@@ -251,12 +251,14 @@ class StaticKVEngine:
         kv_len = self.attended_length(host_rows, Tb)
         for r, n in zip(host_rows, lens):
             self._bound[r] = min(self._bound[r] + n, self.max_len)
+        uses = self.prefill_shapes.use((Rb, Tb))
+        self.last_prefill_shape = (Rb, Tb)
         if self.use_graphs:
             key = ("prefill", Rb, Tb, kv_len)
-            uses = self._prefill_uses[key] = self._prefill_uses.get(key, 0) + 1
             entry = self._graphs.get(key)
             if entry is None and uses >= 2 and self.prefill_graph_count < self.max_prefill_graphs:
-                entry = self._graphs[key] = self._capture(ids, num, kv_len, True, row_t, warmups=1)
+                # the shape's first (eager) call was its warm-up: capture without another one (~ one eager call of host time)
+                entry = self._graphs[key] = self._capture(ids, num, kv_len, True, row_t, warmups=0)
                 self.prefill_graph_count += 1
                 log.info("captured prefill graph %d of at most %d: %d rows x %d tokens (attended %d)",
                          self.prefill_graph_count, self.max_prefill_graphs, Rb, Tb, kv_len)
