@@ -75,7 +75,9 @@ class EngineBackend:
     def __init__(self, model, eos: list[int], batch: int, max_len: int, max_new_tokens: int, dec: Decoding,
                  check_every: int = 8, prefill_tokens: int | None = None, use_graphs: str = "auto",
                  compact: bool | None = None, min_free: int | None = None):
-        self.engine = StaticKVEngine(model, batch, max_len, use_graphs=use_graphs, bucketed_prefill=True)
+        cuda = next(model.parameters()).device.type == "cuda"     # padding rows to 8 saves graphs, not CPU time
+        self.engine = StaticKVEngine(model, batch, max_len, use_graphs=use_graphs, bucketed_prefill=True,
+                                     prefill_min_rows=8 if cuda else 1)
         dev = self.engine.device
         self.B, self.max_new, self.dec = batch, max_new_tokens, dec
         self.check_every = max(1, min(check_every, max_new_tokens - 1))   # an answer ends after max_new - 1 steps

@@ -29,7 +29,7 @@ to a power of two, tokens up to two buckets per octave, or a larger shape alread
 runs eagerly (its warm-up) and its second one captures a CUDA graph (row indices, ids and lengths in static
 inputs), replayed from then on; at most `max_prefill_graphs` prefill graphs (then eager), all in the one memory
 pool of the decode graphs (graphs are replayed one after another, never concurrently). On the CPU the
-same padded call runs eagerly.
+same padded call runs eagerly (and no shape is reused: there is no graph to save).
 
 Usage limits: a row's length + its real new tokens must stay <= max_len (writes beyond go to a
 single spare slot and are lost); ``truncate`` only shrinks.
@@ -149,7 +149,6 @@ class StaticKVEngine:
             self.lengths = torch.zeros(n_rows, dtype=torch.long, device=self.device)
         self._bound = [0] * n_rows                       # host upper bound of each row's length
         self.prefill_min_rows, self.max_prefill_graphs = max(1, prefill_min_rows), max_prefill_graphs
-        self.prefill_shapes = PrefillShapes(self.prefill_min_rows, max_len, prefill_reuse_ratio)   # calls per shape
         self.prefill_graph_count = 0
         if use_graphs not in ("auto", "on", "off"):
             raise UsageError(f"use_graphs must be auto, on or off, got {use_graphs!r}")
@@ -158,6 +157,9 @@ class StaticKVEngine:
         self.use_graphs = self.device.type == "cuda" and use_graphs != "off"
         self._graphs: dict[tuple, tuple] = {}
         self._pool = None
+        # calls per padded prefill shape; a larger used shape is reused only where it saves a graph
+        self.prefill_shapes = PrefillShapes(self.prefill_min_rows, max_len,
+                                            prefill_reuse_ratio if self.use_graphs else 1.0)
 
     # ------------------------------------------------------------------ state
     def cache_bytes(self) -> int:
