@@ -15,7 +15,8 @@ empties rows.
 
 The weights are the HF module's own (its projections, norms, MLPs, rotary embedding and head are
 called as they are; nothing is copied); only the attention and the cache are ours. On CUDA a call
-with ``rows=None`` (rows 0..B-1) and T <= 16 (decode / verify shapes; prefills run eagerly) runs as
+with ``rows=None`` (rows 0..B-1) and T <= 16 (decode / verify shapes; `forward` prefills run eagerly,
+`prefill` below is bucketed and graphed) runs as
 a CUDA graph captured once per (B, T, attended length, last_only): a whole step is one launch.
 The attended length is the rows' largest possible length rounded up to `kv_bucket` (the host
 tracks an upper bound per row, so choosing it never syncs), so SDPA does not read the whole
@@ -24,8 +25,8 @@ buffers, overwritten by the next call: copy what you keep. On the CPU everything
 
 Bucketed prefill (``bucketed_prefill=True``, regenerate's continuous batching): ``prefill(prompts, rows)``
 appends R prompts to R rows as one call padded to `prefill_shape(R, longest)` (prefill_shapes.py: rows up
-to a power of two, tokens up to two buckets per octave, or a larger shape already in use). Padding rows point at one scratch row beyond
-`max_batch` (allocated only in this mode), so they never touch a live row. On CUDA a shape's first call
+to a power of two, tokens up to two buckets per octave, or a larger shape already in use). Padding rows
+point at one scratch row beyond `max_batch` (allocated only in this mode), so they never touch a live row. On CUDA a shape's first call
 runs eagerly (its warm-up) and its second one captures a CUDA graph (row indices, ids and lengths in static
 inputs), replayed from then on; at most `max_prefill_graphs` prefill graphs (then eager), all in the one memory
 pool of the decode graphs (graphs are replayed one after another, never concurrently). On the CPU the
