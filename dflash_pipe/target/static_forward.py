@@ -260,7 +260,7 @@ class StaticKVEngine:
             key = ("prefill", Rb, Tb, kv_len)
             entry = self._graphs.get(key)
             if entry is None and uses >= 2 and self.prefill_graph_count < self.max_prefill_graphs:
-                # the shape's first (eager) call was its warm-up: capture without another one (~ one eager call of host time)
+                # the shape's first (eager) call was its warm-up: capture without another (~ one eager call's host time)
                 entry = self._graphs[key] = self._capture(ids, num, kv_len, True, row_t, warmups=0)
                 self.prefill_graph_count += 1
                 log.info("captured prefill graph %d of at most %d: %d rows x %d tokens (attended %d)",
