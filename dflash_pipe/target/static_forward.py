@@ -26,8 +26,8 @@ buffers, overwritten by the next call: copy what you keep. On the CPU everything
 Bucketed prefill (``bucketed_prefill=True``, regenerate's continuous batching): ``prefill(prompts, rows)``
 appends R prompts to R rows as one call padded to `prefill_shape(R, longest)` (prefill_shapes.py: rows up
 to a power of two, tokens up to two buckets per octave, or a larger shape already in use). Padding rows
-point at one scratch row beyond `max_batch` (allocated only in this mode), so they never touch a live row. On CUDA a shape's first call
-runs eagerly (its warm-up) and its second one captures a CUDA graph (row indices, ids and lengths in static
+point at one scratch row beyond `max_batch` (allocated only in this mode), so they never touch a live row.
+On CUDA a shape's first call runs eagerly (its warm-up) and its second one captures a CUDA graph (row indices, ids and lengths in static
 inputs), replayed from then on; at most `max_prefill_graphs` prefill graphs (then eager), all in the one memory
 pool of the decode graphs (graphs are replayed one after another, never concurrently). On the CPU the
 same padded call runs eagerly (and no shape is reused: there is no graph to save).
