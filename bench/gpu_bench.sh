@@ -19,7 +19,8 @@
 #     gputests  pytest -m gpu
 #     smollm2   (first) reassemble the carried SmolLM2 GGUF and data for the steps after it
 #     regentests  pytest -m gpu tests/test_static_forward_gpu.py (static-KV engine: graphs == eager, no syncs)
-#     regen     bench/regen_throughput.py: regenerate vs the bare graphed decode loop vs HF generate (needs smollm2)
+#     regen     bench/regen_throughput.py: regenerate vs the bare graphed decode loop vs HF generate (needs smollm2);
+#               REGEN_FLAGS (default "--batch 1024,2048") e.g. "--batch 1024 --prompts 16384"
 # Wheels: .whl/gpu holds flash-linear-attention + fla-core 0.6.0 and zstandard (the image has neither);
 # carry it (device `carry: [".whl/gpu"]`). Limits per step: EXTRACT_S, FLEX_S, TRAIN_S, TESTS_S seconds.
 set -uo pipefail
@@ -81,7 +82,7 @@ print(json.dumps(rows, indent=1)); open('$OUT/loader_rate.json', 'w').write(json
         regentests) step regentests "${REGEN_TESTS_S:-180}" python3 -m pytest -q -m gpu tests/test_static_forward_gpu.py ;;
         regen) step regen "${REGEN_S:-240}" python3 bench/regen_throughput.py \
                    --data "${SHAREGPT_FIRST_TURNS:?run the smollm2 step first}" --model-cache /tmp/quality/models \
-                   --json "$OUT/regen_throughput.json" ;;
+                   --json "$OUT/regen_throughput.json" ${REGEN_FLAGS:---batch 1024,2048} ;;
         hybrid) step hybrid "${HYBRID_S:-300}" python3 bench/hybrid_eval_step.py --contexts 1024,2048,4096,8192 \
                     --json "$OUT/hybrid_eval_step.json" ;;
         evaltests) step evaltests "${EVALTESTS_S:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider \

@@ -2,7 +2,7 @@
 
 Three measurements, same target, same prompts (ShareGPT first turns), same --new-tokens:
   regen   `run_regenerate` (the command's code path: tokenizing, continuous batching on the static-KV
-          engine, CUDA graphs, EOS checks, in-order writing with fsync) at its default batch (auto), on
+          engine, CUDA graphs, EOS checks, in-order writing with fsync) at each --batch (0 = auto), on
           --prompts prompts, first turn only. Wall time from the call to its return; generated tokens from
           the sidecar. A short untimed run first loads the kernels.
   bare    the engine's graphed decode step in a plain loop at the same batch: prefill the first `batch`
@@ -16,10 +16,11 @@ pays for prefills, EOS-idle slots until the next check, the tail where slots run
 call) included: the honest ceiling for a scheduler that must prefill every prompt. `regen.split` says where
 regenerate's wall time went (the sidecar's "timing": host time in launch / collect (the wait for the device) /
 tokenize / detokenize / write, device time of prefills and decode steps, decode steps, mean live rows per step
-and occupancy = live rows / batch, prefill calls and the share of padding in them).
+and occupancy = live rows / batch, prefill calls, the share of padding in them, prefill and decode graphs
+captured). With --batch 1024,2048 each batch gets its own regen and bare runs (`runs` in the JSON).
 
     python bench/regen_throughput.py --data /tmp/quality/carry/data/sharegpt_first_turns.jsonl \
-        --model-cache /tmp/quality/models --json out.json          # H200, real SmolLM2 weights (bf16)
+        --model-cache /tmp/quality/models --batch 1024,2048 --json out.json   # H200, real SmolLM2 weights (bf16)
     python bench/regen_throughput.py --smoke                        # CPU, toy sizes, random tiny-llama
 """
 
@@ -129,8 +130,31 @@ def bare_loop(args, bundle, batch: int) -> dict:
 def _split_line(t: dict) -> str:
     """The regen run's time split as one line: host phases, device time, occupancy."""
     keys = ("wall_s", "launch_s", "collect_s", "tokenize_s", "detokenize_s", "write_s", "device_prefill_s",
-            "device_decode_s", "decode_steps", "occupancy", "mean_live_rows", "prefill_calls", "prefill_pad_share")
+            "device_decode_s", "decode_steps", "occupancy", "mean_live_rows", "prefill_calls", "prefill_pad_share",
+            "prefill_graphs", "decode_graphs")
     return ", ".join(f"{k} {t[k]}" for k in keys if k in t)
+
+
+def one_batch(args, bundle, tmp: Path, batch_arg: int) -> dict:
+    """regen (after an untimed warm-up run) and the bare loop at one batch; ratios; one SUMMARY line."""
+    batch = batch_arg or auto_batch_size(bundle.model, args.max_length)
+    warm = min(args.prompts, max(8, batch // 4))
+    run_regen(args, bundle, tmp / f"warm{batch}.jsonl", warm, skip=args.prompts, batch_size=batch)
+    res = {"batch": batch, "regen": run_regen(args, bundle, tmp / f"regen{batch}.jsonl", args.prompts,
+                                              batch_size=batch)}
+    print("regen", res["regen"], flush=True)
+    res["bare"] = bare_loop(args, bundle, batch)
+    print("bare", res["bare"], flush=True)
+    res["ratio_regen_to_bare"] = round(res["regen"]["tok_s"] / res["bare"]["tok_s"], 3)
+    res["ratio_regen_to_bare_with_prefill"] = round(res["regen"]["tok_s"] / res["bare"]["tok_s_with_prefill"], 3)
+    print(f"SUMMARY batch {batch}: regenerate {res['regen']['tok_s']:,.0f} tok/s ({res['regen']['conversations']} "
+          f"answers, {res['regen']['generated_tokens']:,} tokens in {res['regen']['wall_s']} s), bare loop "
+          f"{res['bare']['tok_s']:,.0f} tok/s ({res['bare']['ms_per_step']} ms/step; "
+          f"{res['bare']['tok_s_with_prefill']:,.0f} with its prefill), ratio {res['ratio_regen_to_bare']} "
+          f"to the decode loop (goal >= 0.9), {res['ratio_regen_to_bare_with_prefill']} to the loop with its prefill "
+          f"(the ceiling of a scheduler that must prefill); regen split: {_split_line(res['regen'].get('split', {}))}",
+          flush=True)
+    return res
 
 
 def main() -> None:
@@ -145,50 +169,38 @@ def main() -> None:
     ap.add_argument("--max-length", type=int, default=512,
                     help="prompt + new tokens limit, the engine's max_len (512 as in "
                          "manifests/quality-smollm2-gpu.toml; longer prompts are skipped and counted)")
-    ap.add_argument("--batch", type=int, default=0, help="0 = regenerate's default (auto)")
+    ap.add_argument("--batch", default="0", help="comma list of batches, each measured for regen and the bare "
+                                                 "loop (0 = regenerate's default, auto)")
     ap.add_argument("--hf-prompts", type=int, default=256)
     ap.add_argument("--hf-batch", type=int, default=256)
     ap.add_argument("--smoke", action="store_true", help="CPU, random tiny-llama, toy sizes")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
+    batches = [int(b) for b in args.batch.split(",")]
     if args.smoke:
         args.model, args.device, args.dtype = "random:tiny-llama", "cpu", "float32"
         args.prompts, args.new_tokens, args.max_length, args.hf_prompts, args.hf_batch = 12, 8, 384, 4, 4
-        args.batch = args.batch or 4
+        batches = [b or 4 for b in batches]
     bundle = load_target(args.model, device=args.device, dtype=args.dtype, model_cache_dir=args.model_cache)
-    batch = args.batch or auto_batch_size(bundle.model, args.max_length)
     res = {"model": args.model, "dtype": args.dtype, "device": args.device, "new_tokens": args.new_tokens,
-           "max_length": args.max_length, "batch": batch,
+           "max_length": args.max_length, "prompts": args.prompts,
            "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
            "torch": torch.__version__}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        warm = min(args.prompts, max(8, batch // 4))
-        run_regen(args, bundle, tmp / "warm.jsonl", warm, skip=args.prompts, batch_size=args.batch)
-        res["regen"] = run_regen(args, bundle, tmp / "regen.jsonl", args.prompts, batch_size=args.batch)
-        print("regen", res["regen"], flush=True)
-        res["bare"] = bare_loop(args, bundle, batch)
-        print("bare", res["bare"], flush=True)
-        res["ratio_regen_to_bare"] = round(res["regen"]["tok_s"] / res["bare"]["tok_s"], 3)
-        res["ratio_regen_to_bare_with_prefill"] = round(res["regen"]["tok_s"] / res["bare"]["tok_s_with_prefill"], 3)
+        res["runs"] = [one_batch(args, bundle, tmp, b) for b in batches]
+        res.update(res["runs"][0])               # the first batch also at the top level (earlier JSON layout)
         if args.hf_prompts:
             res["hf"] = run_regen(args, bundle, tmp / "hf.jsonl", args.hf_prompts, batch_size=args.hf_batch,
                                   engine="hf")
             print("hf", res["hf"], flush=True)
             # identical greedy answers on the shared prompts? (bf16: batch-dependent rounding may flip a few)
             a = (tmp / "hf.jsonl").read_text().splitlines()
-            b = (tmp / "regen.jsonl").read_text().splitlines()[:len(a)]
+            b = (tmp / f"regen{res['batch']}.jsonl").read_text().splitlines()[:len(a)]
             res["hf_identical_rows"] = f"{sum(x == y for x, y in zip(a, b))}/{len(a)}"
+            print(f"SUMMARY HF generate {res['hf']['tok_s']:,.0f} tok/s at batch {args.hf_batch}, identical rows "
+                  f"{res['hf_identical_rows']}", flush=True)
     print(json.dumps(res, indent=2))
-    print(f"SUMMARY batch {batch}: regenerate {res['regen']['tok_s']:,.0f} tok/s ({res['regen']['conversations']} "
-          f"answers, {res['regen']['generated_tokens']:,} tokens in {res['regen']['wall_s']} s), bare loop "
-          f"{res['bare']['tok_s']:,.0f} tok/s ({res['bare']['ms_per_step']} ms/step; "
-          f"{res['bare']['tok_s_with_prefill']:,.0f} with its prefill), ratio {res['ratio_regen_to_bare']} "
-          f"to the decode loop (goal >= 0.9), {res['ratio_regen_to_bare_with_prefill']} to the loop with its prefill "
-          f"(the ceiling of a scheduler that must prefill)"
-          + f"; regen split: {_split_line(res['regen'].get('split', {}))}"
-          + (f", HF generate {res['hf']['tok_s']:,.0f} tok/s at batch {args.hf_batch}, identical rows "
-             f"{res['hf_identical_rows']}" if "hf" in res else ""), flush=True)
     if args.json:
         args.json.write_text(json.dumps(res, indent=2))
 

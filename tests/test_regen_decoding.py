@@ -211,3 +211,32 @@ def test_tail_compaction_moves_rows_and_keeps_every_answer_the_unbatched_greedy_
     for i, p in enumerate(prompts):
         assert got[i] == greedy_generate(llama.model, p, 12, []), i
     assert be.stats()["mean_decode_width"] < 8
+
+
+def test_refills_that_wait_and_take_prompts_out_of_order_give_the_same_answers(llama):
+    """A refill threshold of 3 free slots and a lookahead that picks by length bucket admit the prompts in another
+    order than the ready list's, in no more prefill calls; every answer is still the one of the plain policy."""
+    from dflash_pipe.eval.regen_refill import RefillPolicy
+
+    g = torch.Generator().manual_seed(8)
+    lens = (40, 3, 5, 70, 2, 66, 4, 38, 6, 1, 35, 7)
+    runs = {}
+    for name, pol in (("plain", RefillPolicy(min_free=1, lookahead=1, budget=4096)),
+                      ("waiting", RefillPolicy(min_free=3, lookahead=12, budget=4096))):
+        g.manual_seed(8)
+        prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in lens]
+        be = regen_backends.EngineBackend(llama.model, [2], batch=4, max_len=128, max_new_tokens=9,
+                                          dec=Decoding(temperature=0.9, seed=3), check_every=2)
+        be.policy = pol
+        ready = [regen_backends.TurnRequest(None, p, key=i, order=i) for i, p in enumerate(prompts)]
+        admitted, got = [], {}
+        while ready or be.busy():
+            before = {id(r) for r in ready}
+            be.launch(ready)
+            admitted += [s.order for s in be.slots if s is not None and id(s) in before]
+            for c in be.collect():
+                got[c.request.order] = c.tokens
+        runs[name] = (got, admitted, be.prefill_calls)
+    assert runs["waiting"][0] == runs["plain"][0] and sorted(runs["plain"][0]) == list(range(len(lens)))
+    assert runs["plain"][1] == sorted(runs["plain"][1]) and runs["waiting"][1] != sorted(runs["waiting"][1])
+    assert runs["waiting"][2] <= runs["plain"][2]

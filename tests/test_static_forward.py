@@ -129,3 +129,38 @@ def test_hybrid_targets_are_not_supported():
     assert "layer types" in engine_support(model) or "model type" in engine_support(model)
     with pytest.raises(UsageError, match="static-KV engine cannot run"):
         StaticKVEngine(model, 1, 8)
+
+
+def test_bucketed_prefill_equals_the_unpadded_forward_and_padding_rows_never_touch_live_rows(llama):
+    """prefill() pads 3 prompts to (8 rows, 64 tokens): the logits and the K/V it writes equal an unpadded
+    forward of the same prompts, and the rows already live (and every other row) keep their K/V and lengths."""
+    model = llama
+    V = model.config.vocab_size
+    g = torch.Generator().manual_seed(4)
+    live = [torch.randint(0, V, (n,), generator=g).tolist() for n in (7, 20)]
+    new = [torch.randint(0, V, (n,), generator=g).tolist() for n in (5, 40, 2)]
+    eng = StaticKVEngine(model, max_batch=6, max_len=80, kv_bucket=8, bucketed_prefill=True)
+    ref = StaticKVEngine(model, max_batch=6, max_len=80, kv_bucket=8)
+    assert eng.k_cache.shape[1] == 7 and ref.k_cache.shape[1] == 6 and eng.scratch_row == 6
+    eng.prefill(live, [2, 5])
+    before = {r: (eng.k_cache[:, r].clone(), eng.v_cache[:, r].clone()) for r in range(6)}
+    logits = eng.prefill(new, [4, 0, 1])
+    assert eng.last_prefill_shape == (8, 64)
+    T = max(map(len, new))
+    ids = torch.zeros((3, T), dtype=torch.long)
+    for i, p in enumerate(new):
+        ids[i, :len(p)] = torch.tensor(p)
+    want = ref.forward(ids, torch.tensor([len(p) for p in new]), rows=[4, 0, 1], last_only=True).logits
+    assert logits.shape == (3, V) and _rel(logits, want) <= 1e-5
+    for r, p in zip([4, 0, 1], new):
+        n = len(p)
+        assert _rel(eng.k_cache[:, r, :, :n], ref.k_cache[:, r, :, :n]) <= 1e-5
+        assert _rel(eng.v_cache[:, r, :, :n], ref.v_cache[:, r, :, :n]) <= 1e-5
+    for r in (2, 3, 5):                                            # live and empty rows: untouched, bit for bit
+        assert torch.equal(eng.k_cache[:, r], before[r][0]) and torch.equal(eng.v_cache[:, r], before[r][1])
+    assert [eng.length(r) for r in range(7)] == [40, 2, 7, 0, 5, 20, 0]   # the scratch row stays empty
+    assert float(eng.k_cache[:, 6].abs().max()) > 0                # the 5 padding rows wrote there
+    with pytest.raises(UsageError, match="one distinct row each"):
+        eng.prefill([[1], [2]], [3, 3])
+    with pytest.raises(UsageError, match="bucketed_prefill"):
+        ref.prefill([[1]], [0])

@@ -117,11 +117,13 @@ def test_tail_compaction_on_graphs_gives_the_same_answers():
 
 def test_launches_with_refills_do_not_sync_the_host():
     """Whole launches (refill prefills, tail compaction, decode steps) under sync-debug 'error' mode; a first
-    pass over the same prompts captures every graph (capturing syncs), the second one must not sync at all."""
+    pass over the same prompts runs each prefill shape eagerly, a second one captures the graphs (capturing syncs),
+    the third one must not sync at all."""
     model = _model(torch.bfloat16)
     be = EngineBackend(model, [2], batch=8, max_len=256, max_new_tokens=64, dec=Decoding(temperature=0.8, top_p=0.9),
                        check_every=4)
-    for strict in (False, True):
+    be.engine.prefill_shapes.reuse_ratio = 1.0   # each call its own bucket shape: the same shapes in every pass
+    for strict in (False, False, True):      # a prefill shape's graph is captured at its second call
         ready = [TurnRequest(None, p, key=i, order=i) for i, p in enumerate(_prompts() + _prompts()[:4])]
         answers = 0
         while ready or be.busy():
@@ -134,3 +136,42 @@ def test_launches_with_refills_do_not_sync_the_host():
                 torch.cuda.set_sync_debug_mode(0)
             answers += len(be.collect())                 # collect syncs by design (one read of the masks)
         assert answers == 12
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_graphed_bucketed_prefill_equals_eager_and_padding_rows_never_touch_live_rows(dtype):
+    """The same prefill calls (3 prompts -> 8 padded rows, the shape's first call eager, its second captured, the
+    third replayed) on a graphed and an eager engine: the logits and the K/V written are equal, the live rows'
+    K/V and every length are untouched by the padding rows, which write only into the scratch row."""
+    model = _model(dtype)
+    prompts = _prompts()
+    groups = [([prompts[0], prompts[1], prompts[3]], [4, 0, 7]), ([prompts[2], prompts[4], prompts[6]], [1, 5, 2]),
+              ([prompts[5], prompts[7], prompts[0]], [3, 6, 9])]          # all padded to (8 rows, 64 tokens)
+    runs = {}
+    for mode in ("on", "off"):
+        eng = StaticKVEngine(model, 10, 160, use_graphs=mode, kv_bucket=16, bucketed_prefill=True)
+        logits, untouched = [], True
+        for k, (ps, rows) in enumerate(groups):
+            before = eng.k_cache[:, :10].clone(), eng.v_cache[:, :10].clone(), eng.lengths[:10].clone()
+            logits.append(eng.prefill(ps, rows).float().clone())
+            assert eng.last_prefill_shape == (8, 64)
+            others = [r for r in range(10) if r not in rows]
+            untouched &= bool(torch.equal(eng.k_cache[:, others], before[0][:, others])
+                              and torch.equal(eng.v_cache[:, others], before[1][:, others])
+                              and torch.equal(eng.lengths[others], before[2][others]))
+        assert untouched and eng.length(10) == 0
+        if mode == "on":
+            assert eng.prefill_graph_count == 1 and eng.graph_count == 1
+        runs[mode] = (torch.stack(logits), eng.k_cache.float().clone(), eng.v_cache.float().clone(),
+                      [eng.length(r) for r in range(10)])
+    (l_on, k_on, v_on, n_on), (l_off, k_off, v_off, n_off) = runs["on"], runs["off"]
+    assert n_on == n_off == [len(prompts[1]), len(prompts[2]), len(prompts[6]), len(prompts[5]), len(prompts[0]),
+                             len(prompts[4]), len(prompts[7]), len(prompts[3]), 0, len(prompts[0])]
+    tol = 1e-3 if dtype == torch.float32 else 2e-2
+    assert float((l_on - l_off).abs().max() / l_off.abs().max()) <= tol
+    for r, n in enumerate(n_on):                                  # the rows' real K/V (beyond is unused space)
+        if n == 0:
+            continue
+        for a, b in ((k_on, k_off), (v_on, v_off)):
+            assert float((a[:, r, :, :n] - b[:, r, :, :n]).abs().max()) <= tol * float(b.abs().max())
+    assert torch.equal(l_on[2].argmax(-1), l_off[2].argmax(-1))   # the replayed call picks the same tokens

@@ -5,9 +5,11 @@ order) in `launch` and hand back `Completion`s, in any order, from `collect`; be
 host is free (the driver tokenizes and writes there while the GPU decodes).
 
 `EngineBackend` (attention-only targets, `dflash_pipe.target.static_forward`): `batch` slots.
-Every `launch` first fills the free slots from the ready list (one right-padded prefill per group
-of similar-length prompts, at most `prefill_tokens` tokens a group), then runs `check_every`
-decode steps on all slots at once (a CUDA graph each on CUDA). In the tail (nothing left to refill;
+Every `launch` first refills free slots from the ready list as `regen_refill.plan_refill` decides
+(once enough slots are free; prompts picked by length bucket from a lookahead window; one bucketed
+prefill call per length bucket, at most `prefill_tokens` padded tokens a call, a CUDA graph per
+padded shape on CUDA: `StaticKVEngine.prefill`), then runs `check_every` decode steps on all slots
+at once (a CUDA graph each on CUDA). In the tail (nothing left to refill;
 `compact`, off by default, see __init__) the live rows are moved to the lowest slots (K/V copied) and the steps
 run on only the first batch/2, /4 or /8 rows while the live ones fit. Token choice, the per-row answer
 buffers and the stopping masks (EOS / max_new_tokens) stay on the device; `collect` looks at them
@@ -32,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from ..target.static_forward import StaticKVEngine, to_device
+from .regen_refill import RefillPolicy, plan_refill
 from .regen_sampling import Decoding, next_tokens
 
 log = logging.getLogger("dflash_pipe.eval")
@@ -71,12 +74,15 @@ class EngineBackend:
 
     def __init__(self, model, eos: list[int], batch: int, max_len: int, max_new_tokens: int, dec: Decoding,
                  check_every: int = 8, prefill_tokens: int | None = None, use_graphs: str = "auto",
-                 compact: bool | None = None):
-        self.engine = StaticKVEngine(model, batch, max_len, use_graphs=use_graphs)
+                 compact: bool | None = None, min_free: int | None = None):
+        cuda = next(model.parameters()).device.type == "cuda"     # padding rows to 8 saves graphs, not CPU time
+        self.engine = StaticKVEngine(model, batch, max_len, use_graphs=use_graphs, bucketed_prefill=True,
+                                     prefill_min_rows=8 if cuda else 1)
         dev = self.engine.device
         self.B, self.max_new, self.dec = batch, max_new_tokens, dec
         self.check_every = max(1, min(check_every, max_new_tokens - 1))   # an answer ends after max_new - 1 steps
-        self.prefill_tokens = prefill_tokens or (65536 if dev.type == "cuda" else 2048)
+        self.policy = RefillPolicy.for_batch(batch, dev.type == "cuda", max_len, budget=prefill_tokens,
+                                             min_free=min_free, min_rows=self.engine.prefill_min_rows)
         self.slots: list[TurnRequest | None] = [None] * batch
         # tail compaction: with nothing waiting, live rows move down and steps run on the first `width` rows.
         # Off by default: the one H200 run with it on (session 7) regenerated at 18.8 k tok/s against 42.8 k
@@ -94,12 +100,13 @@ class EngineBackend:
             self.eos = torch.tensor(sorted(set(eos)), dtype=torch.long, device=dev)
             self.live_row_steps = torch.zeros((), dtype=torch.long, device=dev)   # occupancy, summed per step
         self.decode_steps = 0
-        self.prefill_rows = self.prefill_calls = self.prefill_tokens = self.prefill_padded = 0
+        self.prefill_rows = self.prefill_calls = self.prefill_real = self.prefill_padded = 0
         self.cuda = dev.type == "cuda"
         self._events: list[tuple] = []                   # (start, after prefill, after decode) of uncollected launches
         self.gpu_s = {"prefill": 0.0, "decode": 0.0}     # device time (CUDA events; host time on the CPU)
         mode = "CUDA graphs" if self.engine.use_graphs else "eager"
-        self.describe = f"{self.name} ({mode}, batch {batch}, check every {self.check_every} steps)"
+        self.describe = (f"{self.name} ({mode}, batch {batch}, check every {self.check_every} steps, refill at "
+                         f"{self.policy.min_free} free slots)")
 
     def busy(self) -> bool:
         return any(s is not None for s in self.slots)
@@ -121,16 +128,21 @@ class EngineBackend:
     def launch(self, ready: list[TurnRequest]) -> None:
         """Fill free slots from the front of `ready` and queue check_every decode steps (no host sync)."""
         free = [i for i, s in enumerate(self.slots) if s is None]
-        take = ready[:len(free)]
+        window = [len(r.prompt) for r in ready[:max(len(free), self.policy.lookahead)]]
+        calls = plan_refill(len(free), window, len(ready), self.B - len(free), self.policy)
         m0 = self._mark()
-        if take:
-            del ready[:len(take)]
-            rows = free[:len(take)]
-            for r, req in zip(rows, take):
-                self.slots[r] = req
-            if rows[-1] >= self.width:
-                self.width = self.B        # back to full width (rows past the old width are empty and inactive)
-            self._prefill(rows, take)
+        if calls:
+            taken = set()
+            for call in calls:
+                rows, reqs = free[:len(call)], [ready[i] for i in call]
+                del free[:len(call)]
+                for r, req in zip(rows, reqs):
+                    self.slots[r] = req
+                if max(rows) >= self.width:
+                    self.width = self.B    # back to full width (rows past the old width are empty and inactive)
+                self._prefill(rows, reqs)
+                taken.update(call)
+            ready[:] = [r for i, r in enumerate(ready) if i not in taken]
         if self.compact and not ready:
             self._shrink()
         m1 = self._mark()
@@ -179,7 +191,9 @@ class EngineBackend:
                 "occupancy": round(live / (steps * self.B), 3),
                 "mean_decode_width": round(self.width_row_steps / steps, 1),
                 "prefill_calls": self.prefill_calls, "prefill_rows": self.prefill_rows,
-                "prefill_pad_share": round(1 - self.prefill_tokens / max(1, self.prefill_padded), 3),
+                "prefill_pad_share": round(1 - self.prefill_real / max(1, self.prefill_padded), 3),
+                "prefill_graphs": self.engine.prefill_graph_count,
+                "decode_graphs": self.engine.graph_count - self.engine.prefill_graph_count,
                 "device_prefill_s": round(self.gpu_s["prefill"], 3),
                 "device_decode_s": round(self.gpu_s["decode"], 3)}
 
@@ -209,32 +223,17 @@ class EngineBackend:
         self.live_row_steps += act.sum()
 
     def _prefill(self, rows: list[int], reqs: list[TurnRequest]) -> None:
+        """One bucketed prefill call of `reqs` into the empty `rows`, and their first tokens."""
         dev = self.engine.device
         self.engine.reset(rows)
-        order = sorted(range(len(reqs)), key=lambda i: len(reqs[i].prompt))
-        groups, cur = [], []
-        for i in order:                      # ascending lengths: the newest prompt sets the group's width
-            width = len(reqs[i].prompt)
-            if cur and width * (len(cur) + 1) > self.prefill_tokens:
-                groups.append(cur)
-                cur = []
-            cur.append(i)
-        groups.append(cur)
-        for g in groups:
-            T = max(len(reqs[i].prompt) for i in g)
-            ids = torch.zeros((len(g), T), dtype=torch.long)
-            for j, i in enumerate(g):
-                ids[j, :len(reqs[i].prompt)] = torch.tensor(reqs[i].prompt, dtype=torch.long)
-            lens = torch.tensor([len(reqs[i].prompt) for i in g], dtype=torch.long)
-            slot_rows = [rows[i] for i in g]
-            out = self.engine.forward(ids, lens, rows=slot_rows, last_only=True)
-            rt = to_device(slot_rows, dev)       # no host sync (torch.tensor(device=) syncs)
-            keys = to_device([reqs[i].key for i in g], dev)
-            self._start(out.logits, rt, keys)
-            self.prefill_rows += len(g)
-            self.prefill_calls += 1
-            self.prefill_tokens += int(lens.sum())
-            self.prefill_padded += len(g) * T
+        logits = self.engine.prefill([r.prompt for r in reqs], rows)
+        self._start(logits, to_device(rows, dev), to_device([r.key for r in reqs], dev))   # no host sync
+        lens = [len(r.prompt) for r in reqs]
+        self.prefill_rows += len(reqs)
+        self.prefill_calls += 1
+        self.prefill_real += sum(lens)
+        rb, tb = self.engine.last_prefill_shape
+        self.prefill_padded += rb * tb
 
     @torch.inference_mode()
     def _decode(self) -> None:

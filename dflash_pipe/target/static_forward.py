@@ -15,12 +15,22 @@ empties rows.
 
 The weights are the HF module's own (its projections, norms, MLPs, rotary embedding and head are
 called as they are; nothing is copied); only the attention and the cache are ours. On CUDA a call
-with ``rows=None`` (rows 0..B-1) and T <= 16 (decode / verify shapes; prefills run eagerly) runs as
+with ``rows=None`` (rows 0..B-1) and T <= 16 (decode / verify shapes; `forward` prefills run eagerly,
+`prefill` below is bucketed and graphed) runs as
 a CUDA graph captured once per (B, T, attended length, last_only): a whole step is one launch.
 The attended length is the rows' largest possible length rounded up to `kv_bucket` (the host
 tracks an upper bound per row, so choosing it never syncs), so SDPA does not read the whole
 padded buffer. Outputs of a graphed call are static
 buffers, overwritten by the next call: copy what you keep. On the CPU everything runs eagerly.
+
+Bucketed prefill (``bucketed_prefill=True``, regenerate's continuous batching): ``prefill(prompts, rows)``
+appends R prompts to R rows as one call padded to `prefill_shape(R, longest)` (prefill_shapes.py: rows up
+to a power of two, tokens up to two buckets per octave, or a larger shape already in use). Padding rows
+point at one scratch row beyond `max_batch` (allocated only in this mode), so they never touch a live row.
+On CUDA a shape's first call runs eagerly (its warm-up) and its second one captures a CUDA graph (row indices, ids and lengths in static
+inputs), replayed from then on; at most `max_prefill_graphs` prefill graphs (then eager), all in the one memory
+pool of the decode graphs (graphs are replayed one after another, never concurrently). On the CPU the
+same padded call runs eagerly (and no shape is reused: there is no graph to save).
 
 Usage limits: a row's length + its real new tokens must stay <= max_len (writes beyond go to a
 single spare slot and are lost); ``truncate`` only shrinks.
@@ -49,6 +59,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import UsageError
+from .prefill_shapes import PrefillShapes
 from .runner_utils import decoder_layers, final_norm, text_backbone
 from .small_batch_ops import LayerOps, few_query_attention, few_query_bias, rope, signed_sin
 
@@ -107,8 +118,10 @@ class StaticKVEngine:
     """Preallocated KV cache + own forward over the HF weights (module docstring)."""
 
     def __init__(self, model: torch.nn.Module, max_batch: int, max_len: int, capture_layer_ids: Sequence[int] = (),
-                 use_graphs: str = "auto", kv_bucket: int = 128, attention: str = "auto", linear: str = "auto",
-                 fused: bool = True, tune_rows: Sequence[int] | None = None):
+                 use_graphs: str = "auto", kv_bucket: int = 128, bucketed_prefill: bool = False,
+                 prefill_min_rows: int = 8, max_prefill_graphs: int = 64, prefill_reuse_ratio: float = 4.0,
+                 attention: str = "auto", linear: str = "auto", fused: bool = True,
+                 tune_rows: Sequence[int] | None = None):
         why = engine_support(model)
         if why is not None:
             raise UsageError(f"the static-KV engine cannot run this target: {why}")
@@ -135,12 +148,17 @@ class StaticKVEngine:
         self.device, self.dtype = p.device, p.dtype
         self.max_batch, self.max_len, self.kv_bucket = max_batch, max_len, kv_bucket
         self.size = max_len + 1                          # + one spare slot for writes past max_len
-        shape = (L, max_batch, self.kv_heads, self.size, self.head_dim)
+        self.bucketed_prefill = bool(bucketed_prefill)
+        self.scratch_row = max_batch if self.bucketed_prefill else None   # where padding rows of a prefill write
+        n_rows = max_batch + self.bucketed_prefill
+        shape = (L, n_rows, self.kv_heads, self.size, self.head_dim)
         with torch.inference_mode():
             self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            self.lengths = torch.zeros(max_batch, dtype=torch.long, device=self.device)
-        self._bound = [0] * max_batch                    # host upper bound of each row's length
+            self.lengths = torch.zeros(n_rows, dtype=torch.long, device=self.device)
+        self._bound = [0] * n_rows                       # host upper bound of each row's length
+        self.prefill_min_rows, self.max_prefill_graphs = max(1, prefill_min_rows), max_prefill_graphs
+        self.prefill_graph_count = 0
         if use_graphs not in ("auto", "on", "off"):
             raise UsageError(f"use_graphs must be auto, on or off, got {use_graphs!r}")
         if use_graphs == "on" and self.device.type != "cuda":
@@ -151,6 +169,9 @@ class StaticKVEngine:
                             else tune_rows or ())      # small_batch_ops.py; linears timed for the eval's batch 1
         self._graphs: dict[tuple, tuple] = {}
         self._pool = None
+        # calls per padded prefill shape; a larger used shape is reused only where it saves a graph
+        self.prefill_shapes = PrefillShapes(self.prefill_min_rows, max_len,
+                                            prefill_reuse_ratio if self.use_graphs else 1.0)
 
     # ------------------------------------------------------------------ state
     def cache_bytes(self) -> int:
@@ -217,6 +238,52 @@ class StaticKVEngine:
             return self._replay(ids, nn_, kv_len, last_only)
         row_t = None if rows is None else to_device(host_rows, self.device)
         return self._compute(ids, nn_, row_t, kv_len, last_only)
+
+    def prefill_shape(self, rows: int, longest: int) -> tuple[int, int]:
+        """(rows, tokens) a prefill of `rows` prompts, the longest `longest` tokens, would be padded to now."""
+        return self.prefill_shapes.choose(rows, longest)
+
+    @torch.inference_mode()
+    def prefill(self, prompts: Sequence[Sequence[int]], rows: Sequence[int]) -> torch.Tensor:
+        """Append prompt i to row rows[i] in one padded call (module docstring, bucketed prefill); the logits at
+        each prompt's last token, [R, V]. With CUDA graphs this is a static buffer: use it before the next call."""
+        if not self.bucketed_prefill:
+            raise UsageError("prefill() needs an engine made with bucketed_prefill=True (it pads into a scratch row)")
+        host_rows = [int(r) for r in rows]
+        R, lens = len(prompts), [len(p) for p in prompts]
+        if (R < 1 or len(host_rows) != R or len(set(host_rows)) != R
+                or any(not 0 <= r < self.max_batch for r in host_rows)):
+            raise UsageError(f"prefill: {R} prompts for rows {host_rows[:8]}... of a {self.max_batch}-row cache "
+                             f"(one distinct row each)")
+        if min(lens) < 1:
+            raise UsageError(f"prefill: prompt {lens.index(0)} is empty")
+        Rb, Tb = self.prefill_shape(R, max(lens))
+        flat = [t for p in prompts for t in (*p, *([0] * (Tb - len(p))))]
+        flat += [0] * ((Rb - R) * Tb) + lens + [0] * (Rb - R) + host_rows + [self.scratch_row] * (Rb - R)
+        packed = to_device(torch.tensor(flat, dtype=torch.long), self.device)     # one host-to-device copy
+        ids, num, row_t = packed[:Rb * Tb].view(Rb, Tb), packed[Rb * Tb:Rb * Tb + Rb], packed[Rb * Tb + Rb:]
+        kv_len = self.attended_length(host_rows, Tb)
+        for r, n in zip(host_rows, lens):
+            self._bound[r] = min(self._bound[r] + n, self.max_len)
+        uses = self.prefill_shapes.use((Rb, Tb))
+        self.last_prefill_shape = (Rb, Tb)
+        if self.use_graphs:
+            key = ("prefill", Rb, Tb, kv_len)
+            entry = self._graphs.get(key)
+            if entry is None and uses >= 2 and self.prefill_graph_count < self.max_prefill_graphs:
+                # the shape's first (eager) call was its warm-up: capture without another (~ one eager call's host time)
+                entry = self._graphs[key] = self._capture(ids, num, kv_len, True, row_t, warmups=0)
+                self.prefill_graph_count += 1
+                log.info("captured prefill graph %d of at most %d: %d rows x %d tokens (attended %d)",
+                         self.prefill_graph_count, self.max_prefill_graphs, Rb, Tb, kv_len)
+            if entry is not None:
+                graph, s_ids, s_num, out, s_rows = entry
+                s_ids.copy_(ids)
+                s_num.copy_(num)
+                s_rows.copy_(row_t)
+                graph.replay()
+                return out.logits[:R]
+        return self._compute(ids, num, row_t, kv_len, True).logits[:R]
 
     def _compute(self, ids, num_new, row_t, kv_len: int, last_only: bool) -> EngineOutput:
         B, T = ids.shape
@@ -290,30 +357,31 @@ class StaticKVEngine:
         if entry is None:
             entry = self._capture(ids, num_new, kv_len, last_only)
             self._graphs[key] = entry
-        graph, s_ids, s_num, out = entry
+        graph, s_ids, s_num, out, _ = entry
         s_ids.copy_(ids)
         s_num.copy_(num_new)
         graph.replay()
         return out
 
-    def _capture(self, ids, num_new, kv_len: int, last_only: bool):
+    def _capture(self, ids, num_new, kv_len: int, last_only: bool, row_t=None, warmups: int = 2):
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         s_ids, s_num = ids.clone(), num_new.clone()
+        s_rows = None if row_t is None else row_t.clone()
         saved = self.lengths.clone()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):                    # warm-up (lazy inits); the lengths are put back
-            for _ in range(2):
-                self._compute(s_ids, s_num, None, kv_len, last_only)
+            for _ in range(warmups):
+                self._compute(s_ids, s_num, s_rows, kv_len, last_only)
                 self.lengths.copy_(saved)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            out = self._compute(s_ids, s_num, None, kv_len, last_only)
+            out = self._compute(s_ids, s_num, s_rows, kv_len, last_only)
         self.lengths.copy_(saved)                        # capture does not run kernels; belt and braces
         log.debug("captured a CUDA graph for (B, T, kv_len, last_only) = %s", (*ids.shape, kv_len, last_only))
-        return graph, s_ids, s_num, out
+        return graph, s_ids, s_num, out, s_rows
 
     @property
     def graph_count(self) -> int:
