@@ -150,3 +150,14 @@ def test_linear_choice_skips_broken_and_inexact_candidates_and_keeps_to_the_copy
     del cands["split_k4"], cands["mm_t"]
     monkeypatch.setattr(lc, "_CACHE", {})
     assert ch.choose(W, None, 16) == "linear"                        # w_x is within MIN_GAIN of F.linear
+
+
+def test_an_engine_built_in_inference_mode_leaves_trainable_parameters():
+    model = _model("tiny-llama").requires_grad_(True)
+    with torch.inference_mode():
+        StaticKVEngine(model, max_batch=1, max_len=16)
+    q = model.model.layers[0].self_attn.q_proj.weight
+    attn = model.model.layers[0].self_attn
+    assert q.requires_grad and not q.is_inference() and q.data_ptr() == attn.q_proj._dflash_fused[0].data_ptr()
+    model(input_ids=torch.tensor([[1, 2, 3]])).logits.sum().backward()    # the HF model still trains
+    assert q.grad is not None and q.grad.abs().sum() > 0

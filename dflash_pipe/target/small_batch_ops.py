@@ -82,7 +82,7 @@ def fuse_linears(mods: Sequence[torch.nn.Linear]) -> tuple[torch.Tensor, torch.T
     prev = getattr(mods[0], "_dflash_fused", None)
     if prev is not None and fused_views_intact(mods, prev):
         return prev
-    with torch.no_grad():
+    with torch.inference_mode(False), torch.no_grad():   # plain tensors even when built inside inference mode
         W = torch.cat([m.weight.detach() for m in mods], 0)
         has_bias = any(m.bias is not None for m in mods)
         b = (torch.cat([m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features) for m in mods])
