@@ -50,17 +50,19 @@ class EngineTarget:
     """The shared engine (module docstring); grows its buffers when a prompt needs more room."""
 
     def __init__(self, model: torch.nn.Module, layer_ids: Sequence[int], max_len: int, limit: int,
-                 use_graphs: str = "auto"):
+                 use_graphs: str = "auto", block_size: int = 16):
         self.model = model
         self.layer_ids = sorted(set(int(i) for i in layer_ids))
         self.limit = limit
         self.use_graphs = use_graphs
+        self.tune_rows = (1, block_size)             # GEMM shapes timed: decode steps and verify blocks
         self.device = next(model.parameters()).device
         self.hidden_size = int(model.config.hidden_size)
         self.engine = self._build(min(max_len, limit))
 
     def _build(self, max_len: int) -> StaticKVEngine:
-        return StaticKVEngine(self.model, 1, max_len, capture_layer_ids=self.layer_ids, use_graphs=self.use_graphs)
+        return StaticKVEngine(self.model, 1, max_len, capture_layer_ids=self.layer_ids, use_graphs=self.use_graphs,
+                              tune_rows=self.tune_rows)
 
     def ensure(self, need: int) -> StaticKVEngine:
         """The engine, rebuilt with room for `need` tokens (doubling, up to the limit) if it has less."""

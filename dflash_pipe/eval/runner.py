@@ -303,7 +303,7 @@ def _targets(model, bundle: TargetBundle, dcfgs: dict, ev, device, max_pos: int,
     kind, note = resolve_engine(model, engine, device)
     if kind == "static":
         union = sorted(set().union(*(d.target_layer_ids for d in dcfgs.values())))
-        target = EngineTarget(model, union, max_len=min(max_pos, 2048), limit=max_pos)
+        target = EngineTarget(model, union, max_len=min(max_pos, 2048), limit=max_pos, block_size=B)
         verifiers = {m: EngineVerifier(target, d.target_layer_ids, B) for m, d in dcfgs.items()}
         return (verifiers, EngineVerifier(target, (), B),
                 lambda ids, n, eos: engine_greedy_generate(target, ids, n, eos), note)
