@@ -50,6 +50,7 @@ def manifests(a, work: Path) -> dict[str, Path]:
         if a.model_cache_dir:
             cfg.target.model_cache_dir = a.model_cache_dir
         d.skip_samples, d.max_samples = (0, a.heldout) if name == "val" else (a.heldout, a.samples)
+        cfg.eval.prompts = "mtbench" if name == "val" else "heldout"  # heldout = the val cache's conversations
         ex.cache_dir = str(work / ("cache-val" if name == "val" else "cache"))
         ex.num_shards = 1 if name == "val" else 4 * a.passes
         ex.max_length, ex.max_cache_gib = a.max_length, 0.0
@@ -179,12 +180,12 @@ def main() -> int:
             setattr(a, k, v)
     if a.data is None:
         a.data = str(ROOT / "bench/data/smollm2_regenerated_sharegpt.jsonl.gz") if a.smoke else "/tmp/quality/regenerated.jsonl"
+    work = Path(a.work) if a.work else Path(f"/tmp/window_quality-{os.getpid()}")
+    work.mkdir(parents=True, exist_ok=True)
     if a.data.endswith(".gz"):
         from bench.window_stream import data_file
 
-        a.data = data_file(a.data, Path(a.work or "/tmp"))
-    work = Path(a.work) if a.work else Path(f"/tmp/window_quality-{os.getpid()}")
-    work.mkdir(parents=True, exist_ok=True)
+        a.data = data_file(a.data, work)
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}".rstrip(os.pathsep),
            "PYTHONUNBUFFERED": "1"}
     dev = ["--device", "cpu"] if a.smoke else []
