@@ -103,7 +103,7 @@ class WindowCoordinator:
         """Block (collectively) until every shard round `round_` reads is committed; load their lengths.
         `before_waiting()` runs once if the shards are not there at the first look (rank 0 completes a
         background checkpoint and its deletions: the extractor may be waiting for that space). Returns the
-        seconds spent waiting for shards to be committed."""
+        seconds spent waiting for shards to be committed (0 when the first look found them)."""
         need = min(round_, self.n - 1) + 1
         waited, said, first_miss = 0.0, False, True
         t0 = time.perf_counter()
@@ -130,7 +130,7 @@ class WindowCoordinator:
             waited += self.poll_s
         if said and self.rank == 0:
             log.info("window: resumed after waiting %.0fs for shards", waited)
-        shard_wait = time.perf_counter() - t0
+        shard_wait = 0.0 if first_miss else time.perf_counter() - t0  # only when the first look missed
         self._load_members(round_)
         return shard_wait
 
