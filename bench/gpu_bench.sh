@@ -13,7 +13,8 @@
 #     evaltests pytest -m gpu of the eval's GPU tests only (hybrid rollback on the 27B shape, graphed engine/drafter)
 #     loader    the loader's decode rate, 256 vs 64 MiB row groups interleaved (CPU side of the host)
 #     evalspeed bench/eval_speed.py: eval on --per-set prompts of each set, projected to all 544 (needs smollm2)
-#     window    bench/window_stream.py: extract + train --follow on one GPU within a 0.3 GiB budget (needs smollm2)
+#     window    bench/window_stream.py: extract + train --follow on one GPU within a 0.6 GiB budget (needs smollm2)
+#     windowq   bench/window_quality.py: window over 1/4 of the data (K = 4) vs 4 epochs, held-out sim tau (needs smollm2)
 #     smallgemm bench/small_gemm.py: batch-1 linear formulations (M 1 / 16) and SDPA vs explicit attention, fp32
 #     evalprofile bench/eval_profile.py: ms/token of each eval method at batch 1 + a profiler table (needs smollm2)
 #     gputests  pytest -m gpu
@@ -88,14 +89,16 @@ print(json.dumps(rows, indent=1)); open('$OUT/loader_rate.json', 'w').write(json
         evaltests) step evaltests "${EVALTESTS_S:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider \
                        tests/test_eval_hybrid_gpu.py tests/test_eval_engine_gpu.py tests/test_eval_specdecode.py \
                        tests/test_eval_fast_gpu.py ;;
-        window) step window "${WINDOW_S:-300}" python3 bench/window_stream.py --data /tmp/quality/regenerated.jsonl --samples 4000 \
+        window) step window "${WINDOW_S:-300}" python3 bench/window_stream.py --data /tmp/quality/regenerated.jsonl \
                     --limit-s "$(( ${WINDOW_S:-300} - 30 ))" --json "$OUT/window_stream.json" ${WINDOW_FLAGS:-} ;;
+        windowq) step windowq "${WINDOWQ_S:-500}" python3 bench/window_quality.py --data /tmp/quality/regenerated.jsonl \
+                     --work /tmp/window_quality --json "$OUT/window_quality.json" ${WINDOWQ_FLAGS:-} ;;
         evalspeed) step evalspeed "${EVALSPEED_S:-300}" python3 bench/eval_speed.py --per-set "${EVALSPEED_PER_SET:-40}" \
                        --heldout-source /tmp/quality/carry/data/sharegpt_first_turns.jsonl \
                        --model-cache-dir /tmp/quality/models --json "$OUT/eval_speed.json" ;;
         smallgemm) step smallgemm "${SMALLGEMM_S:-120}" python3 bench/small_gemm.py --json "$OUT/small_gemm.json" ;;
         evalprofile) step evalprofile "${EVALPROFILE_S:-200}" python3 bench/eval_profile.py --model-cache-dir /tmp/quality/models ;;
         gputests) step gputests "${TESTS_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider tests ;;
-        *) echo "unknown step $what (smollm2 extract flex train topk stats draft loader regentests regen hybrid evaltests window smallgemm evalprofile evalspeed gputests)"; exit 2 ;;
+        *) echo "unknown step $what (smollm2 extract flex train topk stats draft loader regentests regen hybrid evaltests window windowq smallgemm evalprofile evalspeed gputests)"; exit 2 ;;
     esac
 done

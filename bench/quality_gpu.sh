@@ -17,7 +17,7 @@
 #   `bash bench/quality_gpu.sh setup` in call B's place only reassembles the GGUF and installs the wheels, for
 #   bench/gpu_bench.sh's `smollm2` step)
 #   issue 16 instead of call B: same carry, command `bash bench/quality_gpu.sh window` runs bench/window_stream.py
-#   (extract + train --follow on the one GPU within a 0.3 GiB budget; $OUT/window_stream.json; WINDOW_FLAGS adds flags)
+#   (extract + train --follow on the one GPU within a 0.6 GiB budget; $OUT/window_stream.json; WINDOW_FLAGS adds flags)
 #
 # Exit codes: 0 report complete; 75 stopped cleanly at the deadline, work left (printed; run again within
 # 30 s); 3 carry missing (machine went cold: start again at call A); other = a stage failed (log tails in $OUT).

@@ -6,11 +6,21 @@ the same time on the same GPU (or the CPU with --smoke), samples the cache direc
 
   * high-water mark of the shard bytes (committed + in-flight temp files) against the budget;
   * bytes and tokens streamed through the window, as a multiple of the budget;
-  * the trainer's data-wait share of step time once the window is full (rounds >= K - 1), weighted
-    by step time (the wait for the next shard at a round start counts as the first step's data wait);
+  * the trainer's data-wait share of step time once the window is full (rounds >= K - 1), measured as in
+    session 7: per step, data_wait = host time the step loop waited for its batch (the loader's next batch,
+    and the wait inside the step for the one after it) plus, on a round's first step, the time `wait_round`
+    took (waiting for the round's shards to be committed); step_s = wall time from the end of the previous
+    step (or the start of the round, after the boundary's checkpoint) to the end of this one (CUDA
+    synchronised); share = sum(data_wait * step_s) / sum(step_s) over the steps of rounds >= K - 1;
+  * that share split into its two causes: `shard_wait` (the trainer waited for extraction to commit the
+    round's shards: extraction is the slower stage) and the rest (the loader was late: what read-ahead and
+    cheap round boundaries address), and the share over the rounds that did not wait for a shard at all;
+  * the round boundaries: time outside the steps, and the background checkpoints' snapshot / write times;
   * the time extraction spent waiting for space, and the wall time of both stages.
 
-    python bench/window_stream.py --json OUT.json             # H200: SmolLM2 + ShareGPT, 0.3 GiB budget
+    # H200 (issue #16): 64 shards of ~110 docs (~7 steps a round), budget 0.6 GiB, a checkpoint every 2 rounds
+
+    python bench/window_stream.py --json OUT.json             # H200: SmolLM2 + ShareGPT, 0.6 GiB budget
     python bench/window_stream.py --smoke --json OUT.json     # CPU toy size (tiny random target)
 """
 
@@ -59,6 +69,27 @@ def sample_disk(cache: Path, stop: threading.Event, every_s: float, out: dict) -
         stop.wait(every_s)
 
 
+def wait_split(recs: list[dict]) -> dict:
+    """The step-time-weighted data-wait share of `recs` (metrics.jsonl rows), split into waiting for a shard to
+    be committed (`shard_wait`, window mode) and the rest, and the share over rounds that never waited for one."""
+    out = dict(share=None, shard_share=None, loader_share=None, rounds=0, rounds_no_shard_wait=0,
+               share_no_shard_wait=None)
+    total = sum(r["step_s"] for r in recs)
+    if not recs or total <= 0:
+        return out
+    wait = sum(r["data_wait"] * r["step_s"] for r in recs)
+    shard = sum(r.get("shard_wait", 0.0) * r["step_s"] for r in recs)
+    rounds: dict[int, list[dict]] = {}
+    for r in recs:
+        rounds.setdefault(r["epoch"], []).append(r)
+    calm = [r for rs in rounds.values() if sum(x.get("shard_wait", 0.0) * x["step_s"] for x in rs) < 1e-3 for r in rs]
+    calm_s = sum(r["step_s"] for r in calm)
+    out.update(share=wait / total, shard_share=shard / total, loader_share=(wait - shard) / total, rounds=len(rounds),
+               rounds_no_shard_wait=len({r["epoch"] for r in calm}),
+               share_no_shard_wait=sum(r["data_wait"] * r["step_s"] for r in calm) / calm_s if calm_s else None)
+    return out
+
+
 def data_file(source: str, work: Path) -> str:
     """A .jsonl.gz is decompressed into the work dir (the readers take plain files)."""
     if not source.endswith(".gz"):
@@ -89,6 +120,9 @@ def build_manifest(a, work: Path) -> Path:
     tr.output_dir, tr.follow, tr.passes_per_shard = str(work / "train"), True, a.passes
     tr.follow_poll_s, tr.follow_timeout_s = 0.2, a.space_timeout_s
     tr.window_checkpoint_rounds = a.checkpoint_rounds
+    tr.window_read_ahead, tr.window_async_checkpoint = not a.no_read_ahead, not a.sync_checkpoint
+    if a.drafter_layers:
+        cfg.drafter.num_layers = a.drafter_layers
     tr.context_tokens, tr.num_anchors, tr.max_anchors_per_doc = a.context_tokens, a.num_anchors, a.num_anchors
     tr.checkpoint_every, tr.log_every, tr.loader_workers = 0, 1, a.loader_workers
     normalize(cfg)
@@ -104,7 +138,10 @@ def main() -> int:
     p.add_argument("--json", default="", help="write the summary here")
     p.add_argument("--budget-gib", type=float, default=None)
     p.add_argument("--passes", type=int, default=2, help="K: reads of every shard")
-    p.add_argument("--checkpoint-rounds", type=int, default=1, help="[train] window_checkpoint_rounds M (the "
+    p.add_argument("--no-read-ahead", action="store_true", help="[train] window_read_ahead = false (session 7's loader)")
+    p.add_argument("--sync-checkpoint", action="store_true", help="[train] window_async_checkpoint = false")
+    p.add_argument("--drafter-layers", type=int, default=0, help="[drafter] num_layers (0 = the manifest's)")
+    p.add_argument("--checkpoint-rounds", type=int, default=None, help="[train] window_checkpoint_rounds M (the "
                    "budget must hold K + M shards)")
     p.add_argument("--shards", type=int, default=None)
     p.add_argument("--samples", type=int, default=None)
@@ -125,12 +162,14 @@ def main() -> int:
     p.add_argument("--sample-s", type=float, default=0.2)
     p.add_argument("--limit-s", type=float, default=420.0, help="kill both stages after this long")
     a = p.parse_args()
-    smoke = dict(budget_gib=0.0012, shards=16, samples=64, max_length=256, token_budget=1024, context_tokens=512,
-                 num_anchors=32, loader_workers=1)
-    # ~4,000 conversations x ~350 tokens x ~4.2 KB/token (5 x 576 lossless + top-32) ~ 5.8 GB = ~19x the budget;
-    # 96 shards of ~60 MB: the budget holds ~5 of them (K + 1 = 3 needed)
-    h200 = dict(budget_gib=0.3, shards=96, samples=4000, max_length=512, token_budget=16384,
-                context_tokens=8192, num_anchors=512, loader_workers=6)
+    smoke = dict(budget_gib=0.0016, shards=16, samples=64, max_length=256, token_budget=1024, context_tokens=512,
+                 num_anchors=32, loader_workers=1, checkpoint_rounds=2)
+    # session 7 (4,000 conversations in 96 shards of ~41 docs, 0.3 GiB) made ~2 steps a round: the boundary
+    # dominated. 7,000 conversations x ~265 tokens x ~3.9 KB/token ~ 6.8 GiB = ~11x the budget, in 64 shards of
+    # ~110 docs / ~29 k tokens (~7 steps of 8,192 tokens a round at K = 2); the budget holds ~5.6 shards of
+    # ~107 MB, K + M = 4 needed
+    h200 = dict(budget_gib=0.6, shards=64, samples=7000, max_length=512, token_budget=16384,
+                context_tokens=8192, num_anchors=512, loader_workers=6, checkpoint_rounds=2)
     for k, v in (smoke if a.smoke else h200).items():
         if getattr(a, k) is None:
             setattr(a, k, v)
@@ -178,11 +217,13 @@ def main() -> int:
     recs = [json.loads(ln) for ln in (work / "train" / "metrics.jsonl").read_text().splitlines()] \
         if (work / "train" / "metrics.jsonl").exists() else []
     full = [r for r in recs if r["epoch"] >= a.passes - 1]
-    wait_share = (sum(r["data_wait"] * r["step_s"] for r in full) / sum(r["step_s"] for r in full)) if full else None
+    waits = wait_split(full)
+    ckpts = [(float(x), float(y)) for x, y in re.findall(r"snapshot (\d+) ms on the step loop, write (\d+) ms", trn_log)]
     summary = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "smoke": a.smoke,
         "returncodes": {"extract": ext.returncode, "train": trn.returncode},
         "budget_gib": a.budget_gib, "passes_per_shard": a.passes, "checkpoint_rounds": a.checkpoint_rounds,
+        "read_ahead": not a.no_read_ahead, "async_checkpoint": not a.sync_checkpoint,
         "num_shards": a.shards, "samples": a.samples,
         "shards_committed": len(sides), "shard_bytes_max": max((s["bytes"] for s in sides), default=0),
         "high_water_shards_gib": disk["high_shards"] / GIB, "high_water_dir_gib": disk["high_dir"] / GIB,
@@ -191,7 +232,15 @@ def main() -> int:
         "streamed_gib": streamed_bytes / GIB, "streamed_tokens": streamed_tokens,
         "streamed_over_budget": streamed_bytes / max(1, disk["budget"]),
         "train_steps": len(recs), "train_steps_window_full": len(full),
-        "train_data_wait_share_window_full": wait_share,
+        "train_data_wait_share_window_full": waits["share"],
+        "train_shard_wait_share_window_full": waits["shard_share"],  # of it: waiting for extraction to commit
+        "train_loader_wait_share_window_full": waits["loader_share"],  # of it: the loader was late
+        "rounds_window_full": waits["rounds"], "rounds_without_shard_wait": waits["rounds_no_shard_wait"],
+        "train_data_wait_share_rounds_without_shard_wait": waits["share_no_shard_wait"],
+        "steps_per_round": len(recs) / max(1, len({r["epoch"] for r in recs})),
+        "background_checkpoints": len(ckpts),
+        "checkpoint_snapshot_ms_mean": sum(c[0] for c in ckpts) / len(ckpts) if ckpts else None,
+        "checkpoint_write_ms_mean": sum(c[1] for c in ckpts) / len(ckpts) if ckpts else None,
         "train_tok_s_window_full": (sum(r["tok_s"] * r["step_s"] for r in full) / sum(r["step_s"] for r in full))
         if full else None,
         # wall time of the trainer outside its steps: start-up, the round-boundary checkpoints and deletions

@@ -160,6 +160,12 @@ class TrainConfig:
     window_checkpoint_rounds: int = opt(1, "Window mode: checkpoint (and then delete the retired shards) every this "
                                         "many rounds. A checkpoint per round costs its write every round; M rounds "
                                         "need room for K + M shards in [extract] max_cache_gib instead of K + 1.")
+    window_read_ahead: bool = opt(True, "Window mode: assemble the next round's first batches while the current "
+                                  "round's last ones train, once the shards it reads are committed (same "
+                                  "batches, same order).")
+    window_async_checkpoint: bool = opt(True, "Window mode: write the round-boundary checkpoints in a background "
+                                        "thread (the step loop pays only the copy to host memory); the shards a "
+                                        "boundary retires are deleted once its checkpoint is complete.")
     follow_timeout_s: float = opt(1800.0, "--follow: stop (exit 4, checkpoint kept) when no new shard was committed "
                                   "for this long while the trainer waits for one (the extractor seems gone).")
     val_cache_dir: str = opt("", "A second cache (same target, layers and tokenizer; documents the training cache "

@@ -70,10 +70,10 @@ def verify_cache(cache_dir: str | Path | CacheFS, checksums: bool = True, decode
         _sidecars(fs, sizes, about, man, problems)
         head = _head_file(fs, sizes, about, man, checksums, decode, problems)
     _resolved_config(fs, sizes, problems)
-    _window_ledger(fs, spec, problems)
+    consumed = _window_ledger(fs, spec, problems)
     rows = tokens = 0
     if man is not None:
-        rows, tokens = _shards(fs, sizes, man, checksums, decode, problems)
+        rows, tokens = _shards(fs, sizes, man, checksums, decode, problems, consumed)
     stale = fs.incomplete_uploads()  # reported, not a failure: the data is whole; they only cost storage
     if stale:
         log.warning("%d incomplete upload(s) under %s (killed writers; invisible to readers): %s; abort them or "
@@ -85,7 +85,9 @@ def verify_cache(cache_dir: str | Path | CacheFS, checksums: bool = True, decode
     report = {"shards": len(man["shards"]), "rows": rows, "tokens": tokens, "bytes": man["totals"]["bytes"],
               "fingerprint": man["fingerprint"], "head_file": head,
               "files_checked": [SPEC_FILE, MANIFEST_FILE, RESOLVED_FILE, f"{len(man['shards'])} sidecars",
-                                f"{len(man['shards'])} shards"] + ([head["path"]] if head else [])}
+                                f"{len(man['shards']) - len(consumed)} shards"] + ([head["path"]] if head else [])}
+    if consumed:  # deleted by a window run after training on them: not damage (window.json records it)
+        report["consumed_shards"] = sorted(consumed)
     if not fs.is_local:
         report["incomplete_uploads"] = "unknown (listing them needs boto3)" if stale is None else stale
     return report
@@ -268,19 +270,22 @@ def _resolved_config(fs: CacheFS, sizes: dict[str, int], problems: list[Problem]
                                 "that made this cache (it rewrites the file and resumes)"))
 
 
-def _window_ledger(fs: CacheFS, spec: dict | None, problems: list[Problem]) -> None:
-    """window.json of a window run (`train --passes-per-shard`): its checksum, fields and fingerprint."""
+def _window_ledger(fs: CacheFS, spec: dict | None, problems: list[Problem]) -> set[int]:
+    """window.json of a window run (`train --passes-per-shard`): its checksum, fields and fingerprint.
+    Returns the shards it records as deleted (consumed), whose missing files are no problem."""
     from .window import ledger_path, load_ledger
 
     try:
-        load_ledger(fs, spec)
+        led = load_ledger(fs, spec)
     except CacheError as exc:
         problems.append(Problem(str(ledger_path(fs)), _field_of(exc.message), exc.message.split(": ", 1)[-1],
                                 exc.hint or ""))
+        return set()
+    return led.deleted_indices() if led is not None else set()
 
 
 def _shards(fs: CacheFS, sizes: dict[str, int], man: dict, checksums: bool, decode: bool,
-            problems: list[Problem]) -> tuple[int, int]:
+            problems: list[Problem], consumed: set[int] = frozenset()) -> tuple[int, int]:
     listed = {str(e["path"]) for e in man["shards"]}
     for name in sorted(sizes):
         if name.endswith(".parquet") and name not in listed and not is_temp_name(name):
@@ -294,6 +299,8 @@ def _shards(fs: CacheFS, sizes: dict[str, int], man: dict, checksums: bool, deco
         fix = (f"delete {path} and {side} and rerun {cmd}: it redoes that shard "
                "and rewrites the manifest")
         size = sizes.get(name) if "/" not in name else fs.size(name)
+        if size is None and entry.get("index") in consumed:
+            continue  # a window run trained on it and deleted it (window.json: "deleted")
         if size is None:
             problems.append(Problem(path, "", f"missing (manifest lists {entry['rows']} rows)", fix))
             continue

@@ -67,19 +67,37 @@ def load_optimizer(opt: torch.optim.Optimizer, names: dict[int, str], path: Path
     opt.load_state_dict(sd)
 
 
+def snapshot(weights: MasterWeights, opt: torch.optim.Optimizer, copy: bool = False) -> tuple[dict, dict, dict]:
+    """(model tensors, optimizer tensors, optimizer JSON meta) on the host. `copy=True` clones tensors that
+    are already on the host, so the step loop may keep updating them while a background thread writes."""
+    def host(t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        return (t.clone() if copy and t.device.type == "cpu" else t.cpu()).contiguous()
+
+    model = {n: host(p) for n, p in weights.master_state().items()}
+    opt_tensors, opt_meta = optimizer_tensors(opt, dict(enumerate(weights.names)))  # the optimizer's order
+    if copy and all(p.device.type == "cpu" for p in weights.masters):  # .cpu() of a host tensor is the tensor itself: the next optimizer step would change it
+        opt_tensors = {k: v.clone() for k, v in opt_tensors.items()}
+        opt_meta = json.loads(json.dumps(opt_meta))  # detached from the live param groups
+    return model, opt_tensors, opt_meta
+
+
 def save_checkpoint(out_dir: str | Path, step: int, weights: MasterWeights, opt: torch.optim.Optimizer,
                     state: dict, keep: int = 2) -> Path:
+    return write_snapshot(out_dir, step, snapshot(weights, opt), state, keep)
+
+
+def write_snapshot(out_dir: str | Path, step: int, snap: tuple[dict, dict, dict], state: dict, keep: int = 2) -> Path:
+    """Write one checkpoint from a host snapshot: temp dir, fsync, COMPLETE marker, rename (any thread)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     final = out_dir / f"{PREFIX}{step:08d}"
     tmp = temp_path_for(final)
-    names = dict(enumerate(weights.names))  # the optimizer's parameter order
+    model_tensors, opt_tensors, opt_meta = snap
     try:
         tmp.mkdir()
-        tensors = {n: p.detach().cpu().contiguous() for n, p in weights.master_state().items()}
-        save_file(tensors, str(tmp / "model.safetensors"))
-        tensors, opt_meta = optimizer_tensors(opt, names)
-        save_file(tensors, str(tmp / "optimizer.safetensors"))
+        save_file(model_tensors, str(tmp / "model.safetensors"))
+        save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
         (tmp / "state.json").write_text(json.dumps({**state, "optimizer": opt_meta}, indent=2, sort_keys=True))
         for f in tmp.iterdir():
             fsync_path(f)

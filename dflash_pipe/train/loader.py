@@ -308,6 +308,7 @@ class BatchLoader:
         self.plane_pool = PlanePool(planes_shape(self.codec, self.width, self.S), torch.uint8, pin_memory)
         self.scale_pool = PlanePool((self.S, self.num_layers), torch.float32, pin_memory) if self.codec == FP8 else None
         self.schedule_fn = None  # window mode: round -> EpochSchedule (train/window_run.py)
+        self.carry = None  # window mode: a RoundCarry reading the next round ahead (train/round_carry.py)
 
     # ------------------------------------------------------------------ schedule
     def schedule(self, epoch: int, follow_first_epoch: bool) -> EpochSchedule:
@@ -337,13 +338,18 @@ class BatchLoader:
     # ------------------------------------------------------------------ batches
     def iterate(self, epoch: int, start_step: int, follow_first_epoch: bool = False):
         """Yield TrainBatch for steps start_step.. of this epoch, `prefetch` batches ahead."""
-        step = ahead = start_step
         pending: deque = deque()
         sched = self.schedule(epoch, follow_first_epoch)
+        step = start_step
+        if self.carry is not None:  # window mode: batches of this round read ahead during the last one
+            pending, step = self.carry.take(epoch, start_step, sched, self.rank)
+        ahead = step
         while True:
             while len(pending) < self.prefetch and step < sched.steps:
                 pending.append(self.producer.submit(self.assemble, sched.batch(self.rank, step), epoch, step))
                 step += 1
+            if self.carry is not None and step >= sched.steps:
+                self.carry.top_up(epoch + 1, self.prefetch - len(pending) - len(self.carry), self._submit)
             ahead = self._fetch_ahead(sched, step, max(ahead, step))
             if not pending:
                 if sched.final:
@@ -355,6 +361,9 @@ class BatchLoader:
             yield pending.popleft().result()
             if step >= sched.steps and not sched.final:
                 sched = self.schedule(epoch, follow_first_epoch)
+
+    def _submit(self, sched: EpochSchedule, epoch: int, step: int):
+        return self.producer.submit(self.assemble, sched.batch(self.rank, step), epoch, step)
 
     def _fetch_ahead(self, sched: EpochSchedule, step: int, ahead: int) -> int:
         """Prefetch the row groups of steps [ahead, step + read_ahead); returns the new `ahead`. The row-group

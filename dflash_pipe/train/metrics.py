@@ -72,7 +72,7 @@ class StepLogger:
                 atomic_write_text(path, "".join(k + "\n" for k in keep))
 
     def log(self, step: int, epoch: int, metrics: dict, step_s: float, data_wait_s: float, tokens: int,
-            lr: float, grad_norm: float) -> dict:
+            lr: float, grad_norm: float, shard_wait_s: float | None = None) -> dict:
         self._times.append(step_s)
         steady = self._times[WARMUP_STEPS_FOR_ETA:] or self._times
         mean = sum(steady) / len(steady)
@@ -80,6 +80,8 @@ class StepLogger:
         rec = {"step": step, "epoch": epoch, **metrics, "lr": lr, "grad_norm": grad_norm, "step_s": step_s,
                "data_wait": data_wait_s / max(step_s, 1e-9), "tok_s": tokens / max(step_s, 1e-9),
                "tflops": self.flops / max(step_s, 1e-9) / 1e12}
+        if shard_wait_s is not None:  # window mode: the part of data_wait spent waiting for extraction to commit
+            rec["shard_wait"] = shard_wait_s / max(step_s, 1e-9)
         if self.peak:
             rec["mfu"] = self.flops / max(step_s, 1e-9) / self.peak
         if self.device.type == "cuda":

@@ -23,6 +23,7 @@ from ..drafter import (default_gamma, draft_loss, export_drafter, lock_compilati
 from ..errors import RuntimeFailure, UsageError, ValidationError
 from ..faults import fault_point, trace_batch
 from .checkpoint import find_resume, load_checkpoint, read_state, save_checkpoint
+from .checkpoint_writer import BackgroundCheckpoints
 from .components import (FrozenHead, build_drafter_config, build_model, build_optimizer, cache_identity,
                          check_against_cache, check_resume_identity, resolve_param_dtype)
 from .graceful import GracefulStop
@@ -30,6 +31,7 @@ from .master_weights import MasterWeights
 from .validation import Validator, draft_inputs, kd_targets
 from .loader import BatchLoader, CacheIndex, shard_subset
 from .metrics import StepLogger, Stopwatch, plot_history, step_flops
+from .round_carry import RoundCarry
 from .window_run import WindowCoordinator
 
 log = logging.getLogger("dflash_pipe.train")
@@ -64,6 +66,8 @@ def _window(cfg: RunConfig, index: CacheIndex, out_dir: Path, info: DistInfo, de
     coord = WindowCoordinator(index, out_dir, tr.passes_per_shard, info.rank, info.world, device, tr.follow_poll_s,
                               tr.follow_timeout_s, tr.seed, tr.context_tokens, tr.shuffle_rows)
     loader.schedule_fn = coord.schedule
+    if tr.window_read_ahead:
+        loader.carry = RoundCarry(coord.peek_schedule, tr.follow_poll_s)
     return coord
 
 
@@ -146,6 +150,22 @@ def run_train(cfg: RunConfig) -> dict:
               f"{dcfg.attention}, {precision}, compile={compile_layers}, world {info.world}, {total} steps "
               f"({epoch_steps} per epoch), mask token {dcfg.mask_token_id}", flush=True)
     last = {}
+    # window mode: round-boundary checkpoints written off the step loop; the shards a boundary retired are
+    # deleted (coord.collect) only once its checkpoint is COMPLETE, seen by `settle` between steps
+    ckw = BackgroundCheckpoints(out_dir, tr.keep_checkpoints) if (coord is not None and info.is_main and
+                                                                  tr.window_async_checkpoint) else None
+
+    def settle(block: bool) -> None:
+        if ckw is not None:
+            boundary = ckw.wait() if block else ckw.done()
+            if boundary is not None:
+                coord.collect(boundary)
+
+    def sync_checkpoint(at_step, at_epoch, at_step_in_epoch):
+        settle(True)  # one writer at a time: the background write completes (and its deletions run) first
+        _checkpoint(out_dir, at_step, at_epoch, at_step_in_epoch, weights, opt, epoch_steps, total, spec, dcfg, cfg,
+                    info)
+
     with GracefulStop(device, info, tr.log_every) as stop:  # SIGINT/SIGTERM: checkpoint, exit 130
         try:
             cap = tr.max_steps or None  # otherwise every epoch runs until its data ends (follow: when extraction does)
@@ -154,8 +174,9 @@ def run_train(cfg: RunConfig) -> dict:
                 follow_first = tr.follow and epoch == 0
                 watch = Stopwatch(device)
                 t_round = time.perf_counter()
-                if coord is not None:
-                    coord.wait_round(epoch)  # collective: every rank agrees on the window
+                shard_wait = 0.0
+                if coord is not None:  # collective: every rank agrees on the window
+                    shard_wait = coord.wait_round(epoch, before_waiting=lambda: settle(True))
                 round_wait = time.perf_counter() - t_round
                 batches = DeviceFeed(loader.iterate(epoch, step_in_epoch, follow_first_epoch=follow_first), device)
                 phase_done = False
@@ -180,13 +201,15 @@ def run_train(cfg: RunConfig) -> dict:
                     step_in_epoch += 1
                     if step % tr.log_every == 0 or step == total:
                         logger.log(step - 1, epoch, last["metrics"], step_s, data_wait, batch.tokens,
-                                   sched.get_last_lr()[0], last["grad_norm"])
+                                   sched.get_last_lr()[0], last["grad_norm"],
+                                   shard_wait_s=shard_wait if coord is not None else None)
+                    shard_wait = 0.0
+                    settle(False)
                     if validator is not None and step % tr.val_every == 0 and step != total:
                         logger.log_validation(step - 1, validator.run(model))
                     stopping = stop.should_stop(step)  # every rank, every step (a collective when world > 1)
                     if stopping or (tr.checkpoint_every and step % tr.checkpoint_every == 0 and step != total):
-                        _checkpoint(out_dir, step, epoch, step_in_epoch, weights, opt, epoch_steps, total, spec, dcfg,
-                                    cfg, info)
+                        sync_checkpoint(step, epoch, step_in_epoch)
                     fault_point("train.after_step")
                     if stopping:
                         stop.leave(step, total, out_dir)  # raises StopRequested: exit 130, no export
@@ -197,9 +220,16 @@ def run_train(cfg: RunConfig) -> dict:
                 if coord is not None:  # round boundary: retire, checkpoint, then delete what it no longer needs
                     coord.end_round(epoch - 1, loader)
                     if epoch < phases and epoch % tr.window_checkpoint_rounds == 0:
-                        _checkpoint(out_dir, step, epoch, 0, weights, opt, epoch_steps, total, spec, dcfg, cfg, info)
-                        coord.collect(epoch)
-            _checkpoint(out_dir, step, epoch, step_in_epoch, weights, opt, epoch_steps, total, spec, dcfg, cfg, info)
+                        if tr.window_async_checkpoint:  # the same branch on every rank; only rank 0 writes
+                            settle(True)  # the previous boundary's write (long done) and its deletions first
+                            if ckw is not None:
+                                _checkpoint(out_dir, step, epoch, 0, weights, opt, epoch_steps, total, spec, dcfg,
+                                            cfg, info, writer=ckw)
+                        else:
+                            _checkpoint(out_dir, step, epoch, 0, weights, opt, epoch_steps, total, spec, dcfg, cfg,
+                                        info)
+                            coord.collect(epoch)
+            sync_checkpoint(step, epoch, step_in_epoch)
             if coord is not None and epoch >= coord.rounds:
                 coord.finish()  # every shard read K times: delete the rest, mark the cache consumed
             if validator is not None:
@@ -209,6 +239,11 @@ def run_train(cfg: RunConfig) -> dict:
                 plot_history(out_dir / "metrics.jsonl", out_dir / "training.png")
                 print(f"train: done, {step} steps; drafter exported to {out_dir / 'export'}", flush=True)
         finally:
+            if ckw is not None:  # an error elsewhere: let a background write complete (resume collects it)
+                try:
+                    ckw.wait()
+                except Exception as exc:  # noqa: BLE001 - the error already propagating is the one to report
+                    log.warning("window: the background checkpoint failed too (%s)", exc)
             unlock_compilation()
             loader.close()
             if validator is not None:
@@ -218,15 +253,26 @@ def run_train(cfg: RunConfig) -> dict:
     return {"steps": step, "metrics": last.get("metrics", {}), "val": last.get("val", {}), "output_dir": str(out_dir)}
 
 
-def _checkpoint(out_dir, step, epoch, step_in_epoch, weights, opt, epoch_steps, total, spec, dcfg, cfg, info):
+def _state(step, epoch, step_in_epoch, epoch_steps, total, spec, dcfg, cfg) -> dict:
+    return {"step": step, "epoch": epoch, "step_in_epoch": step_in_epoch, "epoch_steps": epoch_steps,
+            "total_steps": total, "drafter_config": dcfg.to_dict(), "cache_identity": cache_identity(spec),
+            "train_shards": shard_subset(spec, cfg.train.shards),
+            "cache_fingerprint": spec["fingerprint"], "seed": cfg.train.seed,
+            "passes_per_shard": cfg.train.passes_per_shard}
+
+
+def _checkpoint(out_dir, step, epoch, step_in_epoch, weights, opt, epoch_steps, total, spec, dcfg, cfg, info,
+                writer: BackgroundCheckpoints | None = None):
+    """A complete checkpoint (rank 0 writes, every rank waits at the barrier). With `writer` (window round
+    boundaries, rank 0 only): snapshot now, write in the background, no barrier; returns the boundary of the
+    previous background write if it had to be waited for."""
+    state = _state(step, epoch, step_in_epoch, epoch_steps, total, spec, dcfg, cfg)
+    if writer is not None:
+        return writer.submit(step, epoch, weights, opt, state)
     if info.is_main:
-        state = {"step": step, "epoch": epoch, "step_in_epoch": step_in_epoch, "epoch_steps": epoch_steps,
-                 "total_steps": total, "drafter_config": dcfg.to_dict(), "cache_identity": cache_identity(spec),
-                 "train_shards": shard_subset(spec, cfg.train.shards),
-                 "cache_fingerprint": spec["fingerprint"], "seed": cfg.train.seed,
-                 "passes_per_shard": cfg.train.passes_per_shard}
         save_checkpoint(out_dir, step, weights, opt, state, keep=cfg.train.keep_checkpoints)
     barrier()
+    return None
 
 
 _NOT_STARTED = object()

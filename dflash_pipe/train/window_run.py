@@ -49,6 +49,7 @@ class WindowCoordinator:
         self.comm_device = device if (dist.is_initialized() and dist.get_backend() == "nccl") else torch.device("cpu")
         self.order: list[int] = []  # shard index of each commit sequence number, equal on every rank
         self.lengths_by_seq: dict[int, list[list[int]]] = {}
+        self._peeked: dict[int, tuple[int, list[list[int]]]] = {}  # seq -> (shard, lengths) read by peek_schedule
         self.ledger: Ledger | None = None
         if rank == 0:
             owner = str(self.out_dir.resolve())
@@ -76,14 +77,7 @@ class WindowCoordinator:
         """One collective look for new shards. Returns rank 0's give-up decision."""
         buf = torch.full((self.n + 1,), -1, dtype=torch.int64)
         if self.rank == 0:
-            known = set(self.ledger.order())
-            committed = committed_shards(self.cache_dir, self.spec)
-            new = sorted(i for i in committed if i not in known and not committed[i].get("deleted"))
-            for i in new:  # the first look that sees a shard fixes its place in the commit order
-                self.ledger.add(i, committed[i]["bytes"])
-            if new:
-                save_ledger(self.cache_dir, self.ledger)
-            order = self.ledger.order()
+            order = self._update_ledger()
             buf[0] = _GIVE_UP if give_up else 0
             buf[1:1 + len(order)] = torch.tensor(order, dtype=torch.int64)
         if dist.is_initialized():
@@ -94,14 +88,34 @@ class WindowCoordinator:
         self.order = [v for v in vals[1:] if v >= 0]
         return vals[0] == _GIVE_UP
 
-    def wait_round(self, round_: int) -> None:
-        """Block (collectively) until every shard round `round_` reads is committed; load their lengths."""
+    def _update_ledger(self) -> list[int]:
+        """Rank 0: add newly committed shards to the ledger (saved), in index order. Returns the commit order."""
+        known = set(self.ledger.order())
+        committed = committed_shards(self.cache_dir, self.spec)
+        new = sorted(i for i in committed if i not in known and not committed[i].get("deleted"))
+        for i in new:  # the first look that sees a shard fixes its place in the commit order
+            self.ledger.add(i, committed[i]["bytes"])
+        if new:
+            save_ledger(self.cache_dir, self.ledger)
+        return self.ledger.order()
+
+    def wait_round(self, round_: int, before_waiting=None) -> float:
+        """Block (collectively) until every shard round `round_` reads is committed; load their lengths.
+        `before_waiting()` runs once if the shards are not there at the first look (rank 0 completes a
+        background checkpoint and its deletions: the extractor may be waiting for that space). Returns the
+        seconds spent waiting for shards to be committed (0 when the first look found them)."""
         need = min(round_, self.n - 1) + 1
-        waited, said = 0.0, False
+        waited, said, first_miss = 0.0, False, True
+        t0 = time.perf_counter()
         while True:
             give_up = self._look(self.rank == 0 and waited >= self.timeout_s)
             if len(self.order) >= need:
                 break
+            if first_miss:  # the same on every rank (it depends on the broadcast order only)
+                first_miss = False
+                if before_waiting is not None:
+                    before_waiting()
+                continue  # look again at once: the deletions may be what the extractor waited for
             if give_up:
                 raise RuntimeFailure(f"window: no new shard committed in {self.cache_dir} for {self.timeout_s:.0f}s "
                                      f"(round {round_} needs {need} of {self.n} shards, {len(self.order)} committed): "
@@ -116,7 +130,9 @@ class WindowCoordinator:
             waited += self.poll_s
         if said and self.rank == 0:
             log.info("window: resumed after waiting %.0fs for shards", waited)
+        shard_wait = 0.0 if first_miss else time.perf_counter() - t0  # only when the first look missed
         self._load_members(round_)
+        return shard_wait
 
     def _load_members(self, round_: int) -> None:
         members = window_members(round_, self.passes, self.n)
@@ -141,7 +157,44 @@ class WindowCoordinator:
                                  "rerun `dflash-pipe extract` on this cache to re-extract it, then rerun this train "
                                  "command (it resumes where it stopped)")
             self.index.paths[shard] = path
-            self.lengths_by_seq[c] = self.index._read_lengths(path)
+            peeked = self._peeked.pop(c, None)
+            self.lengths_by_seq[c] = peeked[1] if peeked and peeked[0] == shard else self.index._read_lengths(path)
+        for c in [c for c in self._peeked if c < min(members, default=0)]:
+            del self._peeked[c]
+
+    def peek_schedule(self, round_: int) -> EpochSchedule | None:
+        """Round `round_`'s schedule if every shard it reads is already in the ledger, else None: no
+        collective, no waiting (the loader reads the next round ahead with it, round_carry.py). Rank 0 adds
+        newly committed shards to the ledger as a look does; other ranks read the ledger rank 0 wrote. The
+        order is append-only, so the result equals what `wait_round` + `schedule` give later."""
+        if round_ >= self.rounds:
+            return None
+        try:
+            if self.rank == 0:
+                order = self._update_ledger()
+            else:
+                led = load_ledger(self.cache_dir, self.spec)
+                order = led.order() if led is not None else []
+            need = min(round_, self.n - 1) + 1
+            if len(order) < need:
+                return None
+            lengths = {}
+            for c in window_members(round_, self.passes, self.n):
+                shard = order[c]
+                if c < len(self.order) and self.order[c] == shard and c in self.lengths_by_seq:
+                    lengths[c] = self.lengths_by_seq[c]
+                    continue
+                if c not in self._peeked:
+                    fs = self.index.fs
+                    path = fs.path(self._name(shard)) if fs.is_local else fs.display(self._name(shard))
+                    self._peeked[c] = (shard, self.index._read_lengths(path))
+                    self.index.paths[shard] = path
+                lengths[c] = self._peeked[c][1]
+        except (CacheError, OSError, ValueError) as exc:  # the real look names the problem
+            log.debug("window: no read-ahead of round %d (%s)", round_, exc)
+            return None
+        return build_round_schedule(lengths, order, round_, self.passes, self.n, self.world, self.seed, self.S,
+                                    self.shuffle_rows)
 
     def schedule(self, round_: int) -> EpochSchedule:
         return build_round_schedule(self.lengths_by_seq, self.order, round_, self.passes, self.n, self.world,
