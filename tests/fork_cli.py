@@ -89,6 +89,7 @@ class ForkedRun:
         log_dir = Path(log_dir or tempfile.gettempdir())
         log_dir.mkdir(parents=True, exist_ok=True)
         stamp = f"dflash-fork-{os.getpid()}-{time.monotonic_ns()}"
+        self._own_files = stdout_path is None  # files of our own naming: output() removes them
         if stdout_path is not None:
             self.stdout_path = Path(stdout_path)
             self.stderr_path = Path(stderr_path or stdout_path)
@@ -123,7 +124,12 @@ class ForkedRun:
         self.send_signal(signal.SIGKILL)
 
     def output(self) -> tuple[str, str]:
-        return self.stdout_path.read_text(), self.stderr_path.read_text()
+        """(stdout, stderr) once the run has ended; temp files of our own naming are removed."""
+        out, err = self.stdout_path.read_text(), self.stderr_path.read_text()
+        if self._own_files and self.returncode is not None:
+            for p in {self.stdout_path, self.stderr_path}:
+                p.unlink(missing_ok=True)
+        return out, err
 
 
 def start_cli(argv: list[str], env: dict, log_dir: Path | None = None, **kw) -> ForkedRun:
@@ -141,6 +147,4 @@ def run_cli(argv: list[str], env: dict, timeout: float = 300, log_dir: Path | No
         run.wait(30)
         raise
     stdout, stderr = run.output()
-    for p in {run.stdout_path, run.stderr_path}:
-        p.unlink(missing_ok=True)
     return subprocess.CompletedProcess(["dflash-pipe", *argv], run.returncode, stdout, stderr)
