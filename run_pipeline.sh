@@ -67,9 +67,11 @@ fi
 
 plan_json=$("$PY" -m dflash_pipe plan -m "$MANIFEST" --json --extract-device "$DEVICE") || exit $?
 stage1=$("$PY" -c 'import json,sys; print(json.loads(sys.argv[1])["stage1"])' "$plan_json")
+# the plan's text, from the same JSON (`plan` again would load the target's config and tokenizer again)
+plan_text() { "$PY" -c 'import json,sys; print(json.loads(sys.argv[1])["summary"])' "$plan_json"; }
 echo "run_pipeline: manifest $MANIFEST; extract on ${EXTRACT_GPUS}, train on ${TRAIN_GPUS}; stage 1: $stage1"
 if [ "$DRY" = 1 ]; then
-  "$PY" -m dflash_pipe plan -m "$MANIFEST" --extract-device "$DEVICE"
+  plan_text
   exit 0
 fi
 
@@ -79,7 +81,7 @@ case "$stage1" in
   refuse)
     if [ "$OVERWRITE" = 1 ]; then extract_args+=(--overwrite); stage1=run
     else
-      "$PY" -m dflash_pipe plan -m "$MANIFEST" --extract-device "$DEVICE" >&2
+      plan_text >&2
       echo "run_pipeline: refusing to mix caches: use a new [extract].cache_dir or pass --overwrite" >&2; exit 3
     fi ;;
 esac

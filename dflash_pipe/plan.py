@@ -47,7 +47,8 @@ class Plan:
         return json.dumps({"stage1": self.stage1, "reason": self.reason, "fingerprint": self.fingerprint,
                            "cache_dir": self.cfg.extract.cache_dir, "num_shards": self.cfg.extract.num_shards,
                            "committed_shards": self.committed, "layer_ids": self.layer_ids, "window": self.window,
-                           "differing": {k: list(v) for k, v in self.differing.items()}}, default=str)
+                           "differing": {k: list(v) for k, v in self.differing.items()},
+                           "summary": self.describe()}, default=str)
 
     def describe(self) -> str:
         c = self.cfg

@@ -8,7 +8,12 @@
 set -euo pipefail
 _repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 _venv="${DFLASH_VENV:-$_repo/.venv}"
-_ok() { "$1" -c "import torch, transformers, pyarrow, zstandard, typer, dflash_pipe" >/dev/null 2>&1; }
+# A parent that checked this interpreter (run_pipeline.sh before its stages/*.sh) exports DFLASH_ENV_CHECKED:
+# the check imports torch and transformers (seconds of CPU), so a child with the same PY and PYTHONPATH skips it.
+_ok() {
+  [ "${DFLASH_ENV_CHECKED:-}" = "$1:${PYTHONPATH:-}" ] && return 0
+  "$1" -c "import torch, transformers, pyarrow, zstandard, typer, dflash_pipe" >/dev/null 2>&1
+}
 
 if [ -n "${DFLASH_PYTHON:-}" ] && _ok "$DFLASH_PYTHON"; then
   PY="$DFLASH_PYTHON"
@@ -44,5 +49,5 @@ if [ "${DFLASH_TEST_EXTRA:-0}" = 1 ] && [ "$PY" = "$_venv/bin/python" ] && ! "$P
   echo "setup: installing pytest-xdist (test extra) into $_venv" >&2
   "$PY" -m pip install -q "pytest-xdist>=3.5" || echo "setup: warning: pytest-xdist did not install; tests run serially" >&2
 fi
-export PY
+export PY DFLASH_ENV_CHECKED="$PY:${PYTHONPATH:-}"
 export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1

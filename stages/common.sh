@@ -9,7 +9,11 @@ export NCCL_NVLS_ENABLE="${NCCL_NVLS_ENABLE:-0}" TORCH_SYMM_MEM_DISABLE_MULTICAS
 # Per-rank Triton / Inductor caches go under this local directory (see dflash_pipe/dist.py).
 export DFLASH_LOCAL_CACHE="${DFLASH_LOCAL_CACHE:-${TMPDIR:-/tmp}/dflash-pipe-kernels-$(id -u)}"
 
-gpu_count() { "$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0; }
+# No NVIDIA device node (nor WSL's /dev/dxg): no CUDA GPU, known without importing torch (seconds of CPU).
+gpu_count() {
+  if ! compgen -G "/dev/nvidia[0-9]*" >/dev/null && [ ! -e /dev/dxg ]; then echo 0; return; fi
+  "$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0
+}
 
 # launch STAGE GPUS ARGS...: one process per GPU in GPUS (comma list), or one CPU process if GPUS is "cpu".
 launch() {

@@ -10,17 +10,27 @@ from pathlib import Path
 import pytest
 
 
-def interrupt_after_first_shard(cmd: list[str], env: dict, cache: Path, what: str) -> str:
+def interrupt_after_first_shard(cmd: list[str], env: dict, cache: Path, what: str, forked: bool = False) -> str:
     """Start `cmd`, send SIGINT when a shard sidecar appears in `cache`; returns stderr.
 
+    forked=True: `cmd` is dflash-pipe's argv, run in a process forked from tests/fork_cli.py's server.
     Skips the calling test if the command finished before the interrupt landed; asserts exit 130.
     """
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if forked:
+        from tests.fork_cli import start_cli
+
+        proc = start_cli(cmd, env)
+    else:
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 240
     while not list(cache.glob("shard-*.json")) and time.time() < deadline and proc.poll() is None:
         time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
+    if forked:
+        proc.wait(timeout=120)
+        err = proc.output()[1]
+    else:
+        _, err = proc.communicate(timeout=120)
     if proc.returncode == 0:
         pytest.skip(f"{what} finished before the interrupt landed")
     assert proc.returncode == 130, err[-2000:]

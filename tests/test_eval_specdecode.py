@@ -7,6 +7,8 @@ and the training-layout drafter call (a longer context with the anchor masked) f
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -256,10 +258,14 @@ def test_usage_errors(llama):
 
 
 @pytest.mark.slow
-def test_smollm2_real_weights_spec_decoding_is_identical(model_cache):
+def test_smollm2_real_weights_spec_decoding_is_identical():
+    from dflash_pipe.config import TargetConfig
     from dflash_pipe.eval import NgramProposer
 
-    smol = load_target("embedded:smollm2-135m-instruct", dtype="float32", model_cache_dir=model_cache)
+    # the default model cache, where test_pipeline_plan.py's runs convert SmolLM2 too: one conversion per
+    # machine, not one per test run (tests/test_target_embedded.py tests the conversion in a dir of its own)
+    shared = Path(TargetConfig().model_cache_dir).expanduser()
+    smol = load_target("embedded:smollm2-135m-instruct", dtype="float32", model_cache_dir=shared)
     eos = eos_token_ids(smol.model, smol.tokenizer)
     drafter, cfg = tiny_drafter(block_size=8, layer_ids=(1, 15, 27), hidden=576, num_target_layers=30,
                                 num_layers=1, heads=9, kv_heads=3, head_dim=64, intermediate=1536)

@@ -2,8 +2,6 @@
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +14,7 @@ from dflash_pipe.config import normalize
 from dflash_pipe.errors import FingerprintMismatch
 from dflash_pipe.extract.pipeline import run_extract
 from dflash_pipe.extract.recompute import recompute_check
+from tests.fork_cli import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--data-max-samples", "10", "--max-length", "96", "--token-budget", "256", "--num-shards", "3", "--topk", "4",
@@ -88,13 +87,13 @@ def test_sigkill_then_rerun_gives_the_uninterrupted_cache(reference, tmp_path, f
     _, ref_docs = reference
     cache = tmp_path / "cache"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "DFLASH_FAULT": fault, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "dflash_pipe", "extract", "-m", str(ROOT / "manifests" / "tiny-qwen3.5.toml"),
-           "--cache-dir", str(cache), "--device", "cpu", *SMALL]
-    killed = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    argv = ["extract", "-m", str(ROOT / "manifests" / "tiny-qwen3.5.toml"), "--cache-dir", str(cache),
+            "--device", "cpu", *SMALL]
+    killed = run_cli(argv, env)  # a process of its own, forked without the interpreter start (tests/fork_cli.py)
     assert killed.returncode == -9, killed.stderr[-2000:]
     assert not (cache / "manifest.json").exists()
     env.pop("DFLASH_FAULT")
-    rerun = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    rerun = run_cli(argv, env)
     assert rerun.returncode == 0, rerun.stderr[-2000:]
     got = contents(cache)
     assert sorted(got) == sorted(ref_docs)
@@ -123,12 +122,12 @@ def test_ctrl_c_exits_130_and_leaves_a_resumable_cache(tmp_path):
     cache = tmp_path / "cache"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     args = [a if a != "10" else "40" for a in SMALL]  # more samples, so there is time to interrupt
-    cmd = [sys.executable, "-m", "dflash_pipe", "extract", "-m", str(ROOT / "manifests" / "tiny-qwen3.5.toml"),
-           "--cache-dir", str(cache), "--device", "cpu", *args]
-    interrupt_after_first_shard(cmd, env, cache, "extraction")
+    argv = ["extract", "-m", str(ROOT / "manifests" / "tiny-qwen3.5.toml"), "--cache-dir", str(cache),
+            "--device", "cpu", *args]
+    interrupt_after_first_shard(argv, env, cache, "extraction", forked=True)
     assert not (cache / "manifest.json").exists()
     assert not [p for p in os.listdir(cache) if p.startswith(".")]
-    rerun = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    rerun = run_cli(argv, env)
     assert rerun.returncode == 0 and (cache / "manifest.json").exists()
     assert verify_cache(cache, decode=True)["rows"] == load_manifest(cache)["stats"]["data_tokenizer"]["samples"]
 

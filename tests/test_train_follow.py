@@ -3,8 +3,6 @@
 import json
 import os
 import shutil
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -12,6 +10,7 @@ from pathlib import Path
 from dflash_pipe.train.loader import CacheIndex
 from dflash_pipe.train.schedule import build_epoch_schedule
 from tests.cache_helpers import write_train_cache
+from tests.fork_cli import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,11 +42,11 @@ def test_follow_trains_during_extraction_and_ends_epoch_when_manifest_is_final(t
     while not (live / "target_head.safetensors").exists():
         time.sleep(0.05)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "dflash_pipe", "train", "--cache-dir", str(live), "--output-dir", str(out),
-           "--follow", "--follow-poll-s", "0.2", "--epochs", "1", "--drafter-num-layers", "1",
-           "--drafter-block-size", "4", "--context-tokens", "96", "--num-anchors", "8", "--checkpoint-every", "0",
-           "--loader-workers", "1"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    argv = ["train", "--cache-dir", str(live), "--output-dir", str(out),
+            "--follow", "--follow-poll-s", "0.2", "--epochs", "1", "--drafter-num-layers", "1",
+            "--drafter-block-size", "4", "--context-tokens", "96", "--num-anchors", "8", "--checkpoint-every", "0",
+            "--loader-workers", "1"]
+    proc = run_cli(argv, env)  # its own process, forked without the interpreter start (tests/fork_cli.py)
     t.join()
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "follow: waiting for extraction" in proc.stderr  # it really ran ahead of the extractor

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from tests.cache_helpers import write_train_cache
+from tests.fork_cli import run_cli, start_cli
 from tests.test_train_resume import _losses
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,10 +30,12 @@ def _env():
 
 
 def _cmd(cache, out, extra, nproc=0):
-    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-                if nproc else [sys.executable])
-    return [*launcher, "-m", "dflash_pipe", "train", "--cache-dir", str(cache), "--output-dir", str(out), *ARGS,
-            *extra]
+    """nproc 0: dflash-pipe's argv for one process forked by tests/fork_cli.py; else a torchrun command."""
+    argv = ["train", "--cache-dir", str(cache), "--output-dir", str(out), *ARGS, *extra]
+    if not nproc:
+        return argv
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            "-m", "dflash_pipe", *argv]
 
 
 def _logged_steps(out) -> int:
@@ -59,16 +62,24 @@ def _workers(parent: int) -> dict[int, int]:
 def _interrupt(cmd, out, sig, min_logged, target=None, timeout=120):
     """Start `cmd`, send `sig` (to the worker `target(pid)` returns, else to the process) once
     `min_logged` metrics lines exist; returns (returncode, stdout, stderr). Fails instead of hanging."""
-    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    forked = cmd[0] == "train"
+    proc = (start_cli(cmd, _env()) if forked else
+            subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True))
     try:
         deadline = time.time() + timeout
         while _logged_steps(out) < min_logged and proc.poll() is None and time.time() < deadline:
             time.sleep(0.01)
         assert proc.poll() is None, "the run ended before the signal was sent"
         os.kill(target(proc.pid) if target else proc.pid, sig)
+        if forked:
+            proc.wait(timeout)
+            return (proc.returncode, *proc.output())
         stdout, stderr = proc.communicate(timeout=timeout)
     except BaseException:
+        if forked:
+            proc.kill()
+            raise
         for pid in _workers(proc.pid).values():  # torchrun starts its workers in sessions of their own
             os.kill(pid, signal.SIGKILL)
         os.killpg(proc.pid, signal.SIGKILL)
@@ -85,8 +96,7 @@ def _checkpoints(out):
 def reference(tmp_path_factory):
     base = tmp_path_factory.mktemp("graceful")
     write_train_cache(base / "cache", num_docs=40, seed=3)
-    ref = subprocess.run(_cmd(base / "cache", base / "ref", ["--epochs", "8", "--log-every", "1"]), check=False,
-                         env=_env(), capture_output=True, text=True, timeout=300)
+    ref = run_cli(_cmd(base / "cache", base / "ref", ["--epochs", "8", "--log-every", "1"]), _env())
     assert ref.returncode == 0, ref.stderr[-3000:]
     return base / "cache", base / "ref"
 
@@ -112,8 +122,7 @@ def test_signal_checkpoints_the_current_step_and_resume_is_exact(tmp_path, refer
     assert not (run / "export").exists()
     assert max(_losses(run)) == stop - 1  # every finished step is in the history, none after the stop
 
-    resumed = subprocess.run(_cmd(cache, run, [*extra, "--resume", "auto"]), check=False, env=_env(),
-                             capture_output=True, text=True, timeout=300)
+    resumed = run_cli(_cmd(cache, run, [*extra, "--resume", "auto"]), _env())
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"at step {stop} " in resumed.stdout
     got = _losses(run)

@@ -23,8 +23,13 @@ def _train(cache, out, nproc, extra=(), fault=None):
     env.pop("DFLASH_FAULT", None)
     if fault:
         env["DFLASH_FAULT"] = fault
+    argv = ["train", "--cache-dir", str(cache), "--output-dir", str(out), *TRAIN_ARGS, *extra]
+    if nproc == 1:  # one process, forked without the interpreter start (tests/fork_cli.py)
+        from tests.fork_cli import run_cli
+
+        return run_cli(argv, env)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "dflash_pipe", "train", "--cache-dir", str(cache), "--output-dir", str(out), *TRAIN_ARGS, *extra]
+           "-m", "dflash_pipe", *argv]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
 
 

@@ -61,8 +61,15 @@ def env(fault: str | None = None, trace: Path | None = None) -> dict:
     return e
 
 
-def _popen(cmd, environ, log: Path) -> subprocess.Popen:
-    """Output goes to a file (a pipe nobody reads while the test polls would fill and block the child)."""
+def _popen(cmd, environ, log: Path):
+    """Output goes to a file (a pipe nobody reads while the test polls would fill and block the child).
+
+    cmd is a command line (a subprocess), or (function, args) for a process forked by tests/fork_cli.py
+    (its own process, without the interpreter start: the kill tests' runs)."""
+    if isinstance(cmd, tuple):
+        from tests.fork_cli import ForkedRun
+
+        return ForkedRun(cmd[0], cmd[1], environ, stdout_path=log)
     f = open(log, "a")
     proc = subprocess.Popen(cmd, env=environ, stdout=f, stderr=subprocess.STDOUT, text=True)
     proc.log_path = log
@@ -71,10 +78,10 @@ def _popen(cmd, environ, log: Path) -> subprocess.Popen:
 
 
 def start_extractor(staged: Path, live: Path, max_gib: float, passes: int, fault: str | None = None,
-                    timeout_s: float = 120.0) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "tests.window_helpers", str(staged), str(live), repr(max_gib), str(passes),
-           str(timeout_s)]
-    return _popen(cmd, env(fault), live.parent / "extract.log")
+                    timeout_s: float = 120.0):
+    """The replay extractor in a forked process (see _popen); `python -m tests.window_helpers` runs the same."""
+    args = [str(staged), str(live), repr(max_gib), str(passes), str(timeout_s)]
+    return _popen((replay_main, [args]), env(fault), live.parent / "extract.log")
 
 
 WINDOW_TRAIN_ARGS = ["--drafter-num-layers", "1", "--drafter-block-size", "4", "--context-tokens", "96",
@@ -83,15 +90,21 @@ WINDOW_TRAIN_ARGS = ["--drafter-num-layers", "1", "--drafter-block-size", "4", "
 
 
 def start_trainer(live: Path, out: Path, passes: int, trace: Path, fault: str | None = None, nproc: int = 1,
-                  extra=()) -> subprocess.Popen:
-    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-                if nproc > 1 else [sys.executable])
-    cmd = [*launcher, "-m", "dflash_pipe", "train", "--cache-dir", str(live), "--output-dir", str(out),
-           "--passes-per-shard", str(passes), *WINDOW_TRAIN_ARGS, *extra]
+                  extra=()):
+    """One trainer process forked (see _popen), or nproc > 1 gloo ranks under torchrun."""
+    argv = ["train", "--cache-dir", str(live), "--output-dir", str(out), "--passes-per-shard", str(passes),
+            *WINDOW_TRAIN_ARGS, *extra]
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "-m", "dflash_pipe", *argv]
+    else:
+        from tests.fork_cli import cli_main
+
+        cmd = (cli_main, [argv])
     return _popen(cmd, env(fault, trace), out.parent / "train.log")
 
 
-def finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[int, str]:
+def finish(proc, timeout: float = 240) -> tuple[int, str]:
     """Wait for the process; returns (exit code, its log so far: every run of that role in this test)."""
     proc.wait(timeout=timeout)
     return proc.returncode, Path(proc.log_path).read_text()
@@ -120,9 +133,13 @@ def doc_passes(trace: Path, live: Path, num_shards: int, rank: int = 0) -> Count
     return out
 
 
-if __name__ == "__main__":
+def replay_main(argv: list[str]) -> None:
+    """STAGED LIVE MAX_CACHE_GIB K [TIMEOUT_S] (the module's command line)."""
     import logging
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    replay(Path(sys.argv[1]), Path(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4]),
-           float(sys.argv[5]) if len(sys.argv) > 5 else 120.0)
+    replay(Path(argv[0]), Path(argv[1]), float(argv[2]), int(argv[3]), float(argv[4]) if len(argv) > 4 else 120.0)
+
+
+if __name__ == "__main__":
+    replay_main(sys.argv[1:])
