@@ -4,6 +4,8 @@ a checkpoint round trip. CPU autocast (bf16) and the SDPA attention path."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -106,3 +108,30 @@ def test_param_dtype_resolution_and_refusal():
     cfg.train.param_dtype = "bf16"
     with pytest.raises(ValidationError, match="--param-dtype"):
         resolve_param_dtype(cfg, "fp32")
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip_header", "old_marker_flip"])
+def test_a_damaged_complete_checkpoint_is_a_named_cache_error(tmp_path, damage):
+    """COMPLETE but damaged afterwards (disk, copy): resume names the file and says what to do (exit 3), never a
+    traceback. Truncation is caught by the sizes in the marker; a same-size corruption by the loader."""
+    from dflash_pipe.errors import CacheError
+
+    run = _setup(torch.float32, 1 << 30)
+    _step(*run, seed=0, clip=0.0)
+    ck = save_checkpoint(tmp_path, 1, run[1], run[2], {"step": 1})
+    marker = json.loads((ck / "COMPLETE").read_text())
+    assert marker["step"] == 1 and marker["file_bytes"]["model.safetensors"] == (ck / "model.safetensors").stat().st_size
+    f = ck / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    if damage == "truncate":
+        f.write_bytes(bytes(data[: len(data) // 2]))
+    else:
+        data[0:8] = (10 ** 12).to_bytes(8, "little")  # header length far past the file: safetensors refuses it
+        f.write_bytes(bytes(data))
+        if damage == "old_marker_flip":
+            (ck / "COMPLETE").write_text("1\n")     # a checkpoint written before sizes were recorded
+    fresh = _setup(torch.float32, 1 << 30)
+    with pytest.raises(CacheError) as exc:
+        load_checkpoint(ck, fresh[1], fresh[2], torch.device("cpu"))
+    assert str(ck) in str(exc.value) and "damaged" in str(exc.value)
+    assert "--resume" in exc.value.hint and exc.value.exit_code == 3

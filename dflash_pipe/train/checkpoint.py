@@ -102,7 +102,8 @@ def write_snapshot(out_dir: str | Path, step: int, snap: tuple[dict, dict, dict]
         for f in tmp.iterdir():
             fsync_path(f)
         fault_point("train.checkpoint.before_marker")
-        (tmp / MARKER).write_text(f"{step}\n")
+        sizes = {f.name: f.stat().st_size for f in tmp.iterdir()}
+        (tmp / MARKER).write_text(json.dumps({"step": step, "file_bytes": sizes}, sort_keys=True) + "\n")
         fsync_path(tmp / MARKER)
         fsync_dir(tmp)
         fault_point("train.checkpoint.before_rename")
@@ -158,13 +159,41 @@ def read_state(path: Path) -> dict:
         raise CacheError(f"{path}/state.json: unreadable ({exc})", "pass --resume never or another checkpoint") from None
 
 
+def check_files(path: Path) -> None:
+    """The sizes the COMPLETE marker recorded against the files (markers of older checkpoints hold only the step)."""
+    try:
+        marker = json.loads((path / MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return
+    recorded = marker.get("file_bytes", {}) if isinstance(marker, dict) else {}
+    for name, size in recorded.items():
+        f = path / name
+        have = f.stat().st_size if f.exists() else None
+        if have != size:
+            raise CacheError(f"checkpoint {path} is damaged: {name} is {have if have is not None else 'missing'} "
+                             f"bytes, its {MARKER} marker recorded {size}", damaged_hint(path))
+
+
+def damaged_hint(path: Path) -> str:
+    return (f"delete {path} (rm -r) and rerun with --resume auto to continue from the previous complete checkpoint, "
+            "or pass --resume never to start afresh")
+
+
 def load_checkpoint(path: Path, weights: MasterWeights, opt: torch.optim.Optimizer, device: torch.device) -> dict:
+    """Weights + optimizer state from a complete checkpoint; a damaged one is a CacheError (exit 3) naming it."""
+    check_files(path)
     state = read_state(path)
-    tensors = {}
-    with safe_open(str(path / "model.safetensors"), framework="pt", device="cpu") as f:
-        for k in f.keys():
-            tensors[k] = f.get_tensor(k)
-    weights.load_master_state(tensors)
-    names = dict(enumerate(weights.names))
-    load_optimizer(opt, names, path / "optimizer.safetensors", state["optimizer"], device)
+    try:
+        tensors = {}
+        with safe_open(str(path / "model.safetensors"), framework="pt", device="cpu") as f:
+            for k in f.keys():
+                tensors[k] = f.get_tensor(k)
+        weights.load_master_state(tensors)
+        names = dict(enumerate(weights.names))
+        load_optimizer(opt, names, path / "optimizer.safetensors", state["optimizer"], device)
+    except CacheError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - safetensors' SafetensorError, a truncated header, wrong keys/shapes
+        raise CacheError(f"checkpoint {path} is damaged: {type(exc).__name__}: {str(exc)[:200]}",
+                         damaged_hint(path)) from None
     return state
