@@ -7,6 +7,12 @@ of each set, then scales each set's decode time by (prompts in the whole set / p
 the one-time costs (target load, warm-up, graph captures) once. It prints, per set and method, the
 decode seconds with their split (target forwards / draft / other) and tau, and the projection.
 
+With --reference batched (the default on CUDA: `[eval] reference`, eval/reference_batch.py) the
+target-only time is two parts: the set's batched reference pass (scaled by the prompts, like the
+methods: an upper bound, since a pass over 300 prompts takes about as many decode steps as one over
+12) and the batch-1 baseline sample (one generation in --baseline-every, scaled by the sample size
+the whole set would have: ceil(generations / k) over the generations timed here).
+
 The drafter is --drafter DIR, or a random-init export of --drafter-layers layers at the target's
 shape (tau ~ 1, the slowest case for DFlash: every step commits one token; a trained drafter's
 steps are fewer by its tau, so the projection is an upper bound for it).
@@ -56,7 +62,7 @@ def random_drafter(bundle, out: Path, layers: int, block: int) -> Path:
 def per_step(r: dict) -> dict:
     """ms per generated token and per step of one method's set totals, with the step split (target-only: a step
     is one token, all of it target time; the prefill counts in the verify share)."""
-    tokens = r.get("generated_tokens") or 0
+    tokens = r.get("timed_tokens", r.get("generated_tokens")) or 0      # batched references: the timed sample
     steps = r.get("steps") or tokens
     wall = r.get("wall_s") or 0.0
     ms = (lambda x: 1e3 * x / steps) if steps else (lambda x: 0.0)
@@ -90,6 +96,8 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--engine", default="auto", choices=("auto", "static", "hf"))
     ap.add_argument("--draft-graphs", default="auto", choices=("auto", "on", "off"))
+    ap.add_argument("--reference", default="auto", choices=("auto", "batched", "sequential"))
+    ap.add_argument("--baseline-every", type=int, default=8, help="batched references: batch-1 target-only on 1 in k")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--out-dir", default="", help="eval output (default: a temp dir)")
     ap.add_argument("--smoke", action="store_true", help="CPU, random:tiny-llama, 2 prompts per set, 12 tokens")
@@ -115,6 +123,7 @@ def main() -> int:
     ev.drafter, ev.prompts, ev.max_prompts = str(drafter), args.sets, args.per_set
     ev.max_new_tokens, ev.output_dir, ev.device = args.max_new_tokens, str(work / "eval"), str(device)
     ev.engine, ev.draft_graphs = args.engine, args.draft_graphs
+    ev.reference, ev.baseline_every = args.reference, args.baseline_every
     t0 = time.perf_counter()
     report = run_eval(cfg, bundle=bundle)
     eval_wall = time.perf_counter() - t0
@@ -122,14 +131,28 @@ def main() -> int:
     methods = ["target_only"] + [m for m in next(iter(report["sets"].values())) if m.startswith("dflash") or m == "ngram"]
     print(f"\n{'set':>10s} {'prompts':>8s} {'method':>12s} {'tau':>5s} {'decode s':>9s} {'target s':>9s} {'draft s':>8s} "
           f"{'other s':>8s} {'projected s':>12s} {'ms/tok':>7s} {'ms/step':>8s} {'verify':>7s} {'draft':>6s} {'other':>6s}")
+    split = {"reference_pass_s": 0.0, "baseline_sample_s": 0.0, "methods_s": 0.0}
     for name, s in report["sets"].items():
         n = s["prompts"]
         scale = FULL.get(name, n) / n if n else 0.0
-        measured = sum(s[m]["wall_s"] for m in methods)
+        t = s["target_only"]
+        gens = s.get("generations", n)
+        ref_s = t.get("reference_pass_s", 0.0)
+        timed = t.get("timed_generations", gens)
+        full_timed = -(-round(gens * scale) // t["baseline_every"]) if "baseline_every" in t else round(gens * scale)
+        base_scale = full_timed / timed if timed else 0.0
+        spec_s = sum(s[m]["wall_s"] for m in methods if m != "target_only")
+        measured = spec_s + t["wall_s"] + ref_s
+        projected = spec_s * scale + t["wall_s"] * base_scale + ref_s * scale
         decode_measured += measured
-        decode_projected += measured * scale
-        sets[name] = {"prompts": n, "generations": s.get("generations", n), "scale": scale, "decode_s": measured,
-                      "projected_s": measured * scale,
+        decode_projected += projected
+        for k, v in (("reference_pass_s", ref_s * scale), ("baseline_sample_s", t["wall_s"] * base_scale),
+                     ("methods_s", spec_s * scale)):
+            split[k] += v
+        sets[name] = {"prompts": n, "generations": gens, "scale": scale, "decode_s": measured,
+                      "projected_s": projected, "reference": t.get("reference", "sequential"),
+                      "reference_pass_s": ref_s, "baseline_sample_s": t["wall_s"], "timed_generations": timed,
+                      "baseline_scale": base_scale, "batch1_mismatches": t.get("batch1_mismatches"),
                       "methods": {m: {k: s[m].get(k) for k in ("tau", "wall_s", "verify_s", "prefill_s", "draft_s",
                                                                "other_s", "tokens_per_s", "speedup", "identical_to_target")}
                                   for m in methods}}
@@ -138,12 +161,19 @@ def main() -> int:
             per = per_step(r)
             sets[name]["methods"][m].update(per)
             target_s = r["wall_s"] if m == "target_only" else r["verify_s"] + r["prefill_s"]
+            proj = r["wall_s"] * (base_scale if m == "target_only" else scale)
             print(f"{name:>10s} {n:>8d} {m:>12s} {r.get('tau') or 1.0:>5.2f} {r['wall_s']:>9.2f} {target_s:>9.2f} "
-                  f"{r.get('draft_s', 0.0):>8.2f} {r.get('other_s', 0.0):>8.2f} {r['wall_s'] * scale:>12.1f} "
+                  f"{r.get('draft_s', 0.0):>8.2f} {r.get('other_s', 0.0):>8.2f} {proj:>12.1f} "
                   f"{per['ms_per_token']:>7.2f} {per['ms_per_step']:>8.2f} {per['verify_ms_per_step']:>7.2f} "
                   f"{per['draft_ms_per_step']:>6.2f} {per['other_ms_per_step']:>6.2f}")
+        if t.get("reference") == "batched":
+            print(f"{name:>10s} {'':>8s} {'references':>12s} {'':>5s} {ref_s:>9.2f} {'':>9s} {'':>8s} {'':>8s} "
+                  f"{ref_s * scale:>12.1f}   (batched pass, {gens} generations; batch-1 target-only timed on "
+                  f"{timed} of them, {t['batch1_mismatches']} differ from the batched reference)")
     overhead = eval_wall - decode_measured + (t_loaded - t_start)
     total = decode_projected + overhead
+    print(f"\nprojected split: batched reference passes {split['reference_pass_s']:.0f}s, batch-1 target-only "
+          f"{split['baseline_sample_s']:.0f}s, speculative methods {split['methods_s']:.0f}s")
     print(f"\nmeasured: eval {eval_wall:.1f}s (decode {decode_measured:.1f}s), target load {t_loaded - t_start:.1f}s; "
           f"projected for the whole sets ({', '.join(f'{k} {FULL.get(k)}' for k in report['sets'])}): "
           f"{total:.0f}s = decode {decode_projected:.0f}s + one-time {overhead:.0f}s (goal <= 600 s)")
@@ -152,7 +182,8 @@ def main() -> int:
               "target_forward": report.get("target_forward"), "cache_mode": report.get("cache_mode"),
               "per_set": args.per_set, "max_new_tokens": args.max_new_tokens, "drafter": str(drafter),
               "random_drafter": not args.drafter, "eval_wall_s": eval_wall, "load_s": t_loaded - t_start,
-              "decode_measured_s": decode_measured, "projected_total_s": total, "sets": sets,
+              "decode_measured_s": decode_measured, "projected_total_s": total, "projected_split_s": split,
+              "reference": report.get("reference"), "baseline_every": args.baseline_every, "sets": sets,
               "torch": torch.__version__, "linear_choice": linear_choice(bundle),
               "tf32": bool(torch.backends.cuda.matmul.allow_tf32)}
     if args.json:

@@ -200,6 +200,14 @@ class EvalConfig:
                       ("auto", "static", "hf"))
     draft_graphs: str = opt("auto", "DFlash drafting step at fixed shapes replayed as CUDA graphs ('auto' = on CUDA; "
                                     "'off' = the eager proposer). Same drafts either way.", ("auto", "on", "off"))
+    reference: str = opt("auto", "Target-only reference outputs: 'batched' (all of a set's generations at once by "
+                                 "continuous batching on the static-KV engine, in the target's dtype; batch-1 "
+                                 "target-only then runs only on the --baseline-every sample, for the speed-up), "
+                                 "'sequential' (each reference decoded and timed at batch 1), 'auto' (batched on CUDA "
+                                 "with the static engine, else sequential).", ("auto", "batched", "sequential"))
+    baseline_every: int = opt(8, "With --reference batched: every k-th generation of a set (0, k, 2k, ...) is also "
+                                 "decoded target-only at batch 1, timed and checked against the batched reference; "
+                                 "speed-ups are measured on those generations.")
     output_dir: str = opt("", "Where the report goes (empty = <train.output_dir>/eval).")
     device: str = opt("auto", "'auto', 'cpu' or 'cuda'.")
 

@@ -9,6 +9,8 @@ Public API (see each module's docstring):
   specdecode.py   speculative_generate, SpecResult, DFlashProposer, make_dflash_verifier, eos_token_ids
   ngram.py        NgramProposer, ngram_propose
   runner.py       run_eval(cfg)                     -> `dflash-pipe eval`
+                  (reference_batch.py: a set's target-only references by continuous batching, --reference;
+                   generation.py: one generation's method runs and report row)
   regenerate.py   run_regenerate(cfg, output, ...)  -> `dflash-pipe regenerate`
                   (regen_backends.py: continuous batching on the static-KV engine / HF generate;
                    regen_sampling.py: batch-independent sampling; regen_output.py: JSONL + sidecar)

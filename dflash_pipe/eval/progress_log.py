@@ -4,7 +4,8 @@ A rerun of the same eval (same drafters and their files, target weights and dtyp
 and block size: the run key) takes the finished prompts from the file instead of decoding them again, so
 an eval stopped by Ctrl-C, a timeout or a lost machine continues where it was. The file is
 removed once the report has been written, so a later rerun measures afresh. A line cut by a kill
-is ignored; a file written under another run key is replaced.
+is ignored; a file written under another run key is replaced. With batched references
+(reference_batch.py) a line also says whether the batch-1 output equalled the batched reference.
 """
 
 from __future__ import annotations
@@ -55,10 +56,14 @@ class EvalProgress:
             return None
         return rec["ref"], rec["ref_wall"], {m: SpecResult(**r) for m, r in rec["results"].items()}
 
-    def add(self, set_name: str, prompt_id: str, ref: list[int], ref_wall: float,
-            results: dict[str, SpecResult]) -> None:
+    def add(self, set_name: str, prompt_id: str, ref: list[int], ref_wall: float | None,
+            results: dict[str, SpecResult], batch1_equal: bool | None = None) -> None:
+        """ref_wall None: target-only was not timed at batch 1 (--reference batched, outside the sample);
+        batch1_equal: whether the timed batch-1 output equals the batched reference (None when not compared)."""
         rec = {"key": self.key, "set": set_name, "id": prompt_id, "ref": ref, "ref_wall": ref_wall,
                "results": {m: dataclasses.asdict(r) for m, r in results.items()}}
+        if batch1_equal is not None:
+            rec["batch1_equal"] = batch1_equal
         append_durably(self.path, (json.dumps(rec) + "\n").encode("utf-8"))
 
     def finish(self) -> None:

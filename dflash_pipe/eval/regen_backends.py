@@ -53,6 +53,7 @@ class Completion:
     request: TurnRequest
     tokens: list[int]      # the answer without its end-of-turn token
     ended: bool            # True when an EOS token ended it, False when it hit max_new_tokens
+    end_token: int | None = None   # the EOS token that ended it (engine backend; the eval keeps it in its output)
 
 
 def auto_batch_size(model: torch.nn.Module, max_len: int, cap: int = 1024) -> int:
@@ -257,7 +258,7 @@ class EngineBackend:
         comps = []
         for r, row in zip(done, table):
             n, ended, toks = row[0], bool(row[1]), row[2:2 + row[0]]
-            comps.append(Completion(self.slots[r], toks[:-1] if ended else toks, ended))
+            comps.append(Completion(self.slots[r], toks[:-1] if ended else toks, ended, toks[-1] if ended else None))
             self.slots[r] = None
         self.engine.reset(done)            # idle rows then attend over nothing until refilled
         return comps

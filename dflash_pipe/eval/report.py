@@ -7,7 +7,8 @@ Per prompt set and method:
     allowed a draft in slot k) whose drafts were accepted up to slot k;
   * tokens/s = generated tokens / wall time over the set; speedup = method tokens/s divided by
     target-only greedy tokens/s on the same prompts, both at batch 1 (omitted when the target ran
-    in 'recompute' cache mode, whose timings say nothing about a serving engine);
+    in 'recompute' cache mode, whose timings say nothing about a serving engine; with batched
+    references, on the generations timed at batch 1: reference_batch.batched_summary);
   * time split of a method's wall time: target (prefill + verify forwards, with the rollback
     re-feeds of a hybrid target), draft (the proposer) and other (accept logic, bookkeeping,
     Python between the two), in seconds in the JSON and as shares in the table;

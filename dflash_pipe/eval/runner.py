@@ -9,6 +9,12 @@ warm-up generation of each kind runs first so one-time costs (CUDA context, kern
 out of the timings. A prompt (turn) longer than the context leaves room for is skipped, counted and
 named in the report.
 
+References (cfg.eval.reference; reference_batch.py): 'sequential' decodes each target-only reference
+at batch 1 as above; 'batched' (the default on CUDA with the static engine) generates a whole set's
+references first by continuous batching on the static-KV engine (turn by turn in waves), compares
+every method with them, and decodes target-only at batch 1 only on every cfg.eval.baseline_every-th
+generation: the speed-ups are measured on those generations, and the report says how many.
+
 Drafters (cfg.eval.drafter): one export directory (default <train.output_dir>/export), reported as
 method "dflash" with the training tau of <train.output_dir>; or a comma list "name=dir,..."
 reported as "dflash:<name>" each, with the training tau of the export's parent directory (where
@@ -41,18 +47,18 @@ from ..io_utils import atomic_write_json, atomic_write_text
 from ..progress import progress_bar
 from ..target import load_target
 from ..target.loading import TargetBundle
+from .generation import record as _record, run_methods as _run_methods, warm_up as _warm_up
 from .ngram import NgramProposer
 from .progress_log import EvalProgress, run_key
+from .reference_batch import BatchedReferenceSet, ReferenceBatcher, reference_note, resolve_reference
 from .report import EXACT_DTYPES, acceptance_markdown, markdown_table, method_summary, plot_acceptance, training_tau
 from .run_context import run_context
-from .specdecode import (DFlashProposer, SpecResult, eos_token_ids, make_dflash_verifier, speculative_generate,
-                         sync_fn)
+from .specdecode import DFlashProposer, SpecResult, eos_token_ids, make_dflash_verifier, sync_fn
 from .draft_graph import GraphedDFlashProposer
 from .engine_step import EngineTarget, EngineVerifier, engine_greedy_generate, resolve_engine
 from .target_step import CACHED_MODES, TargetVerifier, greedy_generate
 
 log = logging.getLogger("dflash_pipe.eval")
-WARMUP_TOKENS = 8
 
 
 def resolve_device(name: str) -> torch.device:
@@ -134,18 +140,6 @@ def output_dir(cfg: RunConfig) -> Path:
     return Path(cfg.eval.output_dir) if cfg.eval.output_dir else Path(cfg.train.output_dir) / "eval"
 
 
-def _record(set_name: str, gen_id: str, method: str, r: SpecResult | None, tokens: list[int],
-            wall_s: float, reference: list[int]) -> dict:
-    rec = {"set": set_name, "id": gen_id, "method": method, "generated": len(tokens), "wall_s": wall_s,
-           "identical_to_target": tokens == reference}
-    if r is not None:
-        acc, elig = r.slot_counts()
-        rec.update(tau=r.tau, steps=r.steps, target_forwards=r.target_forwards, accepted=r.accepted,
-                   accepted_per_slot=acc, eligible_per_slot=elig, draft_s=r.draft_s,
-                   verify_s=r.verify_s, prefill_s=r.prefill_s, refeeds=r.refeeds)
-    return rec
-
-
 def run_eval(cfg: RunConfig, *, bundle: TargetBundle | None = None) -> dict:
     """Run the eval described by cfg (module docstring); returns the report dict.
 
@@ -154,6 +148,8 @@ def run_eval(cfg: RunConfig, *, bundle: TargetBundle | None = None) -> dict:
     ev = cfg.eval
     if ev.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {ev.max_new_tokens}")
+    if ev.baseline_every < 1:
+        raise UsageError(f"--baseline-every must be >= 1 (1 = time every generation), got {ev.baseline_every}")
     device = resolve_device(ev.device)
     specs = drafter_specs(cfg)
     out_dir = output_dir(cfg)
@@ -174,11 +170,15 @@ def run_eval(cfg: RunConfig, *, bundle: TargetBundle | None = None) -> dict:
     max_prompt = max_pos - ev.max_new_tokens - B
     verifiers, plain_verifier, greedy, engine_note = _targets(model, bundle, dcfgs, ev, device, max_pos, B)
     cache_mode = plain_verifier.mode
+    reference = resolve_reference(ev.reference, model, "static" if cache_mode == "static" else "hf", device)
+    batcher = ReferenceBatcher(model, eos, ev.max_new_tokens, max_pos) if reference == "batched" else None
     methods = [(m, verifiers[m], proposers[m]) for m in dcfgs] + [("ngram", plain_verifier, NgramProposer())]
     print(f"eval: target {bundle.identity.get('model', t.model)} ({bundle.family}, {bundle.identity['dtype']}) "
           f"on {device}, drafters " + ", ".join(f"{s.method} {s.export} (layers {dcfgs[s.method].target_layer_ids})"
                                                 for s in specs) +
-          f", B={B}, cache mode {cache_mode} ({engine_note}), {ev.max_new_tokens} new tokens", flush=True)
+          f", B={B}, cache mode {cache_mode} ({engine_note}), {ev.max_new_tokens} new tokens, references "
+          + (f"batched (batch-1 target-only on one generation in {ev.baseline_every})" if batcher else "sequential"),
+          flush=True)
     if bundle.identity["dtype"] not in EXACT_DTYPES:
         print(f"eval: note: in {bundle.identity['dtype']} the outputs can drift from target-only greedy decoding "
               f"after a near-tie (the report counts identical outputs); --target-dtype float32 makes them exact",
@@ -190,15 +190,17 @@ def run_eval(cfg: RunConfig, *, bundle: TargetBundle | None = None) -> dict:
                                             "target_layer_ids": dcfgs[s.method].target_layer_ids,
                                             "mask_token_id": dcfgs[s.method].mask_token_id} for s in specs},
                     "device": str(device), "cache_mode": cache_mode, "target_forward": engine_note,
-                    "max_new_tokens": ev.max_new_tokens,
+                    "max_new_tokens": ev.max_new_tokens, "reference": reference,
                     "max_prompt_tokens": max_prompt, "mtbench_turns": ev.mtbench_turns, "eos_token_ids": eos,
                     "sets": {}}
     records: list[dict] = []
     progress = EvalProgress(out_dir, run_key([(s.method, s.export) for s in specs], bundle.identity,
-                                             ev.max_new_tokens, B, f"{ev.prompts}|{cache_mode}"))
+                                             ev.max_new_tokens, B, f"{ev.prompts}|{cache_mode}"
+                                             + (f"|batched:{ev.baseline_every}" if batcher else "")))
     if progress.done:
         print(f"eval: resuming, {len(progress.done)} generations already done ({progress.path})", flush=True)
-    run = _SetRun(greedy, tok, methods, B, ev.max_new_tokens, eos, max_prompt, progress, sync_fn(device))
+    run = _SetRun(greedy, tok, methods, B, ev.max_new_tokens, eos, max_prompt, progress, sync_fn(device),
+                  batcher, ev.baseline_every)
     try:
         for set_name, prompts in sets.items():
             report["sets"][set_name] = run.run_set(set_name, prompts, records, cache_mode)
@@ -206,29 +208,37 @@ def run_eval(cfg: RunConfig, *, bundle: TargetBundle | None = None) -> dict:
         for verifier in verifiers.values():
             verifier.close()
         plain_verifier.close()
+        if batcher is not None:
+            batcher.close()
     report["training"] = {s.method: training_tau(s.train_dir) for s in specs}
     _write(report, records, out_dir, cfg)
     progress.finish()  # the report holds everything now; a later rerun measures afresh
     return report
 
 
-class _SetRun:
+class _SetRun(BatchedReferenceSet):
     """Decodes the generations of one prompt set: every turn of every prompt, each by every method.
 
     A prompt's later turns (MT-Bench turn 2) are asked after the target-only greedy answer to the
     earlier ones (the reference, which every method reproduces in fp32), so all methods decode the
     same turn-2 prompt. A generation's id is the prompt's id, "<id>/turn<k>" for turn k >= 2. A turn
     whose prompt is empty or longer than max_prompt tokens is skipped, counted and named, and so
-    are the prompt's later turns (they would be conditioned on it).
+    are the prompt's later turns (they would be conditioned on it). With a `batcher` (--reference
+    batched) the references come from reference_batch.py first and batch-1 target-only runs on
+    every `every`-th generation only.
     """
 
-    def __init__(self, greedy, tok, methods, block_size, max_new_tokens, eos, max_prompt, progress, sync):
+    def __init__(self, greedy, tok, methods, block_size, max_new_tokens, eos, max_prompt, progress, sync,
+                 batcher: ReferenceBatcher | None = None, every: int = 8):
         self.greedy, self.tok, self.methods, self.B = greedy, tok, methods, block_size
         self.max_new, self.eos, self.max_prompt = max_new_tokens, eos, max_prompt
         self.progress, self.sync = progress, sync
+        self.batcher, self.every = batcher, every
         self.warmed = False
 
     def run_set(self, set_name: str, prompts: list[Prompt], records: list[dict], cache_mode: str) -> dict:
+        if self.batcher is not None:
+            return self._run_batched(set_name, prompts, records, cache_mode)
         refs, ref_wall, res, skipped, kept = [], [], {m: [] for m, _, _ in self.methods}, [], 0
         bar = progress_bar(len(prompts), f"eval {set_name}", "prompt")
         for prompt in prompts:
@@ -253,12 +263,18 @@ class _SetRun:
                 history.append({"role": "assistant", "content": self.tok.decode(ref, skip_special_tokens=True)})
             bar.update(1)
         bar.close()
-        if skipped:
-            log.warning("%s: skipped %d generations whose prompt is empty or longer than %d tokens: %s", set_name,
-                        len(skipped), self.max_prompt, ", ".join(s["id"] for s in skipped))
+        self._warn_skipped(set_name, skipped)
         summary = _set_summary(refs, ref_wall, res, len(skipped), cache_mode)
         summary.update(prompts=kept, generations=len(refs), skipped_ids=skipped)
         return summary
+
+    def _encode(self, messages: list[dict[str, str]]) -> list[int]:
+        return encode_prompt(self.tok, messages)
+
+    def _warn_skipped(self, set_name: str, skipped: list[dict]) -> None:
+        if skipped:
+            log.warning("%s: skipped %d generations whose prompt is empty or longer than %d tokens: %s", set_name,
+                        len(skipped), self.max_prompt, ", ".join(s["id"] for s in skipped))
 
     def _generation(self, set_name: str, gen_id: str, ids: list[int]):
         done = self.progress.get(set_name, gen_id)
@@ -320,10 +336,7 @@ def _decode_prompt(greedy, ids, methods, block_size, max_new_tokens, eos, sync):
     ref = greedy(ids, max_new_tokens, eos)
     sync()
     wall = time.perf_counter() - t0
-    results = {name: speculative_generate(verifier, proposer, ids, block_size=block_size,
-                                          max_new_tokens=max_new_tokens, eos_ids=eos)
-               for name, verifier, proposer in methods}
-    return ref, wall, results
+    return ref, wall, _run_methods(methods, ids, block_size, max_new_tokens, eos)
 
 
 def _set_summary(refs, ref_wall, results: dict[str, list[SpecResult]], skipped: int, cache_mode: str) -> dict:
@@ -335,17 +348,11 @@ def _set_summary(refs, ref_wall, results: dict[str, list[SpecResult]], skipped: 
                for m, rs in results.items()}}
 
 
-def _warm_up(greedy, ids, eos, methods, block_size) -> None:
-    greedy(ids, WARMUP_TOKENS, eos)
-    for _, verifier, proposer in methods:
-        speculative_generate(verifier, proposer, ids, block_size=block_size, max_new_tokens=WARMUP_TOKENS,
-                             eos_ids=eos)
-
-
 def _write(report: dict, records: list[dict], out_dir: Path, cfg: RunConfig) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out_dir / "eval_report.json", report)
-    table = markdown_table(report)
+    note = reference_note(report)
+    table = markdown_table(report) + (f"\n{note}\n" if note else "")
     atomic_write_text(out_dir / "eval_report.md", "# DFlash acceptance eval\n\n" + table + acceptance_markdown(report)
                       + "\n" + run_context(report))
     atomic_write_text(out_dir / "eval_prompts.jsonl", "".join(json.dumps(r) + "\n" for r in records))
