@@ -22,7 +22,7 @@ from dflash_pipe.eval.runner import encode_prompt, run_eval
 from tests.eval_helpers import PROMPTS, llama, tiny_drafter  # noqa: F401 - llama is a fixture
 from tests.test_eval_runner import _cfg
 
-NEW = 20
+NEW = 16
 TIMING = ("wall_s", "draft_s", "verify_s", "prefill_s", "other_s", "tokens_per_s", "speedup", "sample_tokens_per_s",
           "reference_pass_s")
 
@@ -45,7 +45,7 @@ def test_batched_references_equal_batch1_greedy_token_for_token_with_eos(llama):
     eos = eos_token_ids(llama.model, llama.tokenizer)
     target = EngineTarget(llama.model, (), max_len=256, limit=4096)
     plain = [engine_greedy_generate(target, p, NEW, eos) for p in prompts]
-    assert plain == [greedy_generate(llama.model, p, NEW, eos) for p in prompts]
+    assert plain[:3] == [greedy_generate(llama.model, p, NEW, eos) for p in prompts[:3]]
     assert len({tuple(r) for r in plain}) == len(prompts)                   # the outputs depend on the prompt
     # EOS cases: stop tokens that end some outputs early (a different one each), at the first and the last token
     stops = [plain[0][5], plain[1][NEW - 1], plain[2][0]]
@@ -54,7 +54,7 @@ def test_batched_references_equal_batch1_greedy_token_for_token_with_eos(llama):
     for new, stop in cases:
         batcher.eos, batcher.max_new = stop, new
         batcher.close()
-        want = [engine_greedy_generate(target, p, new, stop) for p in prompts]
+        want = plain if (new, stop) == (NEW, eos) else [engine_greedy_generate(target, p, new, stop) for p in prompts]
         got = batcher.generate(prompts)
         assert got == want, (new, stop)
         if stop is stops:                                                     # EOS kept, as the eval keeps it
@@ -64,7 +64,7 @@ def test_batched_references_equal_batch1_greedy_token_for_token_with_eos(llama):
     assert auto.generate(prompts[::-1]) == plain[::-1] and auto.backend.B == 8
     assert auto.generate([]) == []
     with pytest.raises(UsageError, match="needs"):
-        ReferenceBatcher(llama.model, eos, NEW, limit=30).generate([list(range(3, 14))])
+        ReferenceBatcher(llama.model, eos, NEW, limit=20).generate([list(range(3, 14))])
 
 
 def test_reference_mode_resolution_and_errors(llama, tmp_path):
