@@ -8,10 +8,13 @@ the one-time costs (target load, warm-up, graph captures) once. It prints, per s
 decode seconds with their split (target forwards / draft / other) and tau, and the projection.
 
 With --reference batched (the default on CUDA: `[eval] reference`, eval/reference_batch.py) the
-target-only time is two parts: the set's batched reference pass (scaled by the prompts, like the
-methods: an upper bound, since a pass over 300 prompts takes about as many decode steps as one over
-12) and the batch-1 baseline sample (one generation in --baseline-every, scaled by the sample size
-the whole set would have: ceil(generations / k) over the generations timed here).
+target-only time is two parts: the batched reference passes and the batch-1 baseline sample
+(one generation in --baseline-every, scaled by the sample size the whole set would have:
+ceil(generations / k) over the generations timed here). A reference pass does not scale with the
+prompts (300 prompts take about as many decode steps as 12), so after the eval the driver times the
+reference pass over the whole sets too (`--full-reference-pass`, default on with batched references:
+reference_batch.plan_set on every prompt, a fresh engine) and the projection uses that; without it,
+the subset's passes scaled by the prompts (an upper bound).
 
 The drafter is --drafter DIR, or a random-init export of --drafter-layers layers at the target's
 shape (tau ~ 1, the slowest case for DFlash: every step commits one token; a trained drafter's
@@ -80,6 +83,34 @@ def linear_choice(bundle) -> list[dict]:
             for k, (name, us) in _CACHE.items()]
 
 
+def full_reference_pass(cfg: RunConfig, bundle, report: dict) -> dict:
+    """Wall seconds of the batched reference passes over every prompt of the sets (module docstring)."""
+    from dflash_pipe.data.prompts import load_prompt_sets
+    from dflash_pipe.eval.reference_batch import ReferenceBatcher, plan_set
+    from dflash_pipe.eval.runner import encode_prompt
+    from dflash_pipe.eval.specdecode import sync_fn
+
+    ev, tok = cfg.eval, bundle.tokenizer
+    sets = load_prompt_sets(ev.prompts, 0, skip_samples=cfg.data.skip_samples, source=cfg.data.source,
+                            format=cfg.data.format, mtbench_turns=ev.mtbench_turns)
+    block = next(iter(report["drafters"].values()))["block_size"]
+    limit = report["max_prompt_tokens"] + ev.max_new_tokens + block
+    batcher = ReferenceBatcher(bundle.model, report["eos_token_ids"], ev.max_new_tokens, limit)
+    sync, out, t0 = sync_fn(bundle.device), {}, time.perf_counter()
+    for name, prompts in sets.items():
+        t1 = time.perf_counter()
+        plan = plan_set(name, prompts, lambda m: encode_prompt(tok, m),
+                        lambda r: tok.decode(r, skip_special_tokens=True), report["max_prompt_tokens"], batcher,
+                        lambda gen_id: None)
+        sync()
+        out[name] = {"prompts": len(prompts), "generations": len(plan.generations), "pass_s": time.perf_counter() - t1,
+                     "tokens": sum(len(g.ref) for g in plan.generations), "skipped": len(plan.skipped)}
+    out["total_s"] = time.perf_counter() - t0
+    out["engine"] = batcher.describe
+    batcher.close()
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", default="embedded:smollm2-135m-instruct")
@@ -98,6 +129,8 @@ def main() -> int:
     ap.add_argument("--draft-graphs", default="auto", choices=("auto", "on", "off"))
     ap.add_argument("--reference", default="auto", choices=("auto", "batched", "sequential"))
     ap.add_argument("--baseline-every", type=int, default=8, help="batched references: batch-1 target-only on 1 in k")
+    ap.add_argument("--full-reference-pass", default="auto", choices=("auto", "on", "off"),
+                    help="time the batched reference pass over the whole sets (auto: with batched references)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--out-dir", default="", help="eval output (default: a temp dir)")
     ap.add_argument("--smoke", action="store_true", help="CPU, random:tiny-llama, 2 prompts per set, 12 tokens")
@@ -127,6 +160,12 @@ def main() -> int:
     t0 = time.perf_counter()
     report = run_eval(cfg, bundle=bundle)
     eval_wall = time.perf_counter() - t0
+    full = None
+    if args.full_reference_pass == "on" or (args.full_reference_pass == "auto" and report.get("reference") == "batched"):
+        full = full_reference_pass(cfg, bundle, report)
+        print("full reference pass: " + ", ".join(f"{k} {v['generations']} generations {v['tokens']:,} tokens "
+                                                  f"{v['pass_s']:.1f}s" for k, v in full.items() if isinstance(v, dict))
+              + f"; total {full['total_s']:.1f}s ({full['engine']})", flush=True)
     decode_measured, decode_projected, sets = 0.0, 0.0, {}
     methods = ["target_only"] + [m for m in next(iter(report["sets"].values())) if m.startswith("dflash") or m == "ngram"]
     print(f"\n{'set':>10s} {'prompts':>8s} {'method':>12s} {'tau':>5s} {'decode s':>9s} {'target s':>9s} {'draft s':>8s} "
@@ -143,10 +182,11 @@ def main() -> int:
         base_scale = full_timed / timed if timed else 0.0
         spec_s = sum(s[m]["wall_s"] for m in methods if m != "target_only")
         measured = spec_s + t["wall_s"] + ref_s
-        projected = spec_s * scale + t["wall_s"] * base_scale + ref_s * scale
+        ref_proj = full[name]["pass_s"] if full and name in full else ref_s * scale
+        projected = spec_s * scale + t["wall_s"] * base_scale + ref_proj
         decode_measured += measured
         decode_projected += projected
-        for k, v in (("reference_pass_s", ref_s * scale), ("baseline_sample_s", t["wall_s"] * base_scale),
+        for k, v in (("reference_pass_s", ref_proj), ("baseline_sample_s", t["wall_s"] * base_scale),
                      ("methods_s", spec_s * scale)):
             split[k] += v
         sets[name] = {"prompts": n, "generations": gens, "scale": scale, "decode_s": measured,
@@ -168,11 +208,12 @@ def main() -> int:
                   f"{per['draft_ms_per_step']:>6.2f} {per['other_ms_per_step']:>6.2f}")
         if t.get("reference") == "batched":
             print(f"{name:>10s} {'':>8s} {'references':>12s} {'':>5s} {ref_s:>9.2f} {'':>9s} {'':>8s} {'':>8s} "
-                  f"{ref_s * scale:>12.1f}   (batched pass, {gens} generations; batch-1 target-only timed on "
+                  f"{ref_proj:>12.1f}   (batched pass, {gens} generations; batch-1 target-only timed on "
                   f"{timed} of them, {t['batch1_mismatches']} differ from the batched reference)")
     overhead = eval_wall - decode_measured + (t_loaded - t_start)
     total = decode_projected + overhead
-    print(f"\nprojected split: batched reference passes {split['reference_pass_s']:.0f}s, batch-1 target-only "
+    print(f"\nprojected split: batched reference passes {split['reference_pass_s']:.0f}s"
+          f" ({'measured on the whole sets' if full else 'scaled from the subset'}), batch-1 target-only "
           f"{split['baseline_sample_s']:.0f}s, speculative methods {split['methods_s']:.0f}s")
     print(f"\nmeasured: eval {eval_wall:.1f}s (decode {decode_measured:.1f}s), target load {t_loaded - t_start:.1f}s; "
           f"projected for the whole sets ({', '.join(f'{k} {FULL.get(k)}' for k in report['sets'])}): "
@@ -183,7 +224,8 @@ def main() -> int:
               "per_set": args.per_set, "max_new_tokens": args.max_new_tokens, "drafter": str(drafter),
               "random_drafter": not args.drafter, "eval_wall_s": eval_wall, "load_s": t_loaded - t_start,
               "decode_measured_s": decode_measured, "projected_total_s": total, "projected_split_s": split,
-              "reference": report.get("reference"), "baseline_every": args.baseline_every, "sets": sets,
+              "reference": report.get("reference"), "baseline_every": args.baseline_every,
+              "full_reference_pass": full, "sets": sets,
               "torch": torch.__version__, "linear_choice": linear_choice(bundle),
               "tf32": bool(torch.backends.cuda.matmul.allow_tf32)}
     if args.json:
