@@ -204,7 +204,7 @@ class EvalConfig:
                                  "continuous batching on the static-KV engine, in the target's dtype; batch-1 "
                                  "target-only then runs only on the --baseline-every sample, for the speed-up), "
                                  "'sequential' (each reference decoded and timed at batch 1), 'auto' (batched on CUDA "
-                                 "with the static engine, else sequential).", ("auto", "batched", "sequential"))
+                                 "with the static engine and an fp32 target, else sequential).", ("auto", "batched", "sequential"))
     baseline_every: int = opt(8, "With --reference batched: every k-th generation of a set (0, k, 2k, ...) is also "
                                  "decoded target-only at batch 1, timed and checked against the batched reference; "
                                  "speed-ups are measured on those generations.")

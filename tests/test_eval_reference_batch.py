@@ -77,6 +77,9 @@ def test_reference_mode_resolution_and_errors(llama, tmp_path):
     assert resolve_reference("auto", llama.model, "static", cpu) == "sequential"   # the CPU default stays as it was
     assert resolve_reference("auto", llama.model, "hf", cuda) == "sequential"
     assert resolve_reference("batched", llama.model, "hf", cpu) == "batched"
+    half = load_target("random:tiny-llama", dtype="bfloat16", with_tokenizer=False)
+    assert resolve_reference("auto", half.model, "static", cuda) == "sequential"   # bf16: only when asked for
+    assert resolve_reference("batched", half.model, "static", cuda) == "batched"
     qwen = load_target("random:tiny-qwen3.5", dtype="float32", with_tokenizer=False)
     with pytest.raises(UsageError, match="--reference batched"):
         resolve_reference("batched", qwen.model, "hf", cuda)
