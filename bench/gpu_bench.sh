@@ -10,7 +10,8 @@
 #     stats     bench/sanity_stats_kernel.py: batched feature_stats vs the per-document loop
 #     draft     bench/draft_step.py: one inference drafting step, context K/V cache vs recompute (both shapes)
 #     hybrid    bench/hybrid_eval_step.py: speculative step time vs context (1k-8k), 27B-shaped hybrid, rollback mode
-#     evaltests pytest -m gpu of the eval's GPU tests only (hybrid rollback on the 27B shape, graphed engine/drafter)
+#     evaltests pytest -m gpu of the eval's GPU tests only (hybrid rollback on the 27B shape, graphed engine/drafter,
+#               batched references)
 #     loader    the loader's decode rate, 256 vs 64 MiB row groups interleaved (CPU side of the host)
 #     evalspeed bench/eval_speed.py: eval on --per-set prompts of each set, projected to all 544 (needs smollm2)
 #     window    bench/window_stream.py: extract + train --follow on one GPU within a 0.6 GiB budget (needs smollm2)
@@ -88,7 +89,7 @@ print(json.dumps(rows, indent=1)); open('$OUT/loader_rate.json', 'w').write(json
                     --json "$OUT/hybrid_eval_step.json" ;;
         evaltests) step evaltests "${EVALTESTS_S:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider \
                        tests/test_eval_hybrid_gpu.py tests/test_eval_engine_gpu.py tests/test_eval_specdecode.py \
-                       tests/test_eval_fast_gpu.py ;;
+                       tests/test_eval_fast_gpu.py tests/test_eval_reference_batch_gpu.py ;;
         window) step window "${WINDOW_S:-300}" python3 bench/window_stream.py --data /tmp/quality/regenerated.jsonl \
                     --limit-s "$(( ${WINDOW_S:-300} - 30 ))" --json "$OUT/window_stream.json" ${WINDOW_FLAGS:-} ;;
         windowq) step windowq "${WINDOWQ_S:-500}" python3 bench/window_quality.py --data /tmp/quality/regenerated.jsonl \
