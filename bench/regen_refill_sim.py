@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -45,11 +46,11 @@ def workload(args) -> list[tuple[int, int]]:
             if len(p) + args.new_tokens <= args.max_length]
 
 
-def simulate(work, B: int, pol: RefillPolicy, args) -> dict:
+def simulate(work, B: int, pol: RefillPolicy, reuse: float, args) -> dict:
     ready = list(range(len(work)))          # indices into work, oldest first (the driver keeps ~B of them)
     slots = [None] * B                      # per slot: [index, tokens generated]
-    t = steps = live_steps = calls = real = padded = 0.0
-    shapes = PrefillShapes(pol.min_rows, args.max_length, args.reuse_ratio)
+    t = steps = live_steps = calls = real = padded = prefill_t = 0.0
+    shapes = PrefillShapes(pol.min_rows, args.max_length, reuse, pol.row_step)
     uses = shapes.uses
     while ready or any(s is not None for s in slots):
         free = [i for i, s in enumerate(slots) if s is None]
@@ -60,11 +61,13 @@ def simulate(work, B: int, pol: RefillPolicy, args) -> dict:
             lens = [window[i] for i in call]
             rb, tb = shapes.choose(len(call), max(lens))
             n = shapes.use((rb, tb))
+            t0 = t
             if args.eager or n < args.capture_at:
                 t += args.eager_ms / 1e3
             else:
                 t += (args.call_ms + args.capture_ms * (n == args.capture_at)) / 1e3
             t += args.token_us * rb * tb / 1e6
+            prefill_t += t - t0
             calls += 1
             real += sum(lens)
             padded += rb * tb
@@ -90,7 +93,8 @@ def simulate(work, B: int, pol: RefillPolicy, args) -> dict:
     return {"s": round(t, 2), "tok_s": round(tokens / t), "ratio_to_bare": round(tokens / t / bare, 3),
             "occupancy": round(live_steps / (steps * B), 3), "decode_steps": int(steps), "prefill_calls": int(calls),
             "graphs": 0 if args.eager else sum(1 for n in uses.values() if n >= args.capture_at), "shapes": len(uses),
-            "pad_share": round(1 - real / padded, 3),
+            "pad_share": round(1 - real / padded, 3), "prefill_s": round(prefill_t, 3),
+            "padded_tokens": int(padded), "real_tokens": int(real),
             "uses": {f"{rb}x{tb}": n for (rb, tb), n in sorted(uses.items())} if args.uses else None}
 
 
@@ -110,7 +114,9 @@ def main() -> None:
     ap.add_argument("--eager-ms", type=float, default=57.0)
     ap.add_argument("--capture-at", type=int, default=2, help="a shape's call that captures its graph")
     ap.add_argument("--capture-ms", type=float, default=57.0, help="host time of a capture (~ an eager call)")
-    ap.add_argument("--reuse-ratio", type=float, default=4.0, help="engine prefill_reuse_ratio (1 = off)")
+    ap.add_argument("--reuse-ratio", default="4", help="engine prefill_reuse_ratio (1 = off); a list is a grid")
+    ap.add_argument("--row-step", default="0", help="engine prefill_row_step (0 = rows to powers of two); a list "
+                                                    "is a grid")
     ap.add_argument("--eager", action="store_true", help="every prefill call eager (the old path)")
     ap.add_argument("--uses", action="store_true", help="print the calls per padded shape")
     ap.add_argument("--model-cache", default="~/.cache/dflash-pipe/models")
@@ -120,12 +126,14 @@ def main() -> None:
     print(f"{len(work)} prompts, mean {sum(p for p, _ in work) / len(work):.1f} prompt tokens, "
           f"{sum(a for _, a in work):,} answer tokens (mean {sum(a for _, a in work) / len(work):.1f})", flush=True)
     rows = []
-    for mf in map(int, args.min_free.split(",")):
-        for la in map(int, args.lookahead.split(",")):
-            pol = RefillPolicy(min_free=mf, lookahead=la, budget=args.budget, max_len=args.max_length)
-            r = {"batch": args.batch, "min_free": mf, "lookahead": la, **simulate(work, args.batch, pol, args)}
-            rows.append(r)
-            print(json.dumps(r), flush=True)
+    grid = itertools.product(map(int, args.min_free.split(",")), map(int, args.lookahead.split(",")),
+                             map(int, args.row_step.split(",")), map(float, args.reuse_ratio.split(",")))
+    for mf, la, step, reuse in grid:
+        pol = RefillPolicy(min_free=mf, lookahead=la, budget=args.budget, max_len=args.max_length, row_step=step)
+        r = {"batch": args.batch, "min_free": mf, "lookahead": la, "row_step": step, "reuse_ratio": reuse,
+             **simulate(work, args.batch, pol, reuse, args)}
+        rows.append(r)
+        print(json.dumps(r), flush=True)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
 

@@ -32,6 +32,7 @@ class RefillPolicy:
     budget: int = 16384         # padded tokens per prefill call
     min_rows: int = 8           # the smallest row bucket (engine.prefill_min_rows)
     max_len: int = 1 << 30      # the engine's max_len (caps the length bucket)
+    row_step: int = 0           # row buckets above this many rows: its multiples (engine.prefill_row_step)
 
     @classmethod
     def for_batch(cls, batch: int, cuda: bool, max_len: int, budget: int | None = None,
@@ -76,7 +77,7 @@ def plan_refill(free: int, window: list[int], waiting: int, live: int, p: Refill
     merged: list[tuple[int, list[int]]] = []
     for b, idx in sorted(calls, key=lambda c: -c[0]):     # longest bucket first: shorter groups join it if free
         for j, (mb, midx) in enumerate(merged):
-            if (len(midx) + len(idx) <= row_bucket(len(midx), p.min_rows)
+            if (len(midx) + len(idx) <= row_bucket(len(midx), p.min_rows, p.row_step)
                     and len(midx) + len(idx) <= rows_per_call(mb, p.budget, p.min_rows)):
                 merged[j] = (mb, midx + idx)
                 break

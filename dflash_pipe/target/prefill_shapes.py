@@ -20,8 +20,11 @@ def length_bucket(n: int, min_step: int = 32) -> int:
     return -(-n // step) * step
 
 
-def row_bucket(n: int, min_rows: int = 8) -> int:
-    """Padded row count of a prefill of `n` prompts."""
+def row_bucket(n: int, min_rows: int = 8, row_step: int = 0) -> int:
+    """Padded row count of a prefill of `n` prompts: a power of two (at least `min_rows`); with `row_step`,
+    above `row_step` rows the next multiple of it instead (64: 64, 128, 192, 256, 320, ...)."""
+    if row_step and n > row_step:
+        return -(-n // row_step) * row_step
     return max(min_rows, next_pow2(n))
 
 
@@ -40,12 +43,13 @@ class PrefillShapes:
     `reuse_ratio` x the tokens of its own bucket shape; otherwise its own bucket shape (reuse_ratio 1 = off).
     """
 
-    def __init__(self, min_rows: int = 8, max_len: int = 1 << 30, reuse_ratio: float = 4.0):
-        self.min_rows, self.max_len, self.reuse_ratio = min_rows, max_len, reuse_ratio
+    def __init__(self, min_rows: int = 8, max_len: int = 1 << 30, reuse_ratio: float = 4.0, row_step: int = 0):
+        self.min_rows, self.max_len, self.reuse_ratio, self.row_step = min_rows, max_len, reuse_ratio, row_step
         self.uses: dict[tuple[int, int], int] = {}
 
     def bucket(self, rows: int, longest: int) -> tuple[int, int]:
-        return row_bucket(rows, self.min_rows), max(min(length_bucket(longest), self.max_len), longest)
+        return (row_bucket(rows, self.min_rows, self.row_step),
+                max(min(length_bucket(longest), self.max_len), longest))
 
     def choose(self, rows: int, longest: int) -> tuple[int, int]:
         own = self.bucket(rows, longest)
