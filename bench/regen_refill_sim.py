@@ -7,13 +7,14 @@ plans every launch (refill, then --check-every decode steps, finished rows freed
 (flags; defaults from the session-7 H200 run, BENCHMARKS.md): a decode step --step-ms at the full batch; a
 prefill call --call-ms (graph replay) + --token-us per padded token, an eager one (a shape's first call, or
 all with --eager) --eager-ms, the --capture-at'th call of a shape --capture-ms more (the capture; its
-warm-up was the shape's first, eager call). Prints one row per
-(min_free, lookahead, rows_per_octave, round_rows, reuse_ratio): modelled seconds (and the prefill's share), tok/s, the ratio to the
-bare loop (batch x steps at --step-ms), occupancy, prefill calls, graphs, padded and real prefill tokens.
+warm-up was the shape's first, eager call). Prints one row per (min_free, lookahead, rows_per_octave,
+round_rows, reuse_ratio): modelled seconds (and the prefill's share), tok/s, the ratio to the bare loop (batch x
+steps at --step-ms), occupancy, prefill calls, graphs, padded and real prefill tokens.
 
     python bench/regen_refill_sim.py --batch 1024 --min-free 1,8,32,64,128 --lookahead 0,256,1024
+    # the prefill-shape rules against session 8's H200 figures (BENCHMARKS.md, "Prefill shapes, modelled"):
     python bench/regen_refill_sim.py --min-free 32 --lookahead 1024 --step-ms 9.29 --calibrate-prefill-s 3.44 \
-        --rows-per-octave 1,2,4 --round-rows 0,1 --reuse-ratio 4,2,1       # the prefill-shape rules (session 8's H200 figures)
+        --rows-per-octave 1,2,4 --round-rows 0,1 --reuse-ratio 4,2,1.5,1
 """
 
 from __future__ import annotations
@@ -116,10 +117,10 @@ def main() -> None:
     ap.add_argument("--eager-ms", type=float, default=57.0)
     ap.add_argument("--capture-at", type=int, default=2, help="a shape's call that captures its graph")
     ap.add_argument("--capture-ms", type=float, default=57.0, help="host time of a capture (~ an eager call)")
-    ap.add_argument("--reuse-ratio", default="4", help="engine prefill_reuse_ratio (1 = off); a list is a grid")
+    ap.add_argument("--reuse-ratio", default="2", help="engine prefill_reuse_ratio (1 = off); a list is a grid")
     ap.add_argument("--rows-per-octave", default="1", help="engine prefill_rows_per_octave (1 = rows to powers "
                                                           "of two); a list is a grid")
-    ap.add_argument("--round-rows", default="0", help="RefillPolicy.round_rows (0/1); a list is a grid")
+    ap.add_argument("--round-rows", default="1", help="RefillPolicy.round_rows (0/1, CUDA default 1); a list is a grid")
     ap.add_argument("--eager", action="store_true", help="every prefill call eager (the old path)")
     ap.add_argument("--calibrate-prefill-s", type=float, default=0.0,
                     help="set --token-us so that the session-8 rules (refill at B/32, lookahead max(256, B), rows "

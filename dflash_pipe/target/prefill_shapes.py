@@ -52,7 +52,7 @@ class PrefillShapes:
     forward of host time: ~57 ms on the H200's host for SmolLM2) while padding costs only compute (~0.7 us a
     token there), so a call takes the smallest shape already used that holds it, if that pads it to at most
     `reuse_ratio` x the tokens of its own bucket shape; otherwise its own bucket shape (reuse_ratio 1 = off).
-    The engine's default is 2 (session 8 used 4: a 64 x 64 refill then ran as 64 x 192, and 35 % of the padded
+    The engine's default is 2 (session 8 used 4: a 64 x 64 refill then ran as 64 x 192, and 36 % of the padded
     tokens were such reuse; bench/regen_refill_sim.py models 2 as the better trade at batch 1024).
     """
 
