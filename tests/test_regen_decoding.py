@@ -240,3 +240,35 @@ def test_refills_that_wait_and_take_prompts_out_of_order_give_the_same_answers(l
     assert runs["waiting"][0] == runs["plain"][0] and sorted(runs["plain"][0]) == list(range(len(lens)))
     assert runs["plain"][1] == sorted(runs["plain"][1]) and runs["waiting"][1] != sorted(runs["waiting"][1])
     assert runs["waiting"][2] <= runs["plain"][2]
+
+
+def test_refills_rounded_to_a_row_bucket_give_the_same_answers(llama, monkeypatch):
+    """round_rows (CUDA's default) leaves some free slots for the next refill; the answers are the plain policy's.
+    A quarter of the vocabulary ends an answer, so answers end at different steps and refills vary in size."""
+    from dflash_pipe.eval.regen_refill import RefillPolicy, plan_refill
+
+    short = []
+
+    def counting(free, window, waiting, live, p):
+        plan = plan_refill(free, window, waiting, live, p)
+        short.append(bool(plan) and sum(map(len, plan)) < min(free, waiting))
+        return plan
+
+    monkeypatch.setattr(regen_backends, "plan_refill", counting)
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in [9, 3, 30, 5, 2, 17, 4, 8, 6, 1, 12] * 3]
+    runs = {}
+    for name, rounded in (("plain", False), ("rounded", True)):
+        short.clear()
+        be = regen_backends.EngineBackend(llama.model, list(range(2, 49152, 4)), batch=8, max_len=96,
+                                          max_new_tokens=20, dec=Decoding(temperature=0.9, seed=4), check_every=1)
+        be.policy = RefillPolicy(min_free=5, lookahead=8, budget=4096, min_rows=1, round_rows=rounded)
+        ready = [regen_backends.TurnRequest(None, p, key=i, order=i) for i, p in enumerate(prompts)]
+        got = {}
+        while ready or be.busy():
+            be.launch(ready)
+            for c in be.collect():
+                got[c.request.order] = c.tokens
+        runs[name] = (got, any(short))
+    assert runs["rounded"][1] and not runs["plain"][1]  # the rounding did leave slots free at some refill
+    assert runs["rounded"][0] == runs["plain"][0] and sorted(runs["plain"][0]) == list(range(len(prompts)))

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from dflash_pipe.eval.regen_refill import RefillPolicy, plan_refill
-from dflash_pipe.target.prefill_shapes import PrefillShapes, length_bucket, row_bucket, rows_per_call
+from dflash_pipe.target.prefill_shapes import PrefillShapes, length_bucket, row_bucket, row_bucket_below, rows_per_call
 
 
 def test_length_buckets_pad_by_less_than_half_with_two_buckets_an_octave():
@@ -77,3 +77,25 @@ def test_prompts_of_one_length_bucket_share_a_call_and_a_short_group_joins_a_lon
     assert sorted(map(sorted, plan)) == [[0, 1, 2, 3, 4, 5]]   # 3 long + 3 short fit the 8 rows padded anyway
     plan = plan_refill(12, window, len(window), live=10, p=p)
     assert [0, 3, 5] in plan and sum(map(len, plan)) == 12 and len(plan) == 2   # the long ones, then 9 short ones
+
+
+def test_finer_row_buckets_and_the_bucket_below():
+    assert [row_bucket(n, 8, 2) for n in (1, 8, 9, 20, 33, 34, 49, 70, 100, 1000)] == [8, 8, 16, 24, 48, 48, 64, 96,
+                                                                                       128, 1024]
+    assert [row_bucket(n, 8, 1) for n in range(1, 300)] == [row_bucket(n) for n in range(1, 300)]  # 1 = powers of 2
+    for k in (1, 2, 4):
+        for n in range(8, 600):
+            below = row_bucket_below(n, 8, k)
+            assert below <= n and row_bucket(below, 8, k) == below                          # a bucket, not above n
+            assert all(row_bucket(m, 8, k) != m for m in range(below + 1, n + 1))           # the largest one
+
+
+def test_round_rows_takes_the_nearer_row_bucket_except_in_the_tail():
+    p = RefillPolicy(min_free=32, lookahead=256, round_rows=True)
+    window = [10] * 256                                               # one length bucket: one call
+    assert [len(c) for c in plan_refill(34, window, 500, live=990, p=p)] == [32]    # 2 left free, not 30 padded
+    assert [len(c) for c in plan_refill(52, window, 500, live=972, p=p)] == [52]    # 64 is nearer than 32
+    assert [len(c) for c in plan_refill(34, window[:34], 34, live=990, p=p)] == [34]   # the tail: all of them
+    assert [len(c) for c in plan_refill(34, window, 500, live=0, p=p)] == [34]      # nothing decodes: fill it
+    assert plan_refill(34, [40] + window, 500, live=990, p=p)[0][0] == 0             # the oldest still goes
+    assert RefillPolicy.for_batch(1024, True, 512).round_rows and not RefillPolicy.for_batch(16, False, 512).round_rows

@@ -110,14 +110,25 @@ def reference(staged, tmp_path_factory):
     live, out, trace, logs = _run_pair(staged, tmp_path_factory.mktemp("ref"))
     assert any("waiting for space" in log for log in logs)  # the budget really bounded the extractor
     _check_consumed(live)
-    return losses(out), doc_passes(trace, live, SHARDS)
+    from dflash_pipe.train.checkpoint import complete_checkpoints, read_state
+
+    lrs = [json.loads(ln)["lr"] for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    return losses(out), doc_passes(trace, live, SHARDS), lrs, read_state(complete_checkpoints(out)[-1])
 
 
 def test_uninterrupted_window_run_trains_every_document_exactly_K_times(reference):
-    got, passes = reference
+    got, passes = reference[:2]
     assert set(passes.values()) == {1} and len(passes) == DOCS * K
     assert {p for _, p in passes} == set(range(K))
     assert sorted(got) == list(range(len(got))) and {e for e, *_ in got.values()} == set(range(SHARDS + K - 1))
+
+
+def test_the_lr_curve_ends_exactly_at_the_last_step_of_a_streamed_run(reference):
+    """The shards arrive while training runs (the budget holds K + 1): the step count is unknown at the start,
+    yet the cosine reaches its floor after the last step, not before, and the final plan is exact."""
+    got, _, lrs, final = reference
+    assert final["step"] == len(got) == final["total_steps"]
+    assert lrs[-1] == 0.0 and min(lrs[:-1]) > 0 and lrs[-2] < 0.02 * max(lrs)
 
 
 # each case costs two trainer and two extractor start-ups (~10 s of CPU on an idle runner), so one case kills
@@ -135,7 +146,7 @@ KILLS = [
 @pytest.mark.parametrize("fault_t,fault_e", KILLS)
 def test_sigkill_and_restart_trains_every_document_K_times_with_the_same_losses(staged, reference, tmp_path,
                                                                                  fault_t, fault_e):
-    ref_losses, _ = reference
+    ref_losses = reference[0]
     live, out, trace, _ = _run_pair(staged, tmp_path, fault_t, fault_e)
     _check_consumed(live)
     passes = doc_passes(trace, live, SHARDS)
@@ -146,7 +157,7 @@ def test_sigkill_and_restart_trains_every_document_K_times_with_the_same_losses(
 @pytest.mark.slow
 @pytest.mark.parametrize("trainer_first", [False], ids=["extractor-restarts-first"])
 def test_both_killed_and_restarted_in_either_order(staged, reference, tmp_path, trainer_first):
-    ref_losses, _ = reference
+    ref_losses = reference[0]
     live, out, trace, _ = _run_pair(staged, tmp_path, "train.window.before_delete@1", None,
                                     kill_extractor_after_trainer=True, trainer_first=trainer_first)
     _check_consumed(live)
@@ -172,7 +183,7 @@ def test_extractor_dead_then_a_shard_deleted_by_hand_then_both_recover(staged, r
     import shutil
 
     cache, budget = staged
-    ref_losses, _ = reference
+    ref_losses = reference[0]
     live, out, trace = tmp_path / "live", tmp_path / "out", tmp_path / "trace"
     live.mkdir()
     for name in ("target_head.safetensors", "cache_spec.json"):
@@ -234,3 +245,8 @@ def test_two_gloo_ranks_read_the_same_window_and_follow_the_schedule(staged, tmp
                                                  for b in sched.per_rank[rank][:sched.steps]]
         step += sched.steps
     assert max(losses(out)) == step - 1
+    from dflash_pipe.train.checkpoint import complete_checkpoints, read_state
+
+    assert read_state(complete_checkpoints(out)[-1])["total_steps"] == step  # exact at the end, on 2 ranks too
+    lrs = [json.loads(ln)["lr"] for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    assert lrs[-1] == 0.0 and min(lrs[:-1]) > 0

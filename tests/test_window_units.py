@@ -242,6 +242,7 @@ def test_checkpointing_every_M_rounds_trains_the_same_and_deletes_only_after_eac
     from dflash_pipe.config import RunConfig, normalize
     from dflash_pipe.train import trainer as trainer_mod
     from dflash_pipe.train import window_run
+    from dflash_pipe.train.checkpoint import complete_checkpoints, read_state
 
     write_train_cache(tmp_path / "staged", num_docs=16, num_shards=4, seed=7)
     events = []
@@ -262,11 +263,15 @@ def test_checkpointing_every_M_rounds_trains_the_same_and_deletes_only_after_eac
         cfg.train.window_checkpoint_rounds, cfg.train.loader_workers = m, 1
         trainer_mod.run_train(normalize(cfg))
         rows = [json.loads(ln) for ln in (tmp_path / f"out{m}" / "metrics.jsonl").read_text().splitlines()]
-        return [(r["loss"], r["grad_norm"]) for r in rows], list(events)
+        final = read_state(complete_checkpoints(tmp_path / f"out{m}")[-1])
+        assert final["step"] == len(rows) == final["total_steps"]  # the planned total is exact at the end
+        lrs = [r["lr"] for r in rows]  # logged after each step: the next step's lr
+        assert lrs[-1] == 0.0 and min(lrs[:-1]) > 0  # the cosine reaches 0 after the last step, not before
+        return [(r["loss"], r["grad_norm"], r["lr"]) for r in rows], list(events)
 
     every, ev1 = run(1)
     sparse, ev2 = run(2)
-    assert sparse == every  # when checkpoints happen does not change what is trained
+    assert sparse == every  # when checkpoints happen does not change what is trained (nor the lr curve)
     assert [e for e in ev1 if e[0] == "ckpt"] == [("ckpt", r) for r in (1, 2, 3, 4, 5)]
     assert [e for e in ev2 if e[0] == "ckpt"] == [("ckpt", r) for r in (2, 4, 5)]  # rounds 2, 4 and the end
     # deletions follow each checkpoint: shard c is retired after round c+1, deleted at the next checkpoint

@@ -6,6 +6,9 @@ it is refilled. `plan_refill` trades the two:
 
   * when: refill once at least `min_free` slots are free, or when every waiting prompt fits now (the ready
     list is short: the tail begins), or when nothing is decoding at all;
+  * how many: every free slot; with `round_rows` (CUDA's default) the largest row bucket below the free count
+    when that is nearer than the bucket above (34 free: 32 prompts, not 34 padded to 64 rows; the 2 slots wait
+    for the next refill), except in the tail and when nothing decodes;
   * which: the n = min(free, waiting) prompts come from a lookahead window of the ready list (its first
     max(n, lookahead) entries), chosen by length bucket (prefill_shapes.length_bucket): the front prompt's
     bucket first (the oldest waiting prompt always goes, so none waits forever and the reordering stays inside
@@ -22,7 +25,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from ..target.prefill_shapes import length_bucket, row_bucket, rows_per_call
+from ..target.prefill_shapes import length_bucket, row_bucket, row_bucket_below, rows_per_call
 
 
 @dataclass(frozen=True)
@@ -32,14 +35,18 @@ class RefillPolicy:
     budget: int = 16384         # padded tokens per prefill call
     min_rows: int = 8           # the smallest row bucket (engine.prefill_min_rows)
     max_len: int = 1 << 30      # the engine's max_len (caps the length bucket)
+    rows_per_octave: int = 1    # row buckets per octave: 1 = powers of two, as the engine pads (others: the sim)
+    round_rows: bool = False    # take a row bucket's worth of prompts when that idles fewer slots than it pads
 
     @classmethod
     def for_batch(cls, batch: int, cuda: bool, max_len: int, budget: int | None = None,
                   min_free: int | None = None, min_rows: int = 8) -> RefillPolicy:
-        """Defaults: refill at B/32 free slots on CUDA (32 of 1024: see BENCHMARKS.md), any free slot on the CPU."""
+        """Defaults: refill at B/32 free slots on CUDA (32 of 1024: see BENCHMARKS.md), any free slot on the CPU;
+        on CUDA a refill takes a row bucket's worth when that is nearer (bench/regen_refill_sim.py: padded prefill
+        tokens -38 % at batch 1024, modelled)."""
         return cls(min_free=max(1, batch // 32 if cuda else 1) if min_free is None else max(1, min_free),
                    lookahead=max(256, batch), budget=budget or (16384 if cuda else 2048),
-                   min_rows=min_rows, max_len=max_len)
+                   min_rows=min_rows, max_len=max_len, round_rows=cuda)
 
     def bucket(self, n: int) -> int:
         return max(min(length_bucket(n), self.max_len), n)
@@ -53,6 +60,10 @@ def plan_refill(free: int, window: list[int], waiting: int, live: int, p: Refill
     n = min(free, waiting)
     if n == 0 or (free < p.min_free and waiting > free and live > 0):
         return []
+    if p.round_rows and waiting > free and live > 0 and n > p.min_rows:  # not in the tail, not the first fill
+        up, down = row_bucket(n, p.min_rows, p.rows_per_octave), row_bucket_below(n, p.min_rows, p.rows_per_octave)
+        if n - down < up - n:
+            n = down  # the slots left free wait for the next refill instead of padding rows now
     window = window[:max(n, p.lookahead)]
     if len(window) < n:
         raise ValueError(f"plan_refill: a window of {len(window)} prompts for {n} free slots")
@@ -76,7 +87,7 @@ def plan_refill(free: int, window: list[int], waiting: int, live: int, p: Refill
     merged: list[tuple[int, list[int]]] = []
     for b, idx in sorted(calls, key=lambda c: -c[0]):     # longest bucket first: shorter groups join it if free
         for j, (mb, midx) in enumerate(merged):
-            if (len(midx) + len(idx) <= row_bucket(len(midx), p.min_rows)
+            if (len(midx) + len(idx) <= row_bucket(len(midx), p.min_rows, p.rows_per_octave)
                     and len(midx) + len(idx) <= rows_per_call(mb, p.budget, p.min_rows)):
                 merged[j] = (mb, midx + idx)
                 break

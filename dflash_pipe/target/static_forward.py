@@ -25,7 +25,8 @@ buffers, overwritten by the next call: copy what you keep. On the CPU everything
 
 Bucketed prefill (``bucketed_prefill=True``, regenerate's continuous batching): ``prefill(prompts, rows)``
 appends R prompts to R rows as one call padded to `prefill_shape(R, longest)` (prefill_shapes.py: rows up
-to a power of two, tokens up to two buckets per octave, or a larger shape already in use). Padding rows
+to a power of two, tokens up to two buckets per octave, or a larger shape already in use that pads at most
+2x: `prefill_reuse_ratio`). Padding rows
 point at one scratch row beyond `max_batch` (allocated only in this mode), so they never touch a live row.
 On CUDA a shape's first call runs eagerly (its warm-up) and its second one captures a CUDA graph (row indices, ids and lengths in static
 inputs), replayed from then on; at most `max_prefill_graphs` prefill graphs (then eager), all in the one memory
@@ -119,7 +120,7 @@ class StaticKVEngine:
 
     def __init__(self, model: torch.nn.Module, max_batch: int, max_len: int, capture_layer_ids: Sequence[int] = (),
                  use_graphs: str = "auto", kv_bucket: int = 128, bucketed_prefill: bool = False,
-                 prefill_min_rows: int = 8, max_prefill_graphs: int = 64, prefill_reuse_ratio: float = 4.0,
+                 prefill_min_rows: int = 8, max_prefill_graphs: int = 64, prefill_reuse_ratio: float = 2.0,
                  attention: str = "auto", linear: str = "auto", fused: bool = True,
                  tune_rows: Sequence[int] | None = None):
         why = engine_support(model)

@@ -150,18 +150,20 @@ def resolve_param_dtype(cfg: RunConfig, precision: str) -> torch.dtype:
     return torch.bfloat16 if (p == "bf16" or (p == "auto" and precision == "bf16")) else torch.float32
 
 
-def build_optimizer(params: list[torch.Tensor], cfg: RunConfig, device: torch.device, total_steps: int):
-    """AdamW over `params` (the fp32 masters) + the warmup/cosine schedule."""
+def build_optimizer(params: list[torch.Tensor], cfg: RunConfig, device: torch.device, total_steps: int,
+                    lr_factor=None):
+    """AdamW over `params` (the fp32 masters) + the warmup/cosine schedule over `total_steps` steps, or
+    `lr_factor(step)` (window mode's curve over shard passes, window_lr.py)."""
     tr = cfg.train
     kwargs = {"fused": True} if device.type == "cuda" else {}
     opt = torch.optim.AdamW(params, lr=tr.lr, betas=(0.9, 0.95), weight_decay=tr.weight_decay, **kwargs)
     warm = max(1, int(round(tr.warmup_frac * total_steps))) if tr.warmup_frac > 0 else 0
 
-    def lr_factor(step: int) -> float:
+    def step_cosine(step: int) -> float:
         if warm and step < warm:
             return (step + 1) / warm
         progress = min(1.0, (step - warm) / max(1, total_steps - warm))
         return tr.min_lr_frac + (1 - tr.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * progress))
 
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, step_cosine if lr_factor is None else lr_factor)
     return opt, sched

@@ -32,6 +32,7 @@ from .validation import Validator, draft_inputs, kd_targets
 from .loader import BatchLoader, CacheIndex, shard_subset
 from .metrics import StepLogger, Stopwatch, plot_history, step_flops
 from .round_carry import RoundCarry
+from .window_lr import WindowLR, planned_total
 from .window_run import WindowCoordinator
 
 log = logging.getLogger("dflash_pipe.train")
@@ -101,14 +102,17 @@ def run_train(cfg: RunConfig) -> dict:
                          follow_poll_s=tr.follow_poll_s, read_ahead=tr.loader_read_ahead)
     resume = find_resume(out_dir, tr.resume)
     coord = _window(cfg, index, out_dir, info, device, loader)
-    if coord is not None:  # window mode: rounds instead of epochs; the plan comes from the first shard
+    window_lr = None
+    if coord is not None:  # window mode: rounds instead of epochs; the LR curve runs over shard passes
         if resume is not None:
             epoch_steps, est = read_state(resume)["epoch_steps"], read_state(resume)["total_steps"]
         else:
             coord.wait_round(0)
-            est = coord.estimate_total_steps()
             epoch_steps = [coord.schedule(0).steps]
-        total = est if not tr.max_steps else min(tr.max_steps, est)
+            est = planned_total(0, epoch_steps[0], 0, coord.passes, coord.n)
+        total = est if not tr.max_steps else tr.max_steps  # --max-steps: the step curve over exactly that many
+        if not tr.max_steps:
+            window_lr = WindowLR(coord.passes, coord.n, tr.warmup_frac, tr.min_lr_frac)
     else:
         if tr.follow:
             loader.wait_for_step(0, 0, follow_first_epoch=True)
@@ -117,7 +121,7 @@ def run_train(cfg: RunConfig) -> dict:
     if total <= 0:
         raise ValidationError(f"cache {cfg.train_cache_dir} yields no training batch at --context-tokens "
                               f"{tr.context_tokens} (world size {info.world})", "add data or lower the world size")
-    opt, sched = build_optimizer(weights.masters, cfg, device, total)
+    opt, sched = build_optimizer(weights.masters, cfg, device, total, lr_factor=window_lr)
     step, epoch, step_in_epoch = 0, 0, 0
     if resume is not None:
         check_resume_identity(read_state(resume), spec, resume, dcfg, index.subset)  # before touching any weights
@@ -177,6 +181,12 @@ def run_train(cfg: RunConfig) -> dict:
                 shard_wait = 0.0
                 if coord is not None:  # collective: every rank agrees on the window
                     shard_wait = coord.wait_round(epoch, before_waiting=lambda: settle(True))
+                    if window_lr is not None:  # the round's step count is known now: the curve and total follow
+                        round_steps = coord.schedule(epoch).steps
+                        window_lr.begin_round(epoch, step - step_in_epoch, round_steps)
+                        window_lr.refresh(opt, sched)
+                        total = logger.total = planned_total(step - step_in_epoch, round_steps, epoch,
+                                                             coord.passes, coord.n)
                 round_wait = time.perf_counter() - t_round
                 batches = DeviceFeed(loader.iterate(epoch, step_in_epoch, follow_first_epoch=follow_first), device)
                 phase_done = False

@@ -17,7 +17,6 @@ it. Per round boundary (trainer.py):
 from __future__ import annotations
 
 import logging
-import math
 import shutil
 import time
 from pathlib import Path
@@ -50,6 +49,7 @@ class WindowCoordinator:
         self.order: list[int] = []  # shard index of each commit sequence number, equal on every rank
         self.lengths_by_seq: dict[int, list[list[int]]] = {}
         self._peeked: dict[int, tuple[int, list[list[int]]]] = {}  # seq -> (shard, lengths) read by peek_schedule
+        self._schedule: tuple[int, EpochSchedule] | None = None  # (round, its schedule) built from lengths_by_seq
         self.ledger: Ledger | None = None
         if rank == 0:
             owner = str(self.out_dir.resolve())
@@ -135,6 +135,7 @@ class WindowCoordinator:
         return shard_wait
 
     def _load_members(self, round_: int) -> None:
+        self._schedule = None
         members = window_members(round_, self.passes, self.n)
         for c in list(self.lengths_by_seq):
             if c not in members:
@@ -197,20 +198,11 @@ class WindowCoordinator:
                                     self.shuffle_rows)
 
     def schedule(self, round_: int) -> EpochSchedule:
-        return build_round_schedule(self.lengths_by_seq, self.order, round_, self.passes, self.n, self.world,
-                                    self.seed, self.S, self.shuffle_rows)
-
-    def estimate_total_steps(self) -> int:
-        """Steps of the whole run, estimated from the first committed shard (every shard is read K times).
-        Deterministic given the commit order, so a resumed run without a checkpoint plans the same."""
-        sched = self.schedule(0)
-        batches = sched.per_rank[0]  # rank 0's share of the first shard; every rank computes the same
-        tokens = sum(d.num_tokens for b in batches for d in b)
-        full = batches[:-1] or batches
-        fill = sum(d.num_tokens for b in full for d in b) / max(1, len(full) * self.S)  # greedy packing's fill
-        per_shard = tokens / max(1.0, fill * self.S)  # batches one shard fills inside a round of several
-        return max(1, sum(max(1, math.ceil(len(window_members(r, self.passes, self.n)) * per_shard))
-                          for r in range(self.rounds)))
+        """Round `round_`'s schedule (after its wait_round); built once per round (the trainer and the loader ask)."""
+        if self._schedule is None or self._schedule[0] != round_:
+            self._schedule = (round_, build_round_schedule(self.lengths_by_seq, self.order, round_, self.passes,
+                                                           self.n, self.world, self.seed, self.S, self.shuffle_rows))
+        return self._schedule[1]
 
     # ------------------------------------------------------------------ retirement and deletion
     def end_round(self, round_: int, loader) -> None:
