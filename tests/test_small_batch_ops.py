@@ -107,7 +107,7 @@ def test_engine_equals_the_full_forward_in_each_op_mode(kw):
 
 def test_rope_equals_hf_rotate_half():
     from dflash_pipe.target.small_batch_ops import rope, signed_sin
-    from dflash_pipe.target.static_forward import rotate_half
+    from transformers.models.llama.modeling_llama import rotate_half  # HF's own: the reference
 
     g = torch.Generator().manual_seed(3)
     x = torch.randn(2, 7, 5, 64, generator=g).transpose(1, 2)          # [B, H, T, D] strided, as the engine's q / k

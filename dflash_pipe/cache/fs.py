@@ -251,17 +251,20 @@ class ObjectCacheFS(CacheFS):
                 return f.read()
         return self.call(f"reading {self.display(name)}", get)
 
+    def _put(self, name: str, blocks) -> None:
+        """One whole object from `blocks()` (an iterable of bytes): visible only when complete, nothing on failure."""
+        up = Upload(self, name)
+        try:
+            for block in blocks():
+                up.write(block)
+        except BaseException:
+            up.abort()
+            raise
+        up.commit()
+
     def write_bytes(self, name: str, data: bytes) -> None:
         """One whole object (a re-PUT of the same bytes is idempotent, so retrying is safe)."""
-        def put():
-            up = Upload(self, name)
-            try:
-                up.write(data)
-            except BaseException:
-                up.abort()
-                raise
-            up.commit()
-        self.call(f"writing {self.display(name)}", put)
+        self.call(f"writing {self.display(name)}", self._put, name, lambda: [data])
 
     def write_json(self, name: str, obj: Any) -> None:
         self.write_bytes(name, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode("utf-8"))
@@ -291,17 +294,11 @@ class ObjectCacheFS(CacheFS):
         return list_incomplete_uploads(bucket, prefix, self.endpoint_url, self.region)
 
     def upload_file(self, name: str, local: Path) -> None:
-        def put():
-            up = Upload(self, name)
-            try:
-                with open(local, "rb") as f:
-                    while block := f.read(16 << 20):
-                        up.write(block)
-            except BaseException:
-                up.abort()
-                raise
-            up.commit()
-        self.call(f"uploading {self.display(name)}", put)
+        def blocks():
+            with open(local, "rb") as f:
+                while block := f.read(16 << 20):
+                    yield block
+        self.call(f"uploading {self.display(name)}", self._put, name, blocks)
 
     def fetch_to_local(self, name: str, scratch: Path) -> Path:
         """Download `name` into `scratch` (atomically; reused when the size matches)."""

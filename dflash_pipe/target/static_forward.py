@@ -103,11 +103,6 @@ def to_device(x, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 @dataclass
 class EngineOutput:
     logits: torch.Tensor               # [B, T, V], or [B, V] with last_only
