@@ -215,12 +215,23 @@ def main() -> int:
                "window_vs_whole": paired(tau["whole"], tau["window"]),
                "seed_vs_whole": None if a.no_seed_control else paired(tau["whole"], tau["seed"]),
                "times_s": {**times, "total": time.time() - t0}, "work": str(work)}
-    if a.decoded_prompts > 0:
-        cmd = ["eval", "-m", str(m["whole"]), "--drafter", f"window={work}/train-window/export,whole={work}/"
-               f"train-whole/export", "--prompts", "heldout", "--max-prompts", str(a.decoded_prompts),
-               "--data-skip-samples", str(a.heldout), "--output-dir", str(work / "eval"), *dev]
+    if a.decoded_prompts > 0:  # decoded tau on held-out prompts, every drafter on the same prompts (paired)
+        from bench.quality_summary import paired as paired_prompts, per_prompt
+
+        drafters = ",".join(f"{n}={work}/train-{n}/export" for n in ["window", *others])
+        cmd = ["eval", "-m", str(m["whole"]), "--drafter", drafters, "--prompts", "heldout",
+               "--max-prompts", str(a.decoded_prompts), "--data-skip-samples", str(a.heldout),
+               "--output-dir", str(work / "eval"), *dev]
+        t3 = time.time()
         wait_all({"eval": run(cmd, work / "eval.log", env)}, work)
-        summary["decoded"] = "see " + str(work / "eval")
+        counts = per_prompt(work / "eval")
+        dec = {n: counts.get(f"dflash:{n}", {}) for n in ["window", *others]}
+        summary["decoded"] = {
+            "prompts": a.decoded_prompts, "eval_s": time.time() - t3,
+            "tau_heldout": {n: (sum(v[0] for v in c.values()) / sum(v[1] for v in c.values()) if c else None)
+                            for n, c in dec.items()},
+            "window_vs_whole": paired_prompts(dec["whole"], dec["window"]),
+            "seed_vs_whole": None if a.no_seed_control else paired_prompts(dec["whole"], dec["seed"])}
     text = json.dumps(summary, indent=2)
     print(text)
     if a.json:

@@ -90,6 +90,26 @@ def wait_split(recs: list[dict]) -> dict:
     return out
 
 
+def wait_by_position(recs: list[dict], edge: int = 3) -> dict:
+    """Where in a round the loader's wait (data-wait less shard wait) falls, as shares of all step time:
+    the round's first step (the boundary's look, schedule and first batch), its next `edge - 1`, its last
+    `edge` (the read-ahead of the next round runs then) and the middle. Tells a slow boundary from a slow
+    loader."""
+    total = sum(r["step_s"] for r in recs)
+    out = {"first": 0.0, "early": 0.0, "middle": 0.0, "last": 0.0}
+    if total <= 0:
+        return out
+    rounds: dict[int, list[dict]] = {}
+    for r in recs:
+        rounds.setdefault(r["epoch"], []).append(r)
+    for rs in rounds.values():
+        for i, r in enumerate(rs):
+            wait = (r["data_wait"] - r.get("shard_wait", 0.0)) * r["step_s"]
+            key = "first" if i == 0 else "early" if i < edge else "last" if i >= len(rs) - edge else "middle"
+            out[key] += wait / total
+    return out
+
+
 def data_file(source: str, work: Path) -> str:
     """A .jsonl.gz is decompressed into the work dir (the readers take plain files)."""
     if not source.endswith(".gz"):
@@ -125,6 +145,10 @@ def build_manifest(a, work: Path) -> Path:
         cfg.drafter.num_layers = a.drafter_layers
     tr.context_tokens, tr.num_anchors, tr.max_anchors_per_doc = a.context_tokens, a.num_anchors, a.num_anchors
     tr.checkpoint_every, tr.log_every, tr.loader_workers = 0, 1, a.loader_workers
+    if a.loader_prefetch:
+        tr.loader_prefetch = a.loader_prefetch
+    if a.loader_read_ahead is not None:
+        tr.loader_read_ahead = a.loader_read_ahead
     normalize(cfg)
     path = work / "window_stream.toml"
     path.write_text(to_toml(cfg))
@@ -157,6 +181,9 @@ def main() -> int:
     p.add_argument("--context-tokens", type=int, default=None)
     p.add_argument("--num-anchors", type=int, default=None)
     p.add_argument("--loader-workers", type=int, default=None)
+    p.add_argument("--loader-prefetch", type=int, default=0, help="[train] loader_prefetch (0 = the manifest's)")
+    p.add_argument("--loader-read-ahead", type=int, default=None, help="[train] loader_read_ahead (0 = row groups "
+                   "read on demand, the loader before session 10)")
     p.add_argument("--compress-workers", type=int, default=0)
     p.add_argument("--space-timeout-s", type=float, default=300.0)
     p.add_argument("--sample-s", type=float, default=0.2)
@@ -218,6 +245,9 @@ def main() -> int:
         if (work / "train" / "metrics.jsonl").exists() else []
     full = [r for r in recs if r["epoch"] >= a.passes - 1]
     waits = wait_split(full)
+    # the training loader's row-group reads (the first 'loader:' line: it closes before a validation loader)
+    reads = re.findall(r"loader: (\d+) row groups read \((\d+) ahead, (\d+) on demand\); decode workers spent "
+                       r"([\d.]+)s", trn_log)
     ckpts = [(float(x), float(y)) for x, y in re.findall(r"snapshot (\d+) ms on the step loop, write (\d+) ms", trn_log)]
     summary = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "smoke": a.smoke,
@@ -237,6 +267,9 @@ def main() -> int:
         "train_loader_wait_share_window_full": waits["loader_share"],  # of it: the loader was late
         "rounds_window_full": waits["rounds"], "rounds_without_shard_wait": waits["rounds_no_shard_wait"],
         "train_data_wait_share_rounds_without_shard_wait": waits["share_no_shard_wait"],
+        "train_loader_wait_share_by_round_position": wait_by_position(full),
+        "row_groups_read": dict(zip(("total", "ahead", "on_demand", "worker_wait_s"),
+                                    (*map(int, reads[0][:3]), float(reads[0][3])))) if reads else None,
         "steps_per_round": len(recs) / max(1, len({r["epoch"] for r in recs})),
         "background_checkpoints": len(ckpts),
         "checkpoint_snapshot_ms_mean": sum(c[0] for c in ckpts) / len(ckpts) if ckpts else None,
@@ -254,6 +287,9 @@ def main() -> int:
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(text + "\n")
+        if recs:  # the per-step rows beside the summary, for a look at where the waits fall
+            Path(a.json).with_name(Path(a.json).stem + "_metrics.jsonl").write_text(
+                (work / "train" / "metrics.jsonl").read_text())
     if ext.returncode or trn.returncode:
         print("--- extract log tail\n" + ext_log[-3000:] + "\n--- train log tail\n" + trn_log[-3000:], file=sys.stderr)
         return 1

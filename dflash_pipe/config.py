@@ -146,8 +146,12 @@ class TrainConfig:
     log_every: int = opt(1, "Steps between log lines / TensorBoard points.")
     resume: str = opt("auto", "'auto' (latest complete checkpoint if any), 'never', or a checkpoint directory.")
     loader_workers: int = opt(2, "Decode threads per rank.")
-    loader_read_ahead: int = opt(4, "Caches on object storage (s3://, gs://): batches ahead of the decode whose row "
-                                    "groups are fetched (ranged GETs) on their own threads; 0 = fetch on demand.")
+    loader_prefetch: int = opt(3, "Batches assembled ahead of the step per rank (each holds one plane buffer, "
+                                  "pinned on CUDA): deeper hides slow batches (a row group read from cold) at "
+                                  "the cost of host memory.")
+    loader_read_ahead: int = opt(4, "Batches ahead of the decode whose row groups are read on their own threads "
+                                    "(object storage: ranged GETs; local disk: decompression and page checksums, "
+                                    "~0.1 s per 64 MiB row group); 0 = read on demand by the decode workers.")
     shuffle_rows: int = opt(256, "Shuffle buffer, in documents (seeded by seed and epoch).")
     shards: str = opt("", "Train on these cache shards only, e.g. '0-3' or '0,2,5' (empty = all): a data subset "
                       "(shards are deterministic slices of the dataset) without a new extraction.")
@@ -410,6 +414,7 @@ def normalize(cfg: RunConfig) -> RunConfig:
          "[eval] prompts asks for the 'heldout' set (the first data.skip_samples conversations, never trained on) "
          "but --data-skip-samples is 0: set it > 0 (extraction then skips those) or drop 'heldout'"),
         (tr.window_checkpoint_rounds >= 1, "--window-checkpoint-rounds must be >= 1"),
+        (tr.loader_workers >= 1 and tr.loader_prefetch >= 1, "--loader-workers and --loader-prefetch must be >= 1"),
     ]
     for ok, message in checks:
         if not ok:

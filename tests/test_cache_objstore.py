@@ -185,7 +185,8 @@ def test_the_loader_reads_the_same_batches_from_s3_with_read_ahead(s3_env, tmp_p
             loader.close()
     got, s3_loader = batches(uri)
     ref, local_loader = batches(local)
-    assert local_loader.read_ahead == 0 and s3_loader.read_ahead == 3  # memory-mapped files need no read-ahead
+    for loader in (s3_loader, local_loader):  # both read row groups ahead (GETs; local: decompression)
+        assert loader.rg_cache.reads_ahead > 0
     assert len(got) == len(ref) >= 3
     for g, r in zip(got, ref):
         assert g.keys() == r.keys() and all(torch.equal(g[k], r[k]) for k in r)

@@ -68,9 +68,10 @@ def test_follow_schedule_is_prefix_stable_as_shards_arrive():
             assert full.per_rank[r][:len(part.per_rank[r])] == part.per_rank[r]
 
 
-@pytest.mark.parametrize("release", [False, True])  # True: buffers come back and are reused
-@pytest.mark.parametrize("codec", ["lossless", "fp8"])
-def test_loader_batches_equal_per_document_decode(tmp_path, codec, release):
+@pytest.mark.parametrize("codec,release,read_ahead", [  # release: buffers come back and are reused
+    ("lossless", False, 4), ("lossless", True, 4), ("fp8", False, 4), ("fp8", True, 4),
+    ("lossless", True, 0)])  # read_ahead 0: every row group read on demand by the decode workers
+def test_loader_batches_equal_per_document_decode(tmp_path, codec, release, read_ahead):
     W, NL = 24, 2
     docs = make_docs(14, W, seed=3, min_len=3, max_len=30)
     write_cache(tmp_path, docs, W, NL, codec=codec, num_shards=2, row_group_bytes=3000)
@@ -78,7 +79,7 @@ def test_loader_batches_equal_per_document_decode(tmp_path, codec, release):
     index = CacheIndex(tmp_path)
     loader = BatchLoader(index, rank=0, world=1, seed=0, context_tokens=64, num_anchors=12, max_anchors_per_doc=4,
                          block_size=4, shuffle_rows=3, workers=2, want_topk=True, pin_memory=False,
-                         prefetch=1 if release else 3)  # 3: batches assembled concurrently
+                         prefetch=1 if release else 3, read_ahead=read_ahead)  # 3: assembled concurrently
     seen, batches = set(), 0
     for batch in loader.iterate(epoch=0, start_step=0):
         batches += 1
@@ -117,6 +118,8 @@ def test_loader_batches_equal_per_document_decode(tmp_path, codec, release):
         assert loader.plane_pool.allocated <= loader.prefetch + 1 < batches
     else:
         assert loader.plane_pool.allocated == batches
+    rg = loader.rg_cache
+    assert (rg.reads_ahead > 0) == (read_ahead > 0) and rg.reads_ahead + rg.reads_on_demand >= 3
     loader.close()
 
 

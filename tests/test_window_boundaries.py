@@ -96,16 +96,23 @@ def test_read_ahead_stays_within_the_prefetch_depth_and_drops_batches_that_diffe
         return f
 
     carry = RoundCarry(lambda r: (looks.append(r), sched(5) if len(looks) > 1 else None)[1], poll_s=0.0)
-    carry.top_up(3, 2, submit)
-    assert len(carry) == 0 and looks == [3]  # shards of round 3 not committed yet
+    carry.top_up(3, 0, submit)  # no room yet: the look starts anyway, on the look thread
+    carry.wait_look()
+    assert looks == [3]
+    carry.top_up(3, 2, submit)  # its answer: round 3's shards are not committed yet; a second look starts
+    carry.wait_look()
+    assert len(carry) == 0 and looks == [3, 3]
     carry.top_up(3, 2, submit)
     carry.top_up(3, 0, submit)
-    assert len(carry) == 2  # never more than the room the prefetch depth leaves
+    assert len(carry) == 2 and looks == [3, 3]  # never more than the room the prefetch depth leaves
     futures, nxt = carry.take(3, 0, sched(5), 0)
     assert len(futures) == 2 and nxt == 2 and not released
     carry.top_up(4, 3, submit)
+    carry.wait_look()
+    carry.top_up(4, 3, submit)
     futures, nxt = carry.take(4, 0, sched(5, shard=1), 0)  # the real schedule differs: rebuilt, buffers back
     assert not futures and nxt == 0 and len(released) == 3
+    carry.close()
 
 
 def test_background_checkpoint_snapshots_the_state_and_surfaces_a_write_failure(tmp_path, monkeypatch):

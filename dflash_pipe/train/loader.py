@@ -208,6 +208,10 @@ class RowGroupCache:
         self._items: OrderedDict = OrderedDict()
         self._reading: dict[tuple[int, int], threading.Event] = {}
         self._lock = threading.Lock()
+        # how the row groups were read: ahead (fetch threads) or on demand by a decode worker, and the
+        # seconds decode workers spent reading or waiting for one (what read-ahead is there to hide)
+        self.reads_ahead = self.reads_on_demand = 0
+        self.worker_wait_s = 0.0
 
     def forget(self, shard: int) -> None:
         with self._lock:
@@ -230,26 +234,44 @@ class RowGroupCache:
 
     def rows(self, shard: int, rg: int):
         key = (shard, rg)
-        while True:
-            with self._lock:
-                if key in self._items:
-                    self._items.move_to_end(key)
-                    return self._items[key]
-                wait = self._reading.get(key)
-                if wait is None:
-                    self._reading[key] = threading.Event()
-                    break
-            wait.wait()  # another worker reads it; if that read failed, try ourselves
+        ahead = threading.current_thread().name.startswith("dflash-fetch")
+        t0 = time.perf_counter()
         try:
-            rows = self.index.reader(shard).read_row_group(rg)
-            with self._lock:
-                self._items[key] = rows
-                while len(self._items) > self.capacity:
-                    self._items.popitem(last=False)
-            return rows
+            while True:
+                with self._lock:
+                    if key in self._items:
+                        self._items.move_to_end(key)
+                        return self._items[key]
+                    wait = self._reading.get(key)
+                    if wait is None:
+                        self._reading[key] = threading.Event()
+                        break
+                wait.wait()  # another worker reads it; if that read failed, try ourselves
+            try:
+                rows = self.index.reader(shard).read_row_group(rg)
+                with self._lock:
+                    self._items[key] = rows
+                    while len(self._items) > self.capacity:
+                        self._items.popitem(last=False)
+                    if ahead:
+                        self.reads_ahead += 1
+                    else:
+                        self.reads_on_demand += 1
+                return rows
+            finally:
+                with self._lock:
+                    self._reading.pop(key).set()
         finally:
-            with self._lock:
-                self._reading.pop(key).set()
+            if not ahead:
+                waited = time.perf_counter() - t0
+                if waited > 1e-3:  # a hit costs microseconds; only reads and waits are counted
+                    with self._lock:
+                        self.worker_wait_s += waited
+
+    def summary(self) -> str:
+        return (f"{self.reads_ahead + self.reads_on_demand} row groups read ({self.reads_ahead} ahead, "
+                f"{self.reads_on_demand} on demand); decode workers spent {self.worker_wait_s:.1f}s reading or "
+                "waiting for them")
 
 
 class PlanePool:
@@ -296,9 +318,11 @@ class BatchLoader:
         self.producer = ThreadPoolExecutor(max_workers=self.prefetch, thread_name_prefix="dflash-batch")
         self._stat_lock = threading.Lock()
         self.rg_cache = RowGroupCache(index)
-        # object storage: the row groups of the next `read_ahead` batches are fetched on their own threads
-        # (ranged GETs) while the decode workers work; local caches are memory-mapped and need none
-        self.read_ahead = 0 if index.fs.is_local else max(0, read_ahead)
+        # the row groups of the next `read_ahead` batches are read on their own threads while the decode
+        # workers work: ranged GETs on object storage; on local disk the read is memory-mapped but a row
+        # group's decompression and page checksums still cost ~0.1 s per 64 MiB, which the first batch that
+        # needs it (and every decode worker waiting on that batch) would otherwise sit through
+        self.read_ahead = max(0, read_ahead)
         self.fetcher = (ThreadPoolExecutor(max_workers=max(2, workers), thread_name_prefix="dflash-fetch")
                         if self.read_ahead else None)
         self.codec = index.features["codec"]
@@ -343,13 +367,16 @@ class BatchLoader:
         step = start_step
         if self.carry is not None:  # window mode: batches of this round read ahead during the last one
             pending, step = self.carry.take(epoch, start_step, sched, self.rank)
-        ahead = step
+        ahead, carry_ahead = step, 0  # carry_ahead: a step of the next round (its read-ahead)
         while True:
             while len(pending) < self.prefetch and step < sched.steps:
                 pending.append(self.producer.submit(self.assemble, sched.batch(self.rank, step), epoch, step))
                 step += 1
-            if self.carry is not None and step >= sched.steps:
+            if self.carry is not None and step >= sched.steps:  # the look for the next round starts at once
                 self.carry.top_up(epoch + 1, self.prefetch - len(pending) - len(self.carry), self._submit)
+                if self.carry.sched is not None:  # and the row groups of its first batches are read early
+                    carry_ahead = self._fetch_ahead(self.carry.sched, self.carry.next_step,
+                                                    max(carry_ahead, self.carry.next_step))
             ahead = self._fetch_ahead(sched, step, max(ahead, step))
             if not pending:
                 if sched.final:
@@ -454,6 +481,9 @@ class BatchLoader:
         self.rg_cache.forget(shard)
 
     def close(self) -> None:
+        log.info("loader: %s", self.rg_cache.summary())
+        if self.carry is not None:
+            self.carry.close()
         self.producer.shutdown(wait=True, cancel_futures=True)
         self.pool.shutdown(wait=True, cancel_futures=True)
         if self.fetcher is not None:

@@ -4,7 +4,10 @@ round's last ones train.
 Once every batch of round r is submitted, the loader asks `peek(r + 1)` for round r + 1's schedule, a
 non-blocking, non-collective look (window_run.WindowCoordinator.peek_schedule: None until every shard
 that round reads is committed and in the ledger) at most once per `poll_s`, and submits its first
-batches into the room the prefetch depth leaves. When the trainer then starts round r + 1, `take`
+batches into the room the prefetch depth leaves. The look runs on a thread of its own: it lists the
+cache, adds new shards to the ledger (an fsynced write, slow while extraction writes on the same disk)
+and reads a new shard's footer, none of which may stall the step loop; its answer is picked up by the
+next call. When the trainer then starts round r + 1, `take`
 hands those futures over only if they are the batches the real schedule (built after the collective
 look) has at the same steps; anything else is dropped and its buffers returned. A batch is a function
 of (schedule, seed, round, rank, step) alone, so carried batches equal the ones built without it.
@@ -15,6 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 
 log = logging.getLogger("dflash_pipe.loader")
 
@@ -28,21 +32,18 @@ class RoundCarry:
         self.next_step = 0
         self._last_peek = float("-inf")
         self.carried = 0  # batches handed over to the next round (for tests and logs)
+        self._looker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-peek")
+        self._look = None  # (round, future of peek(round)) in flight
 
     def __len__(self) -> int:
         return len(self.items)
 
     def top_up(self, round_: int, room: int, submit) -> None:
-        """Submit up to `room` more batches of `round_` (`submit(batch docs, round, step)` -> future)."""
-        if room <= 0:
-            return
+        """Submit up to `room` more batches of `round_` (`submit(batch docs, round, step)` -> future). The
+        look for `round_`'s schedule starts even when there is no room yet, so its answer is there in time."""
         if self.round != round_:
             self.discard()
-            now = time.monotonic()
-            if now - self._last_peek < self.poll_s:
-                return
-            self._last_peek = now
-            sched = self.peek(round_)
+            sched = self._answer(round_)
             if sched is None or sched.steps == 0:
                 return
             self.round, self.sched, self.next_step = round_, sched, 0
@@ -51,6 +52,36 @@ class RoundCarry:
             self.items.append((s, submit(self.sched, round_, s)))
             self.next_step += 1
             room -= 1
+
+    def _answer(self, round_: int):
+        """The schedule a finished look found for `round_`, else None (and a new look started if none is in
+        flight and `poll_s` has passed since the last)."""
+        if self._look is not None:
+            r, fut = self._look
+            if not fut.done():
+                return None
+            self._look = None
+            try:
+                sched = fut.result()
+            except Exception as exc:  # noqa: BLE001 - peek_schedule answers None itself; the real look reports
+                log.debug("round %d: read-ahead look failed (%s)", r, exc)
+                sched = None
+            if r == round_ and sched is not None:
+                return sched
+        now = time.monotonic()
+        if now - self._last_peek >= self.poll_s:
+            self._last_peek = now
+            self._look = (round_, self._looker.submit(self.peek, round_))
+        return None
+
+    def wait_look(self) -> None:
+        """Block until the look in flight (if any) has answered (tests; close)."""
+        if self._look is not None:
+            self._look[1].exception()
+
+    def close(self) -> None:
+        self.discard()
+        self._looker.shutdown(wait=True, cancel_futures=True)
 
     def take(self, round_: int, start_step: int, sched, rank: int) -> tuple[deque, int]:
         """(futures of steps start_step.., next step to submit) if they match `sched`, else (empty, start_step)."""

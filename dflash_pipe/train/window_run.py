@@ -16,8 +16,10 @@ it. Per round boundary (trainer.py):
 
 from __future__ import annotations
 
+import functools
 import logging
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -33,6 +35,15 @@ from .schedule import EpochSchedule, build_round_schedule, retired_after, window
 
 log = logging.getLogger("dflash_pipe.train")
 _GIVE_UP = 1
+
+
+def _locked(method):
+    """Run under the coordinator's lock (the read-ahead's look runs on another thread)."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return run
 
 
 class WindowCoordinator:
@@ -51,6 +62,9 @@ class WindowCoordinator:
         self._peeked: dict[int, tuple[int, list[list[int]]]] = {}  # seq -> (shard, lengths) read by peek_schedule
         self._schedule: tuple[int, EpochSchedule] | None = None  # (round, its schedule) built from lengths_by_seq
         self.ledger: Ledger | None = None
+        # peek_schedule runs on the read-ahead's own thread (round_carry.py); it and the step loop's looks,
+        # retirements and deletions take turns on the ledger, the commit order and the lengths
+        self._lock = threading.RLock()
         if rank == 0:
             owner = str(self.out_dir.resolve())
             led = load_ledger(self.cache_dir, self.spec)
@@ -88,10 +102,11 @@ class WindowCoordinator:
         self.order = [v for v in vals[1:] if v >= 0]
         return vals[0] == _GIVE_UP
 
+    @_locked
     def _update_ledger(self) -> list[int]:
         """Rank 0: add newly committed shards to the ledger (saved), in index order. Returns the commit order."""
-        known = set(self.ledger.order())
-        committed = committed_shards(self.cache_dir, self.spec)
+        known = frozenset(self.ledger.order())
+        committed = committed_shards(self.cache_dir, self.spec, skip=known)
         new = sorted(i for i in committed if i not in known and not committed[i].get("deleted"))
         for i in new:  # the first look that sees a shard fixes its place in the commit order
             self.ledger.add(i, committed[i]["bytes"])
@@ -134,6 +149,7 @@ class WindowCoordinator:
         self._load_members(round_)
         return shard_wait
 
+    @_locked
     def _load_members(self, round_: int) -> None:
         self._schedule = None
         members = window_members(round_, self.passes, self.n)
@@ -163,6 +179,7 @@ class WindowCoordinator:
         for c in [c for c in self._peeked if c < min(members, default=0)]:
             del self._peeked[c]
 
+    @_locked
     def peek_schedule(self, round_: int) -> EpochSchedule | None:
         """Round `round_`'s schedule if every shard it reads is already in the ledger, else None: no
         collective, no waiting (the loader reads the next round ahead with it, round_carry.py). Rank 0 adds
@@ -197,6 +214,7 @@ class WindowCoordinator:
         return build_round_schedule(lengths, order, round_, self.passes, self.n, self.world, self.seed, self.S,
                                     self.shuffle_rows)
 
+    @_locked
     def schedule(self, round_: int) -> EpochSchedule:
         """Round `round_`'s schedule (after its wait_round); built once per round (the trainer and the loader ask)."""
         if self._schedule is None or self._schedule[0] != round_:
@@ -205,6 +223,7 @@ class WindowCoordinator:
         return self._schedule[1]
 
     # ------------------------------------------------------------------ retirement and deletion
+    @_locked
     def end_round(self, round_: int, loader) -> None:
         """Round `round_` is complete on every rank: retire the shards it read for the last time."""
         done = retired_after(round_, self.passes, self.n)
@@ -215,6 +234,7 @@ class WindowCoordinator:
                 save_ledger(self.cache_dir, self.ledger)
             fault_point("train.window.after_retire")
 
+    @_locked
     def collect(self, boundary_round: int) -> list[int]:
         """Rank 0, after a complete checkpoint at (boundary_round, 0): delete what no later read needs."""
         if self.rank != 0:
@@ -242,6 +262,7 @@ class WindowCoordinator:
             if r < boundary_round:
                 shutil.rmtree(ck, ignore_errors=True)
 
+    @_locked
     def finish(self) -> None:
         """After the final checkpoint: delete every remaining shard and mark the cache consumed."""
         if self.rank != 0:
