@@ -194,9 +194,10 @@ def main() -> int:
     # session 7 (4,000 conversations in 96 shards of ~41 docs, 0.3 GiB) made ~2 steps a round: the boundary
     # dominated. 7,000 conversations x ~265 tokens x ~3.9 KB/token ~ 6.8 GiB = ~11x the budget, in 64 shards of
     # ~110 docs / ~29 k tokens (~7 steps of 8,192 tokens a round at K = 2); the budget holds ~5.6 shards of
-    # ~107 MB, K + M = 4 needed
+    # ~107 MB, K + M = 3 needed. M = 1 (the trainer's default): with M = 2 a budget of K + M shards frees space
+    # every other round only, and the trainer waits for the shard extraction could not write (session 10: 2.7 %)
     h200 = dict(budget_gib=0.6, shards=64, samples=7000, max_length=512, token_budget=16384,
-                context_tokens=8192, num_anchors=512, loader_workers=6, checkpoint_rounds=2)
+                context_tokens=8192, num_anchors=512, loader_workers=6, checkpoint_rounds=1)
     for k, v in (smoke if a.smoke else h200).items():
         if getattr(a, k) is None:
             setattr(a, k, v)

@@ -11,23 +11,17 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from ..cache import load_manifest, load_spec
-from ..cache.codec import FP8, decode_split, planes_shape
-from ..cache.fs import open_cache_fs
-from ..cache.manifest import MANIFEST_FILE, committed_shards
-from ..cache.reader import ShardReader
-from ..cache.window import WINDOW_FILE, load_ledger
-from ..config import parse_shard_subset
-from ..errors import CacheError
+from ..cache.codec import FP8, planes_shape
 from .anchors import IGNORE, block_labels, sample_anchors
+from .cache_index import CacheIndex
+from .row_groups import PlanePool, RowGroupCache
 from .schedule import DocRef, EpochSchedule, batch_rng, build_epoch_schedule
 
 log = logging.getLogger("dflash_pipe.loader")
@@ -92,209 +86,6 @@ def block_targets(input_ids_S: np.ndarray, masks: list[np.ndarray], offsets: lis
     lab = np.concatenate([lab, np.full((pad, block_size), IGNORE, np.int64)])
     bdoc = np.concatenate([bdoc, np.full(pad, -1, np.int32)])
     return anchor_index, lab, bdoc, np.arange(num_anchors) < n_real, available
-
-
-def shard_subset(spec: dict, shards: str) -> list[int] | None:
-    """The `--shards` subset of a cache (None = all shards), checked against the cache's shard count."""
-    return parse_shard_subset(shards, int(spec["num_shards"])) if shards.strip() else None
-
-
-class CacheIndex:
-    """What the trainer knows about a cache: spec, which shards exist, document lengths."""
-
-    def __init__(self, cache_dir: str | Path, follow: bool = False, shards: str = "", wait_s: float = 0.0):
-        self.fs = open_cache_fs(cache_dir)
-        self.cache_dir = self.fs.root if self.fs.is_local else self.fs.uri
-        self.follow = follow
-        self.spec = self._wait_for_spec(wait_s) if follow and wait_s > 0 else load_spec(self.fs)
-        if self.spec is None:
-            raise CacheError(f"{self.cache_dir}: no cache_spec.json (not a dflash-pipe cache)",
-                             "run `dflash-pipe extract` first or fix --cache-dir")
-        self.subset = shard_subset(self.spec, shards)
-        self.features = self.spec["features"]
-        self.lengths: dict[int, list[list[int]]] = {}
-        self.paths: dict[int, Path | str] = {}
-        self.final = False
-        self._readers: dict[tuple[int, int], ShardReader] = {}
-        self._lock = threading.Lock()
-
-    def _wait_for_spec(self, wait_s: float, poll_s: float = 1.0) -> dict | None:
-        """--follow started together with extraction: the spec and the head file appear once the target is
-        loaded (minutes for a large one). Wait for both, up to `wait_s`."""
-        t0 = time.monotonic()
-        said = False
-        while True:
-            spec = load_spec(self.fs)
-            if spec is not None and self.fs.exists(spec["features"].get("head_file", "") or "-"):
-                return spec
-            if time.monotonic() - t0 > wait_s:
-                return spec  # the caller names what is missing
-            if not said:
-                log.info("follow: waiting for extraction to write %s/cache_spec.json and the target head",
-                         self.cache_dir)
-                said = True
-            time.sleep(poll_s)
-
-    def refresh(self) -> bool:
-        """Pick up newly committed shards. Returns whether the data is final (manifest written)."""
-        led = load_ledger(self.fs, self.spec)
-        if led is not None and led.deleted_indices():
-            raise CacheError(f"{self.cache_dir}: shards {sorted(led.deleted_indices())} were consumed (deleted) by "
-                             f"the window run {led.owner} ({WINDOW_FILE})",
-                             "rerun `dflash-pipe extract` to re-extract them (a finished window run's cache), or "
-                             "resume that run with --follow --passes-per-shard K")
-        if self.fs.exists(MANIFEST_FILE):
-            man = load_manifest(self.fs)
-            if man["fingerprint"] != self.spec["fingerprint"]:
-                raise CacheError(f"{self.cache_dir}: manifest and cache_spec.json disagree on the fingerprint",
-                                 f"`dflash-pipe cache verify {self.cache_dir}` prints the fix")
-            shards = {e["index"]: self._location(e["abs_path"]) for e in man["shards"]}
-            self.final = True
-        elif self.follow:
-            done = committed_shards(self.fs, self.spec)
-            prefix = 0
-            while prefix in done:  # only a prefix keeps the schedule stable as shards arrive
-                prefix += 1
-            shards = {i: self._location(self.fs.display(done[i]["path"])) for i in range(prefix)}
-        else:
-            raise CacheError(f"{self.cache_dir}: no {MANIFEST_FILE}: extraction has not finished",
-                             "wait for `dflash-pipe extract` to finish (or rerun it to resume), or pass --follow")
-        if self.subset is not None:
-            shards = {i: p for i, p in shards.items() if i in self.subset}
-        for i, path in sorted(shards.items()):
-            if i not in self.lengths:
-                self.lengths[i] = self._read_lengths(path)
-                self.paths[i] = path
-        return self.final
-
-    def _location(self, path: str) -> Path | str:
-        """A shard's local path, or its object URI (Path() would fold 's3://' into 's3:/')."""
-        return Path(path) if self.fs.is_local else path
-
-    def _read_lengths(self, path: Path | str) -> list[list[int]]:
-        reader = ShardReader(path, expect_fingerprint=self.spec["fingerprint"])
-        col = reader.num_tokens_column()
-        out, start = [], 0
-        for rg in range(reader.num_row_groups):
-            n = reader.row_group_rows(rg)
-            out.append([int(x) for x in col[start:start + n]])
-            start += n
-        return out
-
-    def forget(self, shard: int) -> None:
-        with self._lock:
-            for key in [k for k in self._readers if k[0] == shard]:
-                del self._readers[key]
-        self.paths.pop(shard, None)
-        self.lengths.pop(shard, None)
-
-    def reader(self, shard: int) -> ShardReader:
-        """A reader of `shard` for the calling thread: a pyarrow ParquetFile must not be read from two
-        threads at once (concurrent read_row_group calls on one handle crash), and the decode workers
-        read row groups in parallel. Opening one costs a footer read; there are workers x shards of them."""
-        key = (shard, threading.get_ident())
-        with self._lock:
-            if key not in self._readers:
-                self._readers[key] = ShardReader(self.paths[shard], expect_fingerprint=self.spec["fingerprint"])
-            return self._readers[key]
-
-
-class RowGroupCache:
-    """A few recently read row groups (consecutive batches draw from the same ones). Called from the
-    decode workers: a row group being read by one worker is waited for, not read twice."""
-
-    def __init__(self, index: CacheIndex, capacity: int = 8):
-        self.index, self.capacity = index, capacity
-        self._items: OrderedDict = OrderedDict()
-        self._reading: dict[tuple[int, int], threading.Event] = {}
-        self._lock = threading.Lock()
-        # how the row groups were read: ahead (fetch threads) or on demand by a decode worker, and the
-        # seconds decode workers spent reading or waiting for one (what read-ahead is there to hide)
-        self.reads_ahead = self.reads_on_demand = 0
-        self.worker_wait_s = 0.0
-
-    def forget(self, shard: int) -> None:
-        with self._lock:
-            for key in [k for k in self._items if k[0] == shard]:
-                del self._items[key]
-
-    def prefetch(self, shard: int, rg: int, pool: ThreadPoolExecutor) -> None:
-        """Start reading a row group the schedule needs soon (object storage: hides the GET latency behind
-        the decode of earlier batches). A failed prefetch is dropped: the decode worker's own read raises."""
-        with self._lock:
-            if (shard, rg) in self._items or (shard, rg) in self._reading:
-                return
-
-        def fetch():
-            try:
-                self.rows(shard, rg)
-            except Exception:  # noqa: BLE001 - surfaced by the worker that needs it
-                pass
-        pool.submit(fetch)
-
-    def rows(self, shard: int, rg: int):
-        key = (shard, rg)
-        ahead = threading.current_thread().name.startswith("dflash-fetch")
-        t0 = time.perf_counter()
-        try:
-            while True:
-                with self._lock:
-                    if key in self._items:
-                        self._items.move_to_end(key)
-                        return self._items[key]
-                    wait = self._reading.get(key)
-                    if wait is None:
-                        self._reading[key] = threading.Event()
-                        break
-                wait.wait()  # another worker reads it; if that read failed, try ourselves
-            try:
-                rows = self.index.reader(shard).read_row_group(rg)
-                with self._lock:
-                    self._items[key] = rows
-                    while len(self._items) > self.capacity:
-                        self._items.popitem(last=False)
-                    if ahead:
-                        self.reads_ahead += 1
-                    else:
-                        self.reads_on_demand += 1
-                return rows
-            finally:
-                with self._lock:
-                    self._reading.pop(key).set()
-        finally:
-            if not ahead:
-                waited = time.perf_counter() - t0
-                if waited > 1e-3:  # a hit costs microseconds; only reads and waits are counted
-                    with self._lock:
-                        self.worker_wait_s += waited
-
-    def summary(self) -> str:
-        return (f"{self.reads_ahead + self.reads_on_demand} row groups read ({self.reads_ahead} ahead, "
-                f"{self.reads_on_demand} on demand); decode workers spent {self.worker_wait_s:.1f}s reading or "
-                "waiting for them")
-
-
-class PlanePool:
-    """Reusable (pinned) plane buffers of one batch shape. A fresh 420 MB pinned, zeroed buffer per
-    batch costs more than decoding into it; a reused one only needs its padding tail zeroed."""
-
-    def __init__(self, shape: tuple, dtype: torch.dtype, pin: bool):
-        self.shape, self.dtype, self.pin = shape, dtype, pin
-        self._free: list[torch.Tensor] = []
-        self._lock = threading.Lock()
-        self.allocated = 0
-
-    def take(self) -> tuple[torch.Tensor, bool]:
-        """(buffer, fresh): fresh buffers are zeroed; reused ones hold the previous batch."""
-        with self._lock:
-            if self._free:
-                return self._free.pop(), False
-            self.allocated += 1
-        return torch.zeros(self.shape, dtype=self.dtype, pin_memory=self.pin), True
-
-    def give(self, buf: torch.Tensor) -> None:
-        with self._lock:
-            self._free.append(buf)
 
 
 class BatchLoader:

@@ -29,7 +29,8 @@ from .components import (FrozenHead, build_drafter_config, build_model, build_op
 from .graceful import GracefulStop
 from .master_weights import MasterWeights
 from .validation import Validator, draft_inputs, kd_targets
-from .loader import BatchLoader, CacheIndex, shard_subset
+from .cache_index import CacheIndex, shard_subset
+from .loader import BatchLoader
 from .metrics import StepLogger, Stopwatch, plot_history, step_flops
 from .round_carry import RoundCarry
 from .window_lr import WindowLR, planned_total

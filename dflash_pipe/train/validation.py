@@ -19,7 +19,8 @@ from ..cache.codec import planes_to_hidden
 from ..drafter import AttentionMask, block_positions, draft_loss, gather_kd_targets, summarize_metrics
 from ..drafter.attention import compilation_unlocked, flex_tuning
 from ..errors import ValidationError
-from .loader import BatchLoader, CacheIndex
+from .cache_index import CacheIndex
+from .loader import BatchLoader
 
 
 def draft_inputs(t: dict, batch, head, dcfg, codec: str, n_layers: int):

@@ -1,0 +1,125 @@
+"""What the trainer knows about a cache: its spec, which shards are there (a finished cache's manifest, or in
+`--follow` mode the committed prefix), each shard's document lengths per row group, and one Parquet handle per
+(shard, thread) for the decode workers."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+
+from ..cache import load_manifest, load_spec
+from ..cache.fs import open_cache_fs
+from ..cache.manifest import MANIFEST_FILE, committed_shards
+from ..cache.reader import ShardReader
+from ..cache.window import WINDOW_FILE, load_ledger
+from ..config import parse_shard_subset
+from ..errors import CacheError
+
+log = logging.getLogger("dflash_pipe.loader")
+
+
+def shard_subset(spec: dict, shards: str) -> list[int] | None:
+    """The `--shards` subset of a cache (None = all shards), checked against the cache's shard count."""
+    return parse_shard_subset(shards, int(spec["num_shards"])) if shards.strip() else None
+
+
+class CacheIndex:
+    """What the trainer knows about a cache: spec, which shards exist, document lengths."""
+
+    def __init__(self, cache_dir: str | Path, follow: bool = False, shards: str = "", wait_s: float = 0.0):
+        self.fs = open_cache_fs(cache_dir)
+        self.cache_dir = self.fs.root if self.fs.is_local else self.fs.uri
+        self.follow = follow
+        self.spec = self._wait_for_spec(wait_s) if follow and wait_s > 0 else load_spec(self.fs)
+        if self.spec is None:
+            raise CacheError(f"{self.cache_dir}: no cache_spec.json (not a dflash-pipe cache)",
+                             "run `dflash-pipe extract` first or fix --cache-dir")
+        self.subset = shard_subset(self.spec, shards)
+        self.features = self.spec["features"]
+        self.lengths: dict[int, list[list[int]]] = {}
+        self.paths: dict[int, Path | str] = {}
+        self.final = False
+        self._readers: dict[tuple[int, int], ShardReader] = {}
+        self._lock = threading.Lock()
+
+    def _wait_for_spec(self, wait_s: float, poll_s: float = 1.0) -> dict | None:
+        """--follow started together with extraction: the spec and the head file appear once the target is
+        loaded (minutes for a large one). Wait for both, up to `wait_s`."""
+        t0 = time.monotonic()
+        said = False
+        while True:
+            spec = load_spec(self.fs)
+            if spec is not None and self.fs.exists(spec["features"].get("head_file", "") or "-"):
+                return spec
+            if time.monotonic() - t0 > wait_s:
+                return spec  # the caller names what is missing
+            if not said:
+                log.info("follow: waiting for extraction to write %s/cache_spec.json and the target head",
+                         self.cache_dir)
+                said = True
+            time.sleep(poll_s)
+
+    def refresh(self) -> bool:
+        """Pick up newly committed shards. Returns whether the data is final (manifest written)."""
+        led = load_ledger(self.fs, self.spec)
+        if led is not None and led.deleted_indices():
+            raise CacheError(f"{self.cache_dir}: shards {sorted(led.deleted_indices())} were consumed (deleted) by "
+                             f"the window run {led.owner} ({WINDOW_FILE})",
+                             "rerun `dflash-pipe extract` to re-extract them (a finished window run's cache), or "
+                             "resume that run with --follow --passes-per-shard K")
+        if self.fs.exists(MANIFEST_FILE):
+            man = load_manifest(self.fs)
+            if man["fingerprint"] != self.spec["fingerprint"]:
+                raise CacheError(f"{self.cache_dir}: manifest and cache_spec.json disagree on the fingerprint",
+                                 f"`dflash-pipe cache verify {self.cache_dir}` prints the fix")
+            shards = {e["index"]: self._location(e["abs_path"]) for e in man["shards"]}
+            self.final = True
+        elif self.follow:
+            done = committed_shards(self.fs, self.spec)
+            prefix = 0
+            while prefix in done:  # only a prefix keeps the schedule stable as shards arrive
+                prefix += 1
+            shards = {i: self._location(self.fs.display(done[i]["path"])) for i in range(prefix)}
+        else:
+            raise CacheError(f"{self.cache_dir}: no {MANIFEST_FILE}: extraction has not finished",
+                             "wait for `dflash-pipe extract` to finish (or rerun it to resume), or pass --follow")
+        if self.subset is not None:
+            shards = {i: p for i, p in shards.items() if i in self.subset}
+        for i, path in sorted(shards.items()):
+            if i not in self.lengths:
+                self.lengths[i] = self._read_lengths(path)
+                self.paths[i] = path
+        return self.final
+
+    def _location(self, path: str) -> Path | str:
+        """A shard's local path, or its object URI (Path() would fold 's3://' into 's3:/')."""
+        return Path(path) if self.fs.is_local else path
+
+    def _read_lengths(self, path: Path | str) -> list[list[int]]:
+        reader = ShardReader(path, expect_fingerprint=self.spec["fingerprint"])
+        col = reader.num_tokens_column()
+        out, start = [], 0
+        for rg in range(reader.num_row_groups):
+            n = reader.row_group_rows(rg)
+            out.append([int(x) for x in col[start:start + n]])
+            start += n
+        return out
+
+    def forget(self, shard: int) -> None:
+        with self._lock:
+            for key in [k for k in self._readers if k[0] == shard]:
+                del self._readers[key]
+        self.paths.pop(shard, None)
+        self.lengths.pop(shard, None)
+
+    def reader(self, shard: int) -> ShardReader:
+        """A reader of `shard` for the calling thread: a pyarrow ParquetFile must not be read from two
+        threads at once (concurrent read_row_group calls on one handle crash), and the decode workers
+        read row groups in parallel. Opening one costs a footer read; there are workers x shards of them."""
+        key = (shard, threading.get_ident())
+        with self._lock:
+            if key not in self._readers:
+                self._readers[key] = ShardReader(self.paths[shard], expect_fingerprint=self.spec["fingerprint"])
+            return self._readers[key]
