@@ -56,3 +56,30 @@ def test_follow_trains_during_extraction_and_ends_epoch_when_manifest_is_final(t
     expect = build_epoch_schedule(index.lengths, 1, 0, 0, 96, 256, follow_first_epoch=True, final=True).steps
     assert steps == list(range(expect))  # the first epoch covered every committed shard, nothing dropped
     assert (out / "export" / "model.safetensors").exists()
+
+
+def test_follow_refresh_reads_each_sidecar_once_and_grows_only_the_committed_prefix(tmp_path, monkeypatch):
+    """Shards commit out of order (1, 0, 3, 2): the index exposes only the committed prefix, and a sidecar once
+    in the prefix is never read again (on a store each read is a GET per poll)."""
+    from dflash_pipe.cache import manifest
+
+    staged, live = tmp_path / "staged", tmp_path / "live"
+    write_train_cache(staged, num_docs=24, num_shards=4, seed=2)
+    live.mkdir()
+    for name in ("cache_spec.json", "target_head.safetensors"):
+        shutil.copy(staged / name, live / name)
+    reads = []
+    real = manifest._read_json
+    monkeypatch.setattr(manifest, "_read_json", lambda fs, name, *a: (reads.append(name), real(fs, name, *a))[1])
+    index = CacheIndex(live, follow=True)
+    prefixes = []
+    for i in (1, 0, 3, 2):
+        for ext in (".parquet", ".json"):
+            shutil.copy(staged / f"shard-{i:05d}-of-00004{ext}", live / f"shard-{i:05d}-of-00004{ext}")
+        index.refresh()
+        prefixes.append(sorted(index.lengths))
+    assert prefixes == [[], [0, 1], [0, 1], [0, 1, 2, 3]]
+    sidecars = [r for r in reads if r.startswith("shard-")]
+    # shard 1 is read twice (committed before 0, so outside the prefix at the first look); 3 likewise
+    assert sorted(sidecars) == sorted(["shard-00001-of-00004.json"] * 2 + ["shard-00000-of-00004.json"]
+                                      + ["shard-00003-of-00004.json"] * 2 + ["shard-00002-of-00004.json"])

@@ -41,6 +41,7 @@ class CacheIndex:
         self.lengths: dict[int, list[list[int]]] = {}
         self.paths: dict[int, Path | str] = {}
         self.final = False
+        self._prefix: dict[int, Path | str] = {}  # follow mode: the committed prefix 0..p-1 and its locations
         self._readers: dict[tuple[int, int], ShardReader] = {}
         self._lock = threading.Lock()
 
@@ -77,11 +78,15 @@ class CacheIndex:
             shards = {e["index"]: self._location(e["abs_path"]) for e in man["shards"]}
             self.final = True
         elif self.follow:
-            done = committed_shards(self.fs, self.spec)
-            prefix = 0
+            # the shards of the prefix seen before are committed for good: their sidecars are not read again
+            # (one GET each per poll on a store); the prefix grows only from where it ended
+            known = frozenset(self._prefix)
+            done = committed_shards(self.fs, self.spec, skip=known)
+            prefix = len(self._prefix)
             while prefix in done:  # only a prefix keeps the schedule stable as shards arrive
+                self._prefix[prefix] = self._location(self.fs.display(done[prefix]["path"]))
                 prefix += 1
-            shards = {i: self._location(self.fs.display(done[i]["path"])) for i in range(prefix)}
+            shards = dict(self._prefix)
         else:
             raise CacheError(f"{self.cache_dir}: no {MANIFEST_FILE}: extraction has not finished",
                              "wait for `dflash-pipe extract` to finish (or rerun it to resume), or pass --follow")
