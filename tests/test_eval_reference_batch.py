@@ -197,6 +197,7 @@ def test_interrupted_batched_eval_resumes_without_redoing_generations(llama, run
     assert not progress.exists()
 
 
+@pytest.mark.slow
 def test_out_of_memory_in_the_reference_pass_halves_the_batch(llama, monkeypatch):
     import torch
 

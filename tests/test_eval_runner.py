@@ -195,6 +195,7 @@ def _export_pair(tmp_path):
     return tmp_path / "a" / "export", tmp_path / "b" / "export"
 
 
+@pytest.mark.slow
 def test_several_drafters_share_the_baselines_and_equal_one_drafter_runs(llama, tmp_path, monkeypatch):
     import dflash_pipe.eval.runner as runner
     from dflash_pipe.eval.target_step import greedy_generate
