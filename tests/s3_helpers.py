@@ -4,6 +4,7 @@
 the end; nothing talks to any other address (AWS_EC2_METADATA_DISABLED keeps the SDK off the
 instance-metadata address). `FaultProxy` sits between pyarrow's client and moto: it answers the first
 N matching requests with a 503 SlowDown or a connection reset, then forwards everything, counting both.
+`start_rclone_s3` starts a second implementation, `rclone serve s3` (Go), over a local directory.
 """
 
 from __future__ import annotations
@@ -57,17 +58,8 @@ def start_moto(timeout_s: float = 60.0) -> MotoServer:
     env = {**os.environ, "AWS_EC2_METADATA_DISABLED": "true", "MOTO_CALL_RESET_API": "false"}
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent)
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"moto.server exited with {proc.returncode}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return MotoServer(port, proc)
-        except OSError:
-            time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError(f"moto.server did not listen on 127.0.0.1:{port} within {timeout_s}s")
+    _wait_listening(proc, port, "moto.server", timeout_s)
+    return MotoServer(port, proc)
 
 
 def _wait_listening(proc: subprocess.Popen, port: int, what: str, timeout_s: float) -> None:
