@@ -7,9 +7,9 @@ that round reads is committed and in the ledger) at most once per `poll_s`, and 
 batches into the room the prefetch depth leaves. The look runs on a thread of its own: it lists the
 cache, adds new shards to the ledger (an fsynced write, slow while extraction writes on the same disk)
 and reads a new shard's footer, none of which may stall the step loop; its answer is picked up by the
-next call. When the trainer then starts round r + 1, `take`
-hands those futures over only if they are the batches the real schedule (built after the collective
-look) has at the same steps; anything else is dropped and its buffers returned. A batch is a function
+next call. When the trainer then starts round r + 1, `take` hands those futures over only if they are
+the batches the real schedule (built after the collective look) has at the same steps; anything else
+is dropped and its buffers returned. A batch is a function
 of (schedule, seed, round, rank, step) alone, so carried batches equal the ones built without it.
 """
 
