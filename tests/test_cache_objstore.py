@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_pipe.cache import load_manifest, verify_cache
+from dflash_pipe.cache import load_manifest, load_spec, verify_cache
 from dflash_pipe.cache.fs import ObjectCacheFS, open_cache_fs
 from dflash_pipe.cache.reader import ShardReader
 from dflash_pipe.errors import CacheError, UsageError
@@ -121,6 +121,25 @@ def test_credentials_in_a_uri_are_refused_without_echoing_them(s3_env):
             open_cache_fs(uri)
         assert SECRET not in str(err.value) and "abcdEFGH1234" not in str(err.value)
         assert SECRET.replace("/", "%2F") not in str(err.value)
+
+
+def test_hints_name_the_store_with_its_endpoint_shell_quoted(s3_env):
+    """A hint's `--cache-dir` must reach the same server: the URI's query (endpoint) stays, quoted for the shell."""
+    import shlex
+
+    from dflash_pipe.cache.manifest import committed_shards, sidecar_name
+
+    uri = s3_uri(s3_env, "hint/cache")
+    write_cache(uri, make_docs(4, WIDTH, seed=2), WIDTH, LAYERS, num_shards=2)
+    fs = open_cache_fs(uri)
+    fs.write_bytes(sidecar_name(1, 2), b"{not json")
+    with pytest.raises(CacheError) as err:
+        committed_shards(fs, load_spec(fs))
+    hint = err.value.hint
+    assert f"--cache-dir {shlex.quote(uri)}" in hint and "?endpoint=" in hint
+    argv = shlex.split(hint.split("`")[1])  # the command in the hint's backticks, as the shell splits it
+    again = argv[argv.index("--cache-dir") + 1]
+    assert again == uri and open_cache_fs(again) is fs  # the same store, the same client
 
 
 def test_transient_503s_and_connection_resets_are_retried(s3_env, tmp_path):

@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import posixpath
+import shlex
 import threading
 import time
 from pathlib import Path
@@ -38,6 +39,7 @@ from ..errors import CacheError, RuntimeFailure, UsageError
 from ..io_utils import atomic_write_bytes, atomic_write_json, remove_stale_temps, safe_child, sha256_file
 from .s3_config import (CHUNKED_HINT, CHUNKED_REFUSED, CRED_HINT, DENIED, TRANSIENT, list_incomplete_uploads,  # noqa: F401
                         s3_client, scrub)
+from .upload import Upload
 
 log = logging.getLogger("dflash_pipe.cache.fs")
 REMOTE_SCHEMES = ("s3", "gs", "gcs")
@@ -64,6 +66,12 @@ class CacheFS:
 
     def __str__(self) -> str:
         return self.uri
+
+    @property
+    def cli_location(self) -> str:
+        """This cache as a `--cache-dir` argument for a hint, shell-quoted: an object store's URI keeps its
+        query (endpoint, region, ...; credentials are never in it), or the command would miss the server."""
+        return shlex.quote(self.uri)
 
     def display(self, name: str) -> str:
         raise NotImplementedError
@@ -146,13 +154,18 @@ class ObjectCacheFS(CacheFS):
     is_local = False
 
     def __init__(self, fs, scheme: str, base: str, attempts: int, backoff_s: float = 0.2, endpoint_url: str = "",
-                 region: str = ""):
+                 region: str = "", query: str = ""):
         self.fs, self.scheme, self.base = fs, scheme, base.strip("/")
         self.endpoint_url, self.region = endpoint_url, region  # for boto3 (incomplete uploads) only
         self.uri = f"{scheme}://{self.base}"
+        self.query = query  # the URI's checked parameters, for hints (cli_location)
         self.attempts, self.backoff_s = max(1, attempts), backoff_s
         self.retries = 0  # transient failures retried by this layer (the SDK's own retries come first)
         self._lock = threading.Lock()
+
+    @property
+    def cli_location(self) -> str:
+        return shlex.quote(f"{self.uri}?{self.query}" if self.query else self.uri)
 
     # ---------------------------------------------------------------- names
     def key(self, name: str) -> str:
@@ -322,35 +335,6 @@ class ObjectCacheFS(CacheFS):
         return dest
 
 
-class Upload:
-    """A write-only stream onto one object; visible only after `commit`. `abort` never leaves data
-    under the name: bytes written after it are dropped, the stream is closed and the object removed."""
-
-    def __init__(self, fs: ObjectCacheFS, name: str):
-        self.fs, self.name = fs, name
-        self._out = fs.fs.open_output_stream(fs.key(name))
-        self.dropped = False
-
-    def write(self, data) -> None:
-        if not self.dropped:
-            self._out.write(data)
-
-    def commit(self) -> None:
-        self._out.close()  # CompleteMultipartUpload (or the single PUT of a small object)
-
-    def abort(self) -> None:
-        self.dropped = True
-        try:
-            self._out.close()
-        except Exception:  # noqa: BLE001 - a failed upload that did not complete is what we want
-            pass
-        try:
-            self.fs.fs.delete_file(self.fs.key(self.name))
-        except Exception:  # noqa: BLE001 - nothing was created; or a rerun redoes it (no sidecar)
-            log.warning("could not delete the aborted upload %s (harmless: it has no sidecar)",
-                        self.fs.display(self.name))
-
-
 # -------------------------------------------------------------------- opening
 _FS_CACHE: dict[str, ObjectCacheFS] = {}
 _FS_LOCK = threading.Lock()
@@ -402,8 +386,8 @@ def _open_remote(parts) -> ObjectCacheFS:
 
         if not hasattr(pafs, "GcsFileSystem"):
             raise UsageError(f"{safe}: this pyarrow build has no GCS support", "install a pyarrow wheel with GCS")
-        return ObjectCacheFS(pafs.GcsFileSystem(), "gs", base, attempts)
+        return ObjectCacheFS(pafs.GcsFileSystem(), "gs", base, attempts, query=parts.query)
     client, endpoint_url, region = s3_client(query, safe)
-    return ObjectCacheFS(client, "s3", base, attempts, endpoint_url=endpoint_url, region=region)
+    return ObjectCacheFS(client, "s3", base, attempts, endpoint_url=endpoint_url, region=region, query=parts.query)
 
 

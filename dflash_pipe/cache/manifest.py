@@ -48,11 +48,11 @@ def extract_command(cache_dir: str | Path | CacheFS) -> str:
     """The extract command line that resumes this cache with the settings it was made with."""
     fs = open_cache_fs(cache_dir)
     if fs.is_local and (fs.root / RESOLVED_FILE).is_file():
-        return f"`dflash-pipe extract -m {fs.display(RESOLVED_FILE)} --cache-dir {fs.uri}`"
+        return f"`dflash-pipe extract -m {fs.display(RESOLVED_FILE)} --cache-dir {fs.cli_location}`"
     if not fs.is_local and fs.exists(RESOLVED_FILE):  # -m takes a local file: the settings are in the object
-        return (f"`dflash-pipe extract --cache-dir {fs.uri}` with the settings in {fs.display(RESOLVED_FILE)} "
+        return (f"`dflash-pipe extract --cache-dir {fs.cli_location}` with the settings in {fs.display(RESOLVED_FILE)} "
                 "(download it and pass it as -m)")
-    return f"`dflash-pipe extract --cache-dir {fs.uri}` with the manifest that made this cache"
+    return f"`dflash-pipe extract --cache-dir {fs.cli_location}` with the manifest that made this cache"
 
 
 def spec_hint(cache_dir: str | Path | CacheFS) -> str:

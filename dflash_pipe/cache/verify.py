@@ -266,7 +266,7 @@ def _resolved_config(fs: CacheFS, sizes: dict[str, int], problems: list[Problem]
         tomllib.loads(fs.read_bytes(RESOLVED_FILE).decode("utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         problems.append(Problem(fs.display(RESOLVED_FILE), "", f"not valid TOML ({exc})",
-                                f"delete it and rerun `dflash-pipe extract --cache-dir {fs.uri}` with the manifest "
+                                f"delete it and rerun `dflash-pipe extract --cache-dir {fs.cli_location}` with the manifest "
                                 "that made this cache (it rewrites the file and resumes)"))
 
 

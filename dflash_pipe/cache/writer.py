@@ -23,7 +23,8 @@ import pyarrow.parquet as pq
 from ..errors import RuntimeFailure, ValidationError
 from ..faults import fault_point
 from ..io_utils import disk_error, fsync_dir, temp_path_for
-from .fs import Upload, open_cache_fs
+from .fs import open_cache_fs
+from .upload import Upload
 from .schema import MAX_VALUE_BYTES, arrow_schema, column_names, parquet_write_options
 
 

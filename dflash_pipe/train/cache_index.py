@@ -74,7 +74,7 @@ class CacheIndex:
             man = load_manifest(self.fs)
             if man["fingerprint"] != self.spec["fingerprint"]:
                 raise CacheError(f"{self.cache_dir}: manifest and cache_spec.json disagree on the fingerprint",
-                                 f"`dflash-pipe cache verify {self.cache_dir}` prints the fix")
+                                 f"`dflash-pipe cache verify {self.fs.cli_location}` prints the fix")
             shards = {e["index"]: self._location(e["abs_path"]) for e in man["shards"]}
             self.final = True
         elif self.follow:
