@@ -247,6 +247,18 @@ def test_window_ledger_budget_and_shard_deletion_work_on_s3(s3_env):
     with pytest.raises(RuntimeFailure, match="the trainer seems gone"):
         with full.room_for_next_shard():
             pass
+    # this job's previous shard, still uploading (no listing shows it), counts at its estimate until listed
+    pend = DiskBudget(uri, 1.0, 1, timeout_s=0.3, poll_s=0.05)
+    pend.limit = held + 2 * biggest - 1  # room for one more shard, not two
+    with pend.room_for_next_shard(0, "shard-x.parquet"):
+        pass
+    with pytest.raises(RuntimeFailure, match="the trainer seems gone"):
+        with pend.room_for_next_shard(0, "shard-y.parquet"):
+            pass
+    fs.write_bytes("shard-x.parquet", b"12345")  # its upload completed: counted by the listing from now on
+    with pend.room_for_next_shard(0, "shard-y.parquet"):
+        pass
+    fs.delete("shard-x.parquet")
     led.finished = True
     save_ledger(uri, led)
     assert reset_consumed(uri, spec, lambda i: sidecar_name(i, 3)) == [1]

@@ -114,3 +114,86 @@ def test_training_from_s3_runs_exports_and_writes_no_credentials(s3_env, tmp_pat
     assert (out / ".cache_head" / "target_head.safetensors").read_bytes() == (local / "target_head.safetensors").read_bytes()
     assert "s3://" in (out / "resolved_config.toml").read_text()
     assert no_secrets_in({"stderr": proc.stderr.encode(), "stdout": proc.stdout.encode(), **local_blobs(out)}) == []
+
+
+@pytest.mark.slow
+def test_a_window_run_streams_through_s3_within_the_budget(s3_env, tmp_path):
+    """The real pair on s3://: `extract --max-cache-gib` (room for K + 1 shard objects) and `train --follow
+    --passes-per-shard 2` at once. Every document is trained exactly K times, the bucket never holds more shard
+    bytes than the budget, retirement deletes the shard objects (their sidecars stay), and no credential leaks."""
+    import threading
+    from collections import Counter
+
+    from dflash_pipe.cache.budget import GIB
+    from dflash_pipe.cache.reader import ShardReader
+    from dflash_pipe.config import load_manifest as load_run_manifest, normalize, to_toml
+    from dflash_pipe.cache.window import load_ledger
+    from tests.window_helpers import WINDOW_TRAIN_ARGS
+
+    K, n, docs = 2, 6, 18
+    local = tmp_path / "local"
+    ref_cfg = small_cfg(local, num_shards=n)
+    ref_cfg.data.max_samples = docs
+    assert run_extract(ref_cfg).complete  # the shard sizes, and which document is where
+    man = load_manifest(local)
+    shard_of = {row.sample_id: e["index"] for e in man["shards"]
+                for row in ShardReader(e["abs_path"], man["fingerprint"]).iter_rows()}
+    budget = 3.3 * max(e["bytes"] for e in man["shards"]) / GIB
+    uri = s3_uri(s3_env, "window-e2e/cache")
+    out, trace = tmp_path / "out", tmp_path / "trace"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1", "DFLASH_TRACE": str(trace)}
+    cfg = load_run_manifest(ROOT / "manifests" / "tiny-qwen3.5.toml")
+    cfg.train.passes_per_shard = K  # extraction sizes the budget's held shards by it (K + M - 1)
+    manifest = tmp_path / "window.toml"
+    manifest.write_text(to_toml(normalize(cfg)))
+    small = list(SMALL)
+    small[small.index("--num-shards") + 1], small[small.index("--data-max-samples") + 1] = str(n), str(docs)
+    ext_cmd = [sys.executable, "-m", "dflash_pipe", "extract", "-m", str(manifest), "--cache-dir", uri,
+               "--device", "cpu", *small, "--max-cache-gib", str(budget), "--space-wait-timeout-s", "120"]
+    trn_cmd = [sys.executable, "-m", "dflash_pipe", "train", "--cache-dir", uri, "--output-dir", str(out),
+               "--passes-per-shard", str(K), *WINDOW_TRAIN_ARGS, "--follow-timeout-s", "60"]
+    fs = open_cache_fs(uri)
+    high, stop = [0], threading.Event()
+
+    def sample():  # the shard objects' bytes (complete ones: an upload in flight is not listed)
+        while not stop.is_set():
+            sizes = fs.list_sizes()
+            high[0] = max(high[0], sum(v for k, v in sizes.items() if k.startswith("shard-") and k.endswith(".parquet")))
+            stop.wait(0.05)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    with open(tmp_path / "extract.log", "w") as le, open(tmp_path / "train.log", "w") as lt:
+        ext = subprocess.Popen(ext_cmd, env=env, stdout=le, stderr=subprocess.STDOUT)
+        trn = subprocess.Popen(trn_cmd, env=env, stdout=lt, stderr=subprocess.STDOUT)
+        try:
+            rc_e, rc_t = ext.wait(timeout=300), trn.wait(timeout=300)
+        finally:
+            for p in (ext, trn):
+                if p.poll() is None:
+                    p.kill()
+            stop.set()
+            sampler.join()
+    logs = {"extract": (tmp_path / "extract.log").read_text(), "train": (tmp_path / "train.log").read_text()}
+    assert rc_e == 0 and rc_t == 0, logs["extract"][-2000:] + logs["train"][-2000:]
+    import re
+
+    waited = float(re.search(r"([\d.]+)s waiting for the window trainer", logs["extract"]).group(1))
+    assert waited > 0  # the budget made extraction wait for the trainer's deletions ...
+    assert sum(e["bytes"] for e in man["shards"]) > budget * GIB >= high[0] > 0  # ... and held the bucket under it
+    led = load_ledger(uri)
+    assert led.finished and all(e.state == "deleted" for e in led.shards)
+    left = fs.list_sizes()
+    assert not [k for k in left if k.startswith("shard-") and k.endswith(".parquet")]
+    assert sum(k.startswith("shard-") and k.endswith(".json") for k in left) == n  # the sidecars stay
+    seq_of = {shard: c for c, shard in enumerate(led.order())}
+    passes = Counter()
+    for ln in Path(f"{trace}.rank0").read_text().splitlines():
+        rec = json.loads(ln)
+        for doc in rec["docs"]:
+            passes[(doc, rec["epoch"] - seq_of[shard_of[doc]])] += 1
+    assert passes == Counter({(doc, k): 1 for doc in shard_of for k in range(K)})
+    outputs = {**{k: v.encode() for k, v in logs.items()}, **all_objects(s3_env, "window-e2e/cache"),
+               **local_blobs(out)}
+    assert no_secrets_in(outputs) == []

@@ -138,6 +138,16 @@ def test_budget_waits_without_spinning_until_the_trainer_frees_a_shard(tmp_path,
     assert held_bytes(tmp_path, 1000) == (3000, 2, 1)
 
 
+def test_the_next_shard_estimate_scales_with_its_tokens_and_never_falls_below_the_largest_shard():
+    from dflash_pipe.cache.budget import shard_estimate
+
+    committed = [(1000, 100), (900, 50)]  # (bytes, tokens): 10 and 18 bytes per token
+    assert shard_estimate([], 500) == 0  # nothing committed yet: unknown
+    assert shard_estimate(committed) == 1000  # no token count: the largest shard
+    assert shard_estimate(committed, 20) == 1000  # a small shard: still the largest (never less)
+    assert shard_estimate(committed, 200) == 3600  # more tokens than any before: x the largest bytes/token
+
+
 def test_budget_smaller_than_the_window_is_a_usage_error_naming_flag_and_shard_size(tmp_path):
     _fake_shards(tmp_path, [4000, 7000])
     with pytest.raises(UsageError) as err:

@@ -3,14 +3,19 @@
 Held bytes = every shard file present in the cache dir (committed, not yet deleted by the window
 trainer) + every in-flight shard temp file of a live writer, counted as at least the estimate of
 one shard (it is still growing). The estimate of the next shard is the largest committed shard so
-far (from the sidecars, which outlive deleted shards); before the first commit it is unknown (0).
+far, or, when the caller passes the next shard's token count, that count times the largest bytes per
+token of a committed shard if that is more (a shard of more tokens than any before would otherwise be
+under-estimated and push the cache over the budget); both come from the sidecars, which outlive deleted
+shards. Before the first commit the estimate is unknown (0).
 Check and temp-file creation happen under an exclusive lock on ``.window-space.lock`` so two ranks
 cannot both take the last room. Waiting sleeps `poll_s` between looks (no busy loop).
 
 On object storage (cache/fs.py) the budget bounds the objects held under the prefix: held bytes come
 from one listing per look, the estimate from the sidecars (each read once). A store has no lock and
-no visible in-flight uploads, so each extraction job counts only its own next shard: with J jobs the
-prefix can hold up to J - 1 shards past the budget.
+no visible in-flight uploads, so each extraction job counts its own: the next shard, and the shards it
+opened whose objects the listing does not show yet (the previous shard is still uploading on the writer
+thread while the next one opens), at their estimate. With J jobs the prefix can hold up to J - 1 shards
+past the budget.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import fcntl
 import json
 import logging
+import math
 import os
 import time
 from contextlib import contextmanager
@@ -48,14 +54,24 @@ def _writer_alive(name: str) -> bool:
     return True
 
 
-def largest_shard_bytes(cache_dir: Path) -> int:
-    best = 0
+def shard_estimate(sizes: list[tuple[int, int]], tokens: int = 0) -> int:
+    """Bytes to reserve for the next shard from the committed shards' (bytes, tokens): the largest shard,
+    or `tokens` x the largest bytes per token if that is more."""
+    largest = max((b for b, _ in sizes), default=0)
+    per_token = max((b / t for b, t in sizes if t > 0), default=0.0)
+    return max(largest, math.ceil(tokens * per_token))
+
+
+def committed_sizes(cache_dir: Path) -> list[tuple[int, int]]:
+    """(bytes, tokens) of every committed shard, from the sidecars in a local cache dir."""
+    out = []
     for p in cache_dir.glob("shard-*.json"):
         try:
-            best = max(best, int(json.loads(p.read_text(encoding="utf-8")).get("bytes", 0)))
+            side = json.loads(p.read_text(encoding="utf-8"))
+            out.append((int(side.get("bytes", 0)), int(side.get("tokens", 0))))
         except (OSError, ValueError, TypeError):
             continue  # a sidecar being replaced; the manifest code names damaged ones
-    return best
+    return out
 
 
 def held_bytes(cache_dir: Path, estimate: int) -> tuple[int, int, int]:
@@ -80,7 +96,8 @@ class DiskBudget:
                  poll_s: float = 1.0, report_every_s: float = 30.0):
         self.fs = open_cache_fs(cache_dir)
         self.cache_dir = self.fs.root if self.fs.is_local else self.fs.uri
-        self._sidecar_bytes: dict[str, int] = {}  # object stores: sidecars read so far
+        self._sidecar_sizes: dict[str, tuple[int, int]] = {}  # object stores: (bytes, tokens) of sidecars read
+        self._uploading: dict[str, int] = {}  # object stores: shards this job opened, not listed yet -> estimate
         self.limit = int(max_gib * GIB)
         self.passes = max(1, passes_per_shard)
         self.timeout_s, self.poll_s, self.report_every_s = timeout_s, poll_s, report_every_s
@@ -101,13 +118,16 @@ class DiskBudget:
                 f"raise --max-cache-gib to at least {need / GIB:.3g}, or use more --num-shards (smaller shards)")
 
     @contextmanager
-    def room_for_next_shard(self):
-        """Wait until the next shard fits, then hold the lock while the caller creates its temp file."""
+    def room_for_next_shard(self, tokens: int = 0, name: str = ""):
+        """Wait until the next shard (of `tokens` tokens, if known; its file `name`) fits, then hold the lock
+        while the caller creates its temp file (object stores: `name` is held until its object is listed)."""
         if not self.enabled:
             yield
             return
         if not self.fs.is_local:
-            self._wait_remote()
+            est = self._wait_remote(tokens)
+            if name:
+                self._uploading[name] = est
             yield
             return
         self.cache_dir.mkdir(parents=True, exist_ok=True)
@@ -116,7 +136,7 @@ class DiskBudget:
         with open(self.cache_dir / LOCK_FILE, "a+") as lock:
             while True:
                 fcntl.flock(lock, fcntl.LOCK_EX)
-                est = largest_shard_bytes(self.cache_dir)
+                est = shard_estimate(committed_sizes(self.cache_dir), tokens)
                 self.check_fits_window(est)
                 held, files, inflight = held_bytes(self.cache_dir, est)
                 if held + est <= self.limit:
@@ -152,34 +172,40 @@ class DiskBudget:
             "start or resume `dflash-pipe train --follow --passes-per-shard K` on this cache (it "
             "deletes consumed shards), then rerun extract; or raise --space-wait-timeout-s")
 
-    def _remote_held(self) -> tuple[int, int, int]:
+    def _remote_held(self, tokens: int) -> tuple[int, int, int]:
         """(held bytes, shard objects, estimate of the next shard) under an object-store prefix."""
         sizes = self.fs.list_sizes()
         for name in sizes:
-            if name.startswith("shard-") and name.endswith(".json") and name not in self._sidecar_bytes:
+            if name.startswith("shard-") and name.endswith(".json") and name not in self._sidecar_sizes:
                 try:
-                    self._sidecar_bytes[name] = int(json.loads(self.fs.read_bytes(name)).get("bytes", 0))
+                    side = json.loads(self.fs.read_bytes(name))
+                    self._sidecar_sizes[name] = (int(side.get("bytes", 0)), int(side.get("tokens", 0)))
                 except (FileNotFoundError, ValueError, TypeError):
                     continue
         shards = [n for n in sizes if n.startswith("shard-") and n.endswith(".parquet")]
-        return sum(sizes[n] for n in shards), len(shards), max(self._sidecar_bytes.values(), default=0)
+        for name in [n for n in self._uploading if n in sizes]:  # complete: the listing counts it now
+            del self._uploading[name]
+        held = sum(sizes[n] for n in shards) + sum(self._uploading.values())
+        return held, len(shards), shard_estimate(list(self._sidecar_sizes.values()), tokens)
 
-    def _wait_remote(self) -> None:
+    def _wait_remote(self, tokens: int) -> int:
+        """Wait until the next shard fits under the prefix; returns its estimate."""
         t0 = t_progress = last_report = time.monotonic()
         last_held = None
         while True:
-            held, files, est = self._remote_held()
+            held, files, est = self._remote_held(tokens)
             self.check_fits_window(est)
             if held + est <= self.limit:
                 self.waited_s += time.monotonic() - t0
-                return
+                return est
             now = time.monotonic()
             if last_held is None or held < last_held:
                 t_progress = now
             last_held = held
             if now - last_report >= self.report_every_s or now == t0:
-                log.info("waiting for space: %s of %s GiB held by %d shard objects still to be trained under %s",
-                         _gib(held), _gib(self.limit), files, self.cache_dir)
+                log.info("waiting for space: %s of %s GiB held by %d shard objects still to be trained under %s "
+                         "(+%d of this job's still uploading)", _gib(held), _gib(self.limit), files,
+                         len(self._uploading), self.cache_dir)
                 last_report = now
             if now - t_progress > self.timeout_s:
                 self.waited_s += now - t0

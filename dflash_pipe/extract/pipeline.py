@@ -253,8 +253,11 @@ def _extract_shard(cfg: RunConfig, spec: dict, runner, tokenizer, host: HostPipe
     reader_stats, tok_stats = mine.stats, DataStats()  # reader_stats: the whole reader's counts, as before
     ctok = ConversationTokenizer(tokenizer, ex.max_length)
     width = spec["features"]["width"]
-    with budget.room_for_next_shard() if budget is not None else nullcontext():  # --max-cache-gib: wait for room
-        writer = ShardWriter(ex.cache_dir, shard_name(shard, ex.num_shards), shard, ex.codec, ex.topk,
+    samples = [(idx, sample) for idx, conv in mine.docs if (sample := ctok(conv, tok_stats, d.strict)) is not None]
+    tokens = sum(sample.num_tokens for _, sample in samples)  # known before the shard opens: the budget's estimate
+    name = shard_name(shard, ex.num_shards)
+    with budget.room_for_next_shard(tokens, name) if budget is not None else nullcontext():  # --max-cache-gib
+        writer = ShardWriter(ex.cache_dir, name, shard, ex.codec, ex.topk,
                              shard_meta(ex.codec, ex.topk, width, num_layers, spec["fingerprint"]),
                              ex.row_group_mb << 20)
     handle = host.begin_shard(writer, shard)
@@ -273,10 +276,7 @@ def _extract_shard(cfg: RunConfig, spec: dict, runner, tokenizer, host: HostPipe
         bar.update(len(pack), tokens=sum(lens))
 
     pack, pack_tokens = [], 0
-    for idx, conv in mine.docs:
-        sample = ctok(conv, tok_stats, d.strict)
-        if sample is None:
-            continue
+    for idx, sample in samples:
         if pack and pack_tokens + sample.num_tokens > ex.token_budget:
             run_pack(pack)
             pack, pack_tokens = [], 0
