@@ -259,6 +259,10 @@ def test_window_ledger_budget_and_shard_deletion_work_on_s3(s3_env):
     with pend.room_for_next_shard(0, "shard-y.parquet"):
         pass
     fs.delete("shard-x.parquet")
+    fs.write_bytes("shard-y.json", b"{}")  # y committed and consumed between two looks: only its sidecar is left
+    with pend.room_for_next_shard(0, "shard-z.parquet"):  # y's reservation ended with its sidecar (else: no room)
+        pass
+    fs.delete("shard-y.json")
     led.finished = True
     save_ledger(uri, led)
     assert reset_consumed(uri, spec, lambda i: sidecar_name(i, 3)) == [1]

@@ -183,7 +183,9 @@ class DiskBudget:
                 except (FileNotFoundError, ValueError, TypeError):
                     continue
         shards = [n for n in sizes if n.startswith("shard-") and n.endswith(".parquet")]
-        for name in [n for n in self._uploading if n in sizes]:  # complete: the listing counts it now
+        # complete: the listing counts it now; its sidecar (written after it, kept after the trainer deletes it)
+        # ends the reservation even if the shard was consumed between two looks
+        for name in [n for n in self._uploading if n in sizes or n.replace(".parquet", ".json") in sizes]:
             del self._uploading[name]
         held = sum(sizes[n] for n in shards) + sum(self._uploading.values())
         return held, len(shards), shard_estimate(list(self._sidecar_sizes.values()), tokens)
