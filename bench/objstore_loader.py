@@ -125,10 +125,10 @@ def main() -> None:
     shape = SeedShape()
     tmp = Path(tempfile.mkdtemp(prefix="dflash-objstore-bench-"))
     kind = args.server if args.server != "auto" else ("rclone" if rclone_binary() else "moto")
-    store_root = Path(tempfile.mkdtemp(prefix="dflash-objstore-bench-store-"))
-    if kind == "rclone":  # before the first S3 filesystem: rclone refuses aws-chunked uploads (HTTP 411)
+    store_root = Path(tempfile.mkdtemp(prefix="dflash-objstore-bench-store-")) if kind == "rclone" else None
+    if store_root is not None:  # before the first S3 filesystem: rclone refuses aws-chunked uploads (HTTP 411)
         os.environ["AWS_REQUEST_CHECKSUM_CALCULATION"] = "when_required"
-    server = start_rclone_s3(str(store_root)) if kind == "rclone" else start_moto()
+    server = start_rclone_s3(str(store_root)) if store_root is not None else start_moto()
     try:
         make_bucket(server.endpoint, BUCKET)
         t0 = time.perf_counter()
@@ -168,7 +168,8 @@ def main() -> None:
         server.proc.terminate()
         server.proc.wait(timeout=10)
         shutil.rmtree(tmp, ignore_errors=True)
-        shutil.rmtree(store_root, ignore_errors=True)
+        if store_root is not None:
+            shutil.rmtree(store_root, ignore_errors=True)
 
 
 if __name__ == "__main__":

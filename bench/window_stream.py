@@ -69,6 +69,14 @@ def sample_disk(cache: Path, stop: threading.Event, every_s: float, out: dict) -
         stop.wait(every_s)
 
 
+def by_round(recs: list[dict]) -> dict[int, list[dict]]:
+    """metrics.jsonl rows grouped by round (their `epoch`), in step order."""
+    rounds: dict[int, list[dict]] = {}
+    for r in recs:
+        rounds.setdefault(r["epoch"], []).append(r)
+    return rounds
+
+
 def wait_split(recs: list[dict]) -> dict:
     """The step-time-weighted data-wait share of `recs` (metrics.jsonl rows), split into waiting for a shard to
     be committed (`shard_wait`, window mode) and the rest, and the share over rounds that never waited for one."""
@@ -79,9 +87,7 @@ def wait_split(recs: list[dict]) -> dict:
         return out
     wait = sum(r["data_wait"] * r["step_s"] for r in recs)
     shard = sum(r.get("shard_wait", 0.0) * r["step_s"] for r in recs)
-    rounds: dict[int, list[dict]] = {}
-    for r in recs:
-        rounds.setdefault(r["epoch"], []).append(r)
+    rounds = by_round(recs)
     calm = [r for rs in rounds.values() if sum(x.get("shard_wait", 0.0) * x["step_s"] for x in rs) < 1e-3 for r in rs]
     calm_s = sum(r["step_s"] for r in calm)
     out.update(share=wait / total, shard_share=shard / total, loader_share=(wait - shard) / total, rounds=len(rounds),
@@ -99,10 +105,7 @@ def wait_by_position(recs: list[dict], edge: int = 3) -> dict:
     out = {"first": 0.0, "early": 0.0, "middle": 0.0, "last": 0.0}
     if total <= 0:
         return out
-    rounds: dict[int, list[dict]] = {}
-    for r in recs:
-        rounds.setdefault(r["epoch"], []).append(r)
-    for rs in rounds.values():
+    for rs in by_round(recs).values():
         for i, r in enumerate(rs):
             wait = (r["data_wait"] - r.get("shard_wait", 0.0)) * r["step_s"]
             key = "first" if i == 0 else "early" if i < edge else "last" if i >= len(rs) - edge else "middle"

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from .errors import DFlashError, RuntimeFailure, UsageError
+from .errors import DFlashError, RuntimeFailure
 
 TMP_MARK = ".tmp-"
 log = logging.getLogger("dflash_pipe.io")
@@ -62,10 +62,11 @@ def os_error_of(exc: BaseException) -> OSError | None:
 
 
 def disk_error(exc: OSError, path: Path, what: str) -> DFlashError:
-    from .cache.s3_config import CHUNKED_HINT, CHUNKED_REFUSED
+    from .cache.s3_config import chunked_refusal
 
-    if CHUNKED_REFUSED.search(str(exc)):  # an S3-compatible store that takes no aws-chunked uploads: a setting
-        return UsageError(f"I/O error while {what} {path}: {exc}", CHUNKED_HINT)
+    refused = chunked_refusal(f"I/O error while {what} {path}: {exc}")  # a store that takes no aws-chunked uploads
+    if refused is not None:
+        return refused
     if exc.errno in DISK_FULL_ERRNOS:
         return RuntimeFailure(f"disk full while {what} {path}",
                               "free space on that filesystem and rerun the same command (it resumes); "

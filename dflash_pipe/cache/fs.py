@@ -37,7 +37,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from ..errors import CacheError, RuntimeFailure, UsageError
 from ..io_utils import atomic_write_bytes, atomic_write_json, remove_stale_temps, safe_child, sha256_file
-from .s3_config import (CHUNKED_HINT, CHUNKED_REFUSED, CRED_HINT, DENIED, TRANSIENT, list_incomplete_uploads,  # noqa: F401
+from .s3_config import (CRED_HINT, DENIED, TRANSIENT, chunked_refusal, list_incomplete_uploads,  # noqa: F401
                         s3_client, scrub)
 from .upload import Upload
 
@@ -195,8 +195,9 @@ class ObjectCacheFS(CacheFS):
                 msg = scrub(str(exc))
                 if DENIED.search(msg):
                     raise UsageError(f"{what}: access denied ({msg})", CRED_HINT) from None
-                if CHUNKED_REFUSED.search(msg):
-                    raise UsageError(f"{what}: {msg}", CHUNKED_HINT) from None
+                refused = chunked_refusal(f"{what}: {msg}")
+                if refused is not None:
+                    raise refused from None
                 if not TRANSIENT.search(msg) or attempt == self.attempts:
                     raise RuntimeFailure(f"{what}: {msg}" + (f" (after {attempt} attempts)" if attempt > 1 else ""),
                                          "check the endpoint and the network; rerun (the cache resumes)") from None

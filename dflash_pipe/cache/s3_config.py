@@ -28,6 +28,11 @@ DENIED = re.compile(r"ACCESS_DENIED|AccessDenied|InvalidAccessKeyId|SignatureDoe
 CHUNKED_REFUSED = re.compile(r"MissingContentLength|HTTP status 411", re.I)
 CHUNKED_HINT = ("this S3-compatible server refuses aws-chunked uploads: run with "
                 "AWS_REQUEST_CHECKSUM_CALCULATION=when_required in the environment")
+
+
+def chunked_refusal(message: str) -> UsageError | None:
+    """The usage error for a store that refused an aws-chunked upload (a setting, not a transient fault), else None."""
+    return UsageError(message, CHUNKED_HINT) if CHUNKED_REFUSED.search(message) else None
 CRED_HINT = ("set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN for temporary keys), or "
              "AWS_PROFILE with ~/.aws/credentials, or run where an instance/container role applies; add "
              "?anonymous=true for a public bucket")

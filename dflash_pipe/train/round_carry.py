@@ -75,7 +75,7 @@ class RoundCarry:
         return None
 
     def wait_look(self) -> None:
-        """Block until the look in flight (if any) has answered (tests; close)."""
+        """Block until the look in flight (if any) has answered (for tests: makes the next top_up see it)."""
         if self._look is not None:
             self._look[1].exception()
 

@@ -41,14 +41,14 @@ class RowGroupCache:
 
         def fetch():
             try:
-                self.rows(shard, rg)
+                self.rows(shard, rg, ahead=True)
             except Exception:  # noqa: BLE001 - surfaced by the worker that needs it
                 pass
         pool.submit(fetch)
 
-    def rows(self, shard: int, rg: int):
+    def rows(self, shard: int, rg: int, ahead: bool = False):
+        """The row group's rows; `ahead`: called by a read-ahead thread (counted apart, its wait is not a batch's)."""
         key = (shard, rg)
-        ahead = threading.current_thread().name.startswith("dflash-fetch")
         t0 = time.perf_counter()
         try:
             while True:
