@@ -90,7 +90,7 @@ class _StateChecker:
     def __init__(self, verifier: TargetVerifier, model):
         self.verifier, self.model = verifier, model
         self.inner = verifier.commit
-        self.max_err, self.checks, self.kinds = 0.0, 0, set()
+        self.max_err, self.checks, self.kinds, self.length_errors = 0.0, 0, set(), 0
         verifier.commit = self.commit
 
     def commit(self, accepted, bonus):
@@ -103,6 +103,8 @@ class _StateChecker:
                        **{cache_kwarg_name(self.model): fresh})
         got, want = cache_tensors(self.verifier.cache), cache_tensors(fresh)
         assert [g.shape for g in got] == [w.shape for w in want]
+        # the position the next forward starts at (>= 5.25: layer 0's own token counter, also rolled back)
+        self.length_errors += int(self.verifier.cache.get_seq_length()) != int(fresh.get_seq_length())
         self.max_err = max(self.max_err, max((g - w).abs().max().item() for g, w in zip(got, want)))
         self.checks += 1
         self.kinds.add("rejected" if drop else "all accepted")
@@ -121,7 +123,7 @@ def test_cache_and_features_after_each_commit_equal_a_fresh_forward(qwen, cases,
         r = speculative_generate(verifier, oracle, ids, block_size=5, max_new_tokens=NEW, eos_ids=eos)
     assert r.tokens == ref
     assert checker.checks == r.steps and checker.kinds == {"rejected", "all accepted"}
-    assert checker.max_err < 1e-4
+    assert checker.max_err < 1e-4 and checker.length_errors == 0
     for tokens, feats in oracle.seen:                              # features of every committed prefix
         want = standalone_features(qwen, torch.tensor(tokens[:-1]), cfg.target_layer_ids).hidden_TD
         torch.testing.assert_close(feats, want, rtol=1e-4, atol=1e-4)
@@ -147,10 +149,12 @@ def test_bf16_rollback_state_is_bitwise_the_same_chunk_path_and_within_the_noise
     """The GPU test's bound (tests/test_eval_hybrid_gpu.py) at CPU size: in bf16 the rolled-back cache
     is bitwise the cache of the same committed tokens fed in the same chunks with no rejected step,
     so its error against a one-pass prefill is exactly that path's (the noise floor); a skipped
-    restore is neither. The state-only re-feed (refeed="states") stays within a few noise floors,
-    far from a skipped restore: on CPU the reference GDN kernel is transformers' torch fallback, whose
-    bf16 rounding moves between releases (5.24 put the states path at 2.55 floors, over the GPU test's
-    2 floors + 1e-3), so the CPU bound is 4 floors + 1e-3 and a skipped restore must exceed twice it."""
+    restore is neither. The state-only re-feed (refeed="states") computes its projections at another
+    row count (the verify's), so its bf16 rounding is its own: it must stay within a few noise floors
+    and far from a skipped restore. Its ratio to the floor depends on the CPU's GEMM kernels and on
+    transformers' torch GDN fallback (2.55 floors on the dev box with 5.24 and 5.25, 4.03 on a CI
+    machine with 5.24), so the CPU bound is 8 floors + 1e-3, and a skipped restore must exceed twice
+    it (it is at 0.09-0.32, 20-50x the floor). Its exactness is the fp32 tests' (1e-4, above)."""
     from dflash_pipe.target.loading import build_random_model
     from tests.hybrid_helpers import bitwise_equal, fed_cache, rollback_path, worst_rel_error
 
@@ -164,7 +168,7 @@ def test_bf16_rollback_state_is_bitwise_the_same_chunk_path_and_within_the_noise
     assert not bitwise_equal(fresh, same_chunks)                   # the floor is not zero in bf16
     floor = worst_rel_error(same_chunks, fresh)
     assert worst_rel_error(verifier.cache, fresh) == floor
-    bound = 4 * floor + 1e-3
+    bound = 8 * floor + 1e-3
     assert worst_rel_error(broken.cache, fresh) > 2 * bound
     states, _ = rollback_path(model, prompt, accepts, block=16, seed=3, refeed="states")   # no re-feed forward
     assert worst_rel_error(states.cache, fresh) <= bound

@@ -17,7 +17,7 @@ the decode kernels, as transformers does). The attention layers keep the verify'
 the accepted positions (crop only the rejected ones); the MLPs, the attention and the lm_head are
 not run again.
 
-Mirrors transformers' Qwen3_5GatedDeltaNet.forward (5.17-5.24): conv over [state | qkv] then the
+Mirrors transformers' Qwen3_5GatedDeltaNet.forward (5.17-5.25): conv over [state | qkv] then the
 last T outputs, SiLU, split q/k/v, beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias), q/k
 heads repeated to the value heads (an exact copy: 5.17 does it in the layer, 5.24 in the kernel),
 L2-norm inside the kernel. Anything missing raises at construction: use refeed="forward".
@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from ..errors import UsageError
 from ..target.gdn_packing import find_gdn_modules
+from .recurrent_state import advance_count
 
 _KERNELS = ("causal_conv1d_fn", "causal_conv1d_update", "torch_chunk_gated_delta_rule",
             "torch_recurrent_gated_delta_rule")
@@ -82,6 +83,7 @@ class GDNStateRefeed:
             layer = cache.layers[mod.layer_idx]
             self._advance_layer(mod, layer.conv_states[0], layer.recurrent_states[0],
                                 *(saved[k][:, :n] for k in ("in_proj_qkv", "in_proj_a", "in_proj_b")))
+            advance_count(cache, mod.layer_idx, n)
 
     def _advance_layer(self, mod, conv_state, rec_state, qkv, a, b) -> None:
         k = self.kernels

@@ -1,12 +1,15 @@
 """Snapshot and restore of a hybrid target's recurrent state (the `rollback` cache mode's one seam).
 
-transformers 5.17-5.24 keep a Qwen3.5/3.6 (Gated DeltaNet + full attention) model's cache in one
+transformers 5.17-5.x keep a Qwen3.5/3.6 (Gated DeltaNet + full attention) model's cache in one
 `DynamicCache` whose ``layers[i]`` is, per decoder layer:
   * a ``LinearAttentionLayer`` for a linear-attention layer: ``conv_states[0]`` (the depthwise
     conv's last `kernel` inputs, [1, channels, kernel]) and ``recurrent_states[0]`` (the delta-rule
     state, [1, heads, d_k, d_v]); both are updated in place by every forward (copy_, so their
     addresses stay static) and have no sequence dimension, so they cannot be cropped;
   * a ``DynamicLayer`` for a full-attention layer: ``keys`` / ``values`` that ``crop(-n)`` shortens.
+From 5.25 a linear layer also counts the tokens it has seen (``cumulative_length_linear``, a 0-d tensor
+that ``get_seq_length`` returns, so the model's positions come from it when layer 0 is linear): the
+snapshot saves and restores it with the states, and a state-only re-feed advances it (`advance_count`).
 This module is the only place that reads those attributes, so a transformers change lands here.
 
 `RecurrentSnapshot.save()` copies every linear layer's two states into buffers allocated once per
@@ -45,6 +48,19 @@ def crop_attention(cache, tokens: int) -> None:
             layer.crop(-tokens)
 
 
+def _counters(cache) -> list[torch.Tensor]:
+    """The token counters of the linear layers (transformers >= 5.25; none before)."""
+    return [c for layer in _layers(cache) if _is_linear(layer)
+            for c in [getattr(layer, "cumulative_length_linear", None)] if isinstance(c, torch.Tensor)]
+
+
+def advance_count(cache, layer_idx: int, tokens: int) -> None:
+    """Count `tokens` more seen by linear layer `layer_idx` (a re-feed that bypasses the layer's forward)."""
+    counter = getattr(_layers(cache)[layer_idx], "cumulative_length_linear", None)
+    if isinstance(counter, torch.Tensor):
+        counter.add_(tokens)
+
+
 def linear_states(cache) -> list[torch.Tensor]:
     """The live state tensors of every linear-attention layer, conv then recurrent, in layer order."""
     out = []
@@ -65,6 +81,7 @@ class RecurrentSnapshot:
 
     def __init__(self):
         self._buffers: list[torch.Tensor] | None = None
+        self._counts: list[torch.Tensor] = []
         self.saved = False
         self.saves = 0
         self.restores = 0
@@ -81,6 +98,7 @@ class RecurrentSnapshot:
             self._buffers = [torch.empty_like(t) for t in live]
         for buf, t in zip(self._buffers, live):
             buf.copy_(t)
+        self._counts = [c.clone() for c in _counters(cache)]
         self.saved = True
         self.saves += 1
 
@@ -92,6 +110,11 @@ class RecurrentSnapshot:
             raise UsageError("the cache's recurrent states changed shape since the snapshot", _HINT)
         for buf, t in zip(self._buffers, live):
             t.copy_(buf)
+        counters = _counters(cache)
+        if len(counters) != len(self._counts):
+            raise UsageError("the cache's linear-layer token counters changed since the snapshot", _HINT)
+        for saved, c in zip(self._counts, counters):
+            c.copy_(saved)
         self.restores += 1
 
 

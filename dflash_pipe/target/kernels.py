@@ -87,14 +87,22 @@ def import_fla() -> FlaOps:
     return FlaOps(gdr.chunk_gated_delta_rule, conv, getattr(fla, "__version__", "unknown"), takes)
 
 
+def _closure_var(fn: Callable, name: str):
+    try:
+        return inspect.getclosurevars(fn).nonlocals.get(name)
+    except (TypeError, ValueError):
+        return None
+
+
 def _resolved_implementation(fn: Callable) -> Callable | None:
     """The implementation a transformers `use_kernel_func_from_hub_with_fallback` wrapper calls."""
     seen = 0
     while fn is not None and seen < 5:
-        try:
-            impl = inspect.getclosurevars(fn).nonlocals.get("implementation")
-        except (TypeError, ValueError):
-            impl = None
+        if isinstance(fn, torch.nn.Module):      # transformers >= 5.25 with `kernels`: a `Func` module wraps it
+            fn = _closure_var(type(fn).forward, "func")
+            seen += 1
+            continue
+        impl = _closure_var(fn, "implementation")
         if impl is not None:
             return impl
         fn = getattr(fn, "__wrapped__", None)
