@@ -21,7 +21,9 @@
 #     objstore  bench/objstore_loader.py at the seed's shape, s3:// via loopback rclone vs local (GPU_WHEELS with .gpucarry/rclone)
 #     gputests  pytest -m gpu
 #     smollm2   (first) reassemble the carried SmolLM2 GGUF and data for the steps after it
-#     regentests  pytest -m gpu tests/test_static_forward_gpu.py (static-KV engine: graphs == eager, no syncs)
+#     regentests  pytest -m gpu of the static-KV engine (graphs == eager, no syncs) and the per-row decode attention
+#     decodeprof  bench/decode_step_profile.py: the batch-1024 decode step and a prefill call, per-row vs padded SDPA
+#               attention, with profiler tables (random SmolLM2-shaped weights: needs no carry)
 #     regen     bench/regen_throughput.py: regenerate vs the bare graphed decode loop vs HF generate (needs smollm2);
 #               REGEN_FLAGS (default "--batch 1024,2048") e.g. "--batch 1024 --prompts 16384"
 # Wheels: .whl/gpu holds flash-linear-attention + fla-core 0.6.0 and zstandard (the image has neither);
@@ -82,7 +84,10 @@ for what in "$@"; do
 from bench.train_step import loader_rate; from bench.seed_shape import SeedShape
 rows = [dict(loader_rate(SeedShape(), ${LOADER_WORKERS:-12}, 8, row_group_mb=mb), row_group_mb=mb) for mb in (256, 64, 256, 64)]
 print(json.dumps(rows, indent=1)); open('$OUT/loader_rate.json', 'w').write(json.dumps(rows, indent=1))" ;;
-        regentests) step regentests "${REGEN_TESTS_S:-180}" python3 -m pytest -q -m gpu tests/test_static_forward_gpu.py ;;
+        regentests) step regentests "${REGEN_TESTS_S:-180}" python3 -m pytest -q -m gpu -p no:cacheprovider \
+                        tests/test_static_forward_gpu.py tests/test_decode_attention_gpu.py ;;
+        decodeprof) step decodeprof "${DECODEPROF_S:-180}" python3 bench/decode_step_profile.py \
+                        --json "$OUT/decode_step_profile.json" ${DECODEPROF_FLAGS:-} ;;
         regen) step regen "${REGEN_S:-240}" python3 bench/regen_throughput.py \
                    --data "${SHAREGPT_FIRST_TURNS:?run the smollm2 step first}" --model-cache /tmp/quality/models \
                    --json "$OUT/regen_throughput.json" ${REGEN_FLAGS:---batch 1024,2048} ;;
@@ -105,6 +110,6 @@ print(json.dumps(rows, indent=1)); open('$OUT/loader_rate.json', 'w').write(json
         objstore) step objstore "${OBJSTORE_S:-400}" env PATH="/tmp/site/bin:$PATH" python3 bench/objstore_loader.py \
                       --batches "${OBJSTORE_BATCHES:-24}" --workers 12 --server rclone --json "$OUT/objstore_loader.json" ${OBJSTORE_FLAGS:-} ;;
         gputests) step gputests "${TESTS_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider tests ;;
-        *) echo "unknown step $what (smollm2 extract flex train topk stats draft loader regentests regen hybrid evaltests window windowq smallgemm evalprofile evalspeed objstore gputests)"; exit 2 ;;
+        *) echo "unknown step $what (smollm2 extract flex train topk stats draft loader regentests decodeprof regen hybrid evaltests window windowq smallgemm evalprofile evalspeed objstore gputests)"; exit 2 ;;
     esac
 done

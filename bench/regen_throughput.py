@@ -69,7 +69,7 @@ def run_regen(args, bundle, out: Path, n: int, skip: int = 0, **kw) -> dict:
 
 
 @torch.inference_mode()
-def bare_loop(args, bundle, batch: int) -> dict:
+def bare_loop(args, bundle, batch: int, attention: str = "auto") -> dict:
     """Prefill `batch` real prompts, then new_tokens graphed greedy steps (no stopping, no scheduling)."""
     tok = bundle.tokenizer
     prompts = []
@@ -81,7 +81,7 @@ def bare_loop(args, bundle, batch: int) -> dict:
         if len(prompts) == batch:
             break
     prompts = (prompts * (batch // max(1, len(prompts)) + 1))[:batch]
-    eng = StaticKVEngine(bundle.model, batch, args.max_length)
+    eng = StaticKVEngine(bundle.model, batch, args.max_length, attention=attention)
     cuda = bundle.device.type == "cuda"
     chunk = 64
     if cuda:
@@ -135,20 +135,23 @@ def _split_line(t: dict) -> str:
     return ", ".join(f"{k} {t[k]}" for k in keys if k in t)
 
 
-def one_batch(args, bundle, tmp: Path, batch_arg: int) -> dict:
-    """regen (after an untimed warm-up run) and the bare loop at one batch; ratios; one SUMMARY line."""
+def one_batch(args, bundle, tmp: Path, batch_arg: int, attention: str) -> dict:
+    """regen (after an untimed warm-up run) and the bare loop at one batch and engine attention; ratios; one
+    SUMMARY line."""
     batch = batch_arg or auto_batch_size(bundle.model, args.max_length)
     warm = min(args.prompts, max(8, batch // 4))
-    run_regen(args, bundle, tmp / f"warm{batch}.jsonl", warm, skip=args.prompts, batch_size=batch)
-    res = {"batch": batch, "regen": run_regen(args, bundle, tmp / f"regen{batch}.jsonl", args.prompts,
-                                              batch_size=batch)}
+    run_regen(args, bundle, tmp / f"warm{batch}-{attention}.jsonl", warm, skip=args.prompts, batch_size=batch,
+              attention=attention)
+    res = {"batch": batch, "attention": attention,
+           "regen": run_regen(args, bundle, tmp / f"regen{batch}-{attention}.jsonl", args.prompts, batch_size=batch,
+                              attention=attention)}
     print("regen", res["regen"], flush=True)
-    res["bare"] = bare_loop(args, bundle, batch)
+    res["bare"] = bare_loop(args, bundle, batch, attention)
     print("bare", res["bare"], flush=True)
     res["ratio_regen_to_bare"] = round(res["regen"]["tok_s"] / res["bare"]["tok_s"], 3)
     res["ratio_regen_to_bare_with_prefill"] = round(res["regen"]["tok_s"] / res["bare"]["tok_s_with_prefill"], 3)
-    print(f"SUMMARY batch {batch}: regenerate {res['regen']['tok_s']:,.0f} tok/s ({res['regen']['conversations']} "
-          f"answers, {res['regen']['generated_tokens']:,} tokens in {res['regen']['wall_s']} s), bare loop "
+    print(f"SUMMARY batch {batch}, attention {attention}: regenerate {res['regen']['tok_s']:,.0f} tok/s "
+          f"({res['regen']['conversations']} answers, {res['regen']['generated_tokens']:,} tokens in {res['regen']['wall_s']} s), bare loop "
           f"{res['bare']['tok_s']:,.0f} tok/s ({res['bare']['ms_per_step']} ms/step; "
           f"{res['bare']['tok_s_with_prefill']:,.0f} with its prefill), ratio {res['ratio_regen_to_bare']} "
           f"to the decode loop (goal >= 0.9), {res['ratio_regen_to_bare_with_prefill']} to the loop with its prefill "
@@ -171,6 +174,8 @@ def main() -> None:
                          "manifests/quality-smollm2-gpu.toml; longer prompts are skipped and counted)")
     ap.add_argument("--batch", default="0", help="comma list of batches, each measured for regen and the bare "
                                                  "loop (0 = regenerate's default, auto)")
+    ap.add_argument("--attention", default="auto", help="comma list of the engine's decode attention (auto, rows, "
+                                                        "sdpa), each measured at every batch, in order")
     ap.add_argument("--hf-prompts", type=int, default=256)
     ap.add_argument("--hf-batch", type=int, default=256)
     ap.add_argument("--smoke", action="store_true", help="CPU, random tiny-llama, toy sizes")
@@ -188,15 +193,20 @@ def main() -> None:
            "torch": torch.__version__}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        res["runs"] = [one_batch(args, bundle, tmp, b) for b in batches]
+        res["runs"] = [one_batch(args, bundle, tmp, b, a) for b in batches for a in args.attention.split(",")]
         res.update(res["runs"][0])               # the first batch also at the top level (earlier JSON layout)
+        first = {}
+        for r in res["runs"]:                    # the same answers whatever the attention? (bf16: rounding differs)
+            lines = (tmp / f"regen{r['batch']}-{r['attention']}.jsonl").read_text().splitlines()
+            ref = first.setdefault(r["batch"], lines)
+            r["rows_identical_to_first_attention"] = f"{sum(x == y for x, y in zip(lines, ref))}/{len(ref)}"
         if args.hf_prompts:
             res["hf"] = run_regen(args, bundle, tmp / "hf.jsonl", args.hf_prompts, batch_size=args.hf_batch,
                                   engine="hf")
             print("hf", res["hf"], flush=True)
             # identical greedy answers on the shared prompts? (bf16: batch-dependent rounding may flip a few)
             a = (tmp / "hf.jsonl").read_text().splitlines()
-            b = (tmp / f"regen{res['batch']}.jsonl").read_text().splitlines()[:len(a)]
+            b = (tmp / f"regen{res['batch']}-{res['attention']}.jsonl").read_text().splitlines()[:len(a)]
             res["hf_identical_rows"] = f"{sum(x == y for x, y in zip(a, b))}/{len(a)}"
             print(f"SUMMARY HF generate {res['hf']['tok_s']:,.0f} tok/s at batch {args.hf_batch}, identical rows "
                   f"{res['hf_identical_rows']}", flush=True)

@@ -90,13 +90,16 @@ def regenerate_cmd(cfg: RunConfig, output: Path = typer.Option(..., "--output", 
                                                          "holding this probability, in (0, 1]."),
                    seed: int = typer.Option(0, help="Sampling seed; an answer depends on (seed, id, turn) only."),
                    engine: str = typer.Option("auto", help="'auto' (static-KV engine where the target allows, "
-                                                           "else HF generate), 'static' or 'hf'.")):
+                                                           "else HF generate), 'static' or 'hf'."),
+                   engine_attention: str = typer.Option("auto", help="The static-KV engine's decode attention: "
+                                                        "'auto' (per-row lengths, a Triton kernel, on CUDA in bf16 / "
+                                                        "fp16 at large batch; else SDPA), 'rows' or 'sdpa'.")):
     """Regenerate the assistant turns with the target itself (drafters must learn the target's outputs)."""
     from .eval.regenerate import run_regenerate
 
     run_regenerate(cfg, output, max_new_tokens=max_new_tokens, batch_size=batch_size, device=device,
                    max_turns=max_turns, samples=samples, temperature=temperature, top_p=top_p, seed=seed,
-                   engine=engine)
+                   engine=engine, attention=engine_attention)
 
 
 @app.command("export")

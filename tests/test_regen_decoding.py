@@ -65,7 +65,9 @@ def test_inverse_cdf_sampling_follows_the_distribution_and_the_top_p_cut():
                                       (dict(top_p=0.0, temperature=1.0), "--top-p"),
                                       (dict(top_p=1.5, temperature=1.0), "--top-p"),
                                       (dict(samples=3), "--temperature"), (dict(batch_size=-1), "--batch-size"),
-                                      (dict(engine="fast"), "--engine")])
+                                      (dict(engine="fast"), "--engine"),
+                                      (dict(attention="flash"), "--engine-attention"),
+                                      (dict(attention="rows"), "attention 'rows' needs CUDA")])
 def test_bad_decoding_flags_are_usage_errors_naming_the_flag(cfg, llama, tmp_path, kw, flag):
     with pytest.raises(UsageError, match=flag) as err:
         _run(cfg, llama, tmp_path / "x.jsonl", **kw)

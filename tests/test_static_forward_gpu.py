@@ -115,13 +115,14 @@ def test_tail_compaction_on_graphs_gives_the_same_answers():
     assert runs[True] == runs[False] and len(runs[True]) == 11
 
 
-def test_launches_with_refills_do_not_sync_the_host():
+@pytest.mark.parametrize("attention", ["sdpa", "rows"])
+def test_launches_with_refills_do_not_sync_the_host(attention):
     """Whole launches (refill prefills, tail compaction, decode steps) under sync-debug 'error' mode; a first
     pass over the same prompts runs each prefill shape eagerly, a second one captures the graphs (capturing syncs),
-    the third one must not sync at all."""
+    the third one must not sync at all. Both decode attentions (padded SDPA, the per-row Triton kernel)."""
     model = _model(torch.bfloat16)
     be = EngineBackend(model, [2], batch=8, max_len=256, max_new_tokens=64, dec=Decoding(temperature=0.8, top_p=0.9),
-                       check_every=4)
+                       check_every=4, attention=attention)
     be.engine.prefill_shapes.reuse_ratio = 1.0   # each call its own bucket shape: the same shapes in every pass
     for strict in (False, False, True):      # a prefill shape's graph is captured at its second call
         ready = [TurnRequest(None, p, key=i, order=i) for i, p in enumerate(_prompts() + _prompts()[:4])]

@@ -75,10 +75,10 @@ class EngineBackend:
 
     def __init__(self, model, eos: list[int], batch: int, max_len: int, max_new_tokens: int, dec: Decoding,
                  check_every: int = 8, prefill_tokens: int | None = None, use_graphs: str = "auto",
-                 compact: bool | None = None, min_free: int | None = None):
+                 compact: bool | None = None, min_free: int | None = None, attention: str = "auto"):
         cuda = next(model.parameters()).device.type == "cuda"     # padding rows to 8 saves graphs, not CPU time
         self.engine = StaticKVEngine(model, batch, max_len, use_graphs=use_graphs, bucketed_prefill=True,
-                                     prefill_min_rows=8 if cuda else 1)
+                                     prefill_min_rows=8 if cuda else 1, attention=attention)
         dev = self.engine.device
         self.B, self.max_new, self.dec = batch, max_new_tokens, dec
         self.check_every = max(1, min(check_every, max_new_tokens - 1))   # an answer ends after max_new - 1 steps
@@ -106,8 +106,11 @@ class EngineBackend:
         self._events: list[tuple] = []                   # (start, after prefill, after decode) of uncollected launches
         self.gpu_s = {"prefill": 0.0, "decode": 0.0}     # device time (CUDA events; host time on the CPU)
         mode = "CUDA graphs" if self.engine.use_graphs else "eager"
-        self.describe = (f"{self.name} ({mode}, batch {batch}, check every {self.check_every} steps, refill at "
-                         f"{self.policy.min_free} free slots)")
+        eng = self.engine
+        attn = ("per-row attention" if eng.ops.row_attention(batch, eng.kv_heads, eng.heads // eng.kv_heads,
+                                                             eng.head_dim) else "SDPA attention")
+        self.describe = (f"{self.name} ({mode}, batch {batch}, {attn}, check every {self.check_every} steps, "
+                         f"refill at {self.policy.min_free} free slots)")
 
     def busy(self) -> bool:
         return any(s is not None for s in self.slots)

@@ -67,6 +67,7 @@ from .specdecode import eos_token_ids
 
 log = logging.getLogger("dflash_pipe.eval")
 ENGINES = ("auto", "static", "hf")
+ENGINE_ATTENTION = ("auto", "rows", "sdpa")
 FLUSH_SECONDS = 10.0
 COUNTERS = ("generated_tokens", "truncated_responses", "prompts_too_long", "empty_answers")
 
@@ -167,10 +168,12 @@ def _queue(ready: list[TurnRequest], req: TurnRequest | None) -> None:
 
 
 def make_backend(bundle, eos: list[int], pad: int, batch: int, max_len: int, max_new: int, dec: Decoding,
-                 engine: str):
+                 engine: str, attention: str = "auto"):
     """The engine backend where the target allows it (halving `batch` on OOM), else HF generate."""
     if engine not in ENGINES:
         raise UsageError(f"--engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    if attention not in ENGINE_ATTENTION:
+        raise UsageError(f"--engine-attention must be one of {', '.join(ENGINE_ATTENTION)}, got {attention!r}")
     why = engine_support(bundle.model) if engine != "hf" else "--engine hf"
     if why is not None:
         if engine == "static":
@@ -184,7 +187,7 @@ def make_backend(bundle, eos: list[int], pad: int, batch: int, max_len: int, max
     batch = batch or auto_batch_size(bundle.model, max_len)
     while True:
         try:
-            return EngineBackend(bundle.model, eos, batch, max_len, max_new, dec)
+            return EngineBackend(bundle.model, eos, batch, max_len, max_new, dec, attention=attention)
         except torch.OutOfMemoryError:
             batch = _halve(batch)
 
@@ -223,7 +226,8 @@ def _validate(cfg: RunConfig, max_new_tokens: int, batch_size: int, dec: Decodin
 
 def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batch_size: int = 0,
                    device: str = "auto", *, bundle=None, max_turns: int = 0, samples: int = 1,
-                   temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, engine: str = "auto") -> dict:
+                   temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, engine: str = "auto",
+                   attention: str = "auto") -> dict:
     """Regenerate cfg.data's conversations into `output` (JSONL); returns the final sidecar dict.
 
     batch_size 0 = auto (16 on the CPU, up to 1024 on CUDA as memory allows).
@@ -249,7 +253,8 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
     skip = done | set(state["skipped"])
     atomic_write_json(sidecar_path(output), state)
     regen = Regenerator(bundle.tokenizer, eos, max_new_tokens, cfg.extract.max_length, max_turns, dec)
-    backend = make_backend(bundle, eos, pad, batch_size, cfg.extract.max_length, max_new_tokens, dec, engine)
+    backend = make_backend(bundle, eos, pad, batch_size, cfg.extract.max_length, max_new_tokens, dec, engine,
+                           attention)
     print(f"regenerate: decode path: {backend.describe}", flush=True)
     state["decode_path"] = backend.describe          # informational (not a pinned setting)
     stats = DataStats()

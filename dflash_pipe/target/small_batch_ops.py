@@ -22,7 +22,11 @@
 * **RMSNorm** (fp32 models): `F.rms_norm`, one kernel instead of HF's six; **rotary**: `rope`, three
   kernels per tensor instead of five (the signed sine made once per forward).
 
-``attention`` = auto | sdpa | explicit, ``linear`` = auto | linear, ``fused`` = True | False.
+* **per-row-length attention** (``rows``; decode_attention.py, a Triton kernel): bf16 / fp16 on CUDA at
+  large batch (B x KV-heads >= the SM count: regenerate's decode), each row reads only its own keys
+  instead of the padded `kv_len` that SDPA reads for every row.
+
+``attention`` = auto | sdpa | explicit | rows, ``linear`` = auto | linear, ``fused`` = True | False.
 """
 
 from __future__ import annotations
@@ -33,11 +37,13 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from ..errors import UsageError
+from . import decode_attention
 from .linear_choice import CANDIDATES, LinearChooser, extra_for, tf32_on
 
 log = logging.getLogger("dflash_pipe.target")
 
-ATTENTION_MODES = ("auto", "sdpa", "explicit")
+ATTENTION_MODES = ("auto", "sdpa", "explicit", "rows")
 DEFAULT_SM_COUNT = 132          # the CPU has none; the same rule as an H200, so CPU tests run the GPU's choice
 
 
@@ -155,7 +161,11 @@ class LayerOps:
                  linear: str = "auto", fused: bool = True, tune_rows: Sequence[int] = (1, 16)):
         if attention not in ATTENTION_MODES:
             raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {attention!r}")
-        self.attention, self.dtype = attention, dtype
+        self.attention, self.dtype, self.device = attention, dtype, device
+        if attention == "rows" and not (device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+                                        and decode_attention.triton_available()):
+            raise UsageError(f"attention 'rows' needs CUDA, Triton and a bf16 / fp16 target (here: {device.type}, "
+                             f"{dtype})", "use attention 'auto'")
         self.sm_count = (torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda"
                          else DEFAULT_SM_COUNT)
         self.chooser = LinearChooser(device, linear)
@@ -186,6 +196,15 @@ class LayerOps:
         if self.attention != "auto":
             return self.attention == "explicit"
         return self.dtype == torch.float32 and batch * kv_heads < self.sm_count
+
+    def row_attention(self, batch: int, kv_heads: int, query_rows: int, head_dim: int) -> bool:
+        """Per-row-length attention (decode_attention.py) for this call: `attention` mode, or auto where the kernel
+        runs and the batch fills the GPU (B * KVH >= SMs)."""
+        if self.attention in ("sdpa", "explicit"):
+            return False
+        if self.attention == "auto" and batch * kv_heads < self.sm_count:
+            return False
+        return decode_attention.supported(self.device, self.dtype, query_rows, head_dim)
 
     def norm(self, module, x: torch.Tensor) -> torch.Tensor:
         eps = getattr(module, "variance_epsilon", None)

@@ -20,7 +20,9 @@ with ``rows=None`` (rows 0..B-1) and T <= 16 (decode / verify shapes; `forward` 
 a CUDA graph captured once per (B, T, attended length, last_only): a whole step is one launch.
 The attended length is the rows' largest possible length rounded up to `kv_bucket` (the host
 tracks an upper bound per row, so choosing it never syncs), so SDPA does not read the whole
-padded buffer. Outputs of a graphed call are static
+padded buffer; at large batch in bf16 / fp16 on CUDA (``attention`` auto or "rows") each row reads
+only its own keys instead (decode_attention.py, a Triton kernel), which under continuous batching,
+where some row is always near max_len, is most of the step's memory traffic. Outputs of a graphed call are static
 buffers, overwritten by the next call: copy what you keep. On the CPU everything runs eagerly.
 
 Bucketed prefill (``bucketed_prefill=True``, regenerate's continuous batching): ``prefill(prompts, rows)``
@@ -60,6 +62,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import UsageError
+from .decode_attention import decode_attention as row_length_attention
 from .prefill_shapes import PrefillShapes
 from .runner_utils import decoder_layers, final_norm, text_backbone
 from .small_batch_ops import LayerOps, few_query_attention, few_query_bias, rope, signed_sin
@@ -289,13 +292,17 @@ class StaticKVEngine:
         old = self.lengths[:B] if row_t is None else self.lengths[row_t]
         pos = old[:, None] + torch.arange(T, device=self.device)                   # [B, T]
         write_pos = pos.clamp(max=self.size - 1)
-        visible = torch.arange(kv_len, device=self.device)[None, None, :] <= pos[:, :, None]   # [B, T, kv]
-        if T <= GROUPED_QUERY_MAX_T:
-            mask = visible[:, None, None].expand(B, 1, G, T, kv_len).reshape(B, 1, G * T, kv_len)
-        else:
-            mask = visible[:, None]
-        explicit = T <= GROUPED_QUERY_MAX_T and self.ops.explicit_attention(B, KVH)
-        if explicit:
+        few = T <= GROUPED_QUERY_MAX_T
+        mode = ("rows" if few and self.ops.row_attention(B, KVH, G * T, D)        # each row reads its own keys
+                else "explicit" if few and self.ops.explicit_attention(B, KVH) else "sdpa")
+        mask = None
+        if mode != "rows":
+            visible = torch.arange(kv_len, device=self.device)[None, None, :] <= pos[:, :, None]   # [B, T, kv]
+            if few:
+                mask = visible[:, None, None].expand(B, 1, G, T, kv_len).reshape(B, 1, G * T, kv_len)
+            else:
+                mask = visible[:, None]
+        if mode == "explicit":
             mask = few_query_bias(mask, KVH, self.dtype)                             # [B*KVH, G*T, kv], additive
         x = self.embed(ids)
         cos, sin = self.rotary(x, pos)
@@ -315,19 +322,7 @@ class StaticKVEngine:
             kc, vc = self.k_cache[li], self.v_cache[li]
             kc[ri[:, None], :, write_pos] = k.transpose(1, 2)
             vc[ri[:, None], :, write_pos] = v
-            if row_t is None:
-                keys, vals = kc[:B, :, :kv_len], vc[:B, :, :kv_len]
-            else:
-                keys, vals = kc[row_t, :, :kv_len], vc[row_t, :, :kv_len]
-            if explicit:
-                o = few_query_attention(q.reshape(B, KVH, G * T, D), keys, vals, mask, attn.scaling)
-            elif T <= GROUPED_QUERY_MAX_T:     # [B, KVH, G*T, D]: query heads of one KV head share its keys
-                o = F.scaled_dot_product_attention(q.reshape(B, KVH, G * T, D), keys, vals, attn_mask=mask,
-                                                   scale=attn.scaling)
-            else:
-                o = F.scaled_dot_product_attention(q, keys.repeat_interleave(G, dim=1),
-                                                   vals.repeat_interleave(G, dim=1), attn_mask=mask,
-                                                   scale=attn.scaling)
+            o = self._attend(q, kc, vc, row_t, ri, old, kv_len, mask, mode, attn.scaling)
             o = o.reshape(B, H, T, D).transpose(1, 2).reshape(B, T, H * D)
             x = x + self.ops.o[li](o)
             x = x + self.ops.mlp(li, layer.mlp, self.ops.norm(layer.post_attention_layernorm, x))
@@ -345,6 +340,24 @@ class StaticKVEngine:
             x = x[torch.arange(B, device=self.device), at]
         hidden = torch.cat(captured, dim=-1) if captured else None
         return EngineOutput(self.ops.head(x), hidden)
+
+    def _attend(self, q, kc, vc, row_t, ri, old, kv_len: int, mask, mode: str, scale: float) -> torch.Tensor:
+        """Attention of q [B, H, T, D] over one layer's cache rows; [B, KVH, G*T, D] or [B, H, T, D]."""
+        B, H, T, D = q.shape
+        KVH = self.kv_heads
+        G = H // KVH
+        if mode == "rows":
+            return row_length_attention(q.reshape(B, KVH, G * T, D), kc, vc, ri, old, T, kv_len, scale)
+        if row_t is None:
+            keys, vals = kc[:B, :, :kv_len], vc[:B, :, :kv_len]
+        else:
+            keys, vals = kc[row_t, :, :kv_len], vc[row_t, :, :kv_len]
+        if mode == "explicit":
+            return few_query_attention(q.reshape(B, KVH, G * T, D), keys, vals, mask, scale)
+        if T <= GROUPED_QUERY_MAX_T:       # [B, KVH, G*T, D]: query heads of one KV head share its keys
+            return F.scaled_dot_product_attention(q.reshape(B, KVH, G * T, D), keys, vals, attn_mask=mask, scale=scale)
+        return F.scaled_dot_product_attention(q, keys.repeat_interleave(G, dim=1), vals.repeat_interleave(G, dim=1),
+                                              attn_mask=mask, scale=scale)
 
     # ------------------------------------------------------------------ CUDA graphs
     def _replay(self, ids, num_new, kv_len: int, last_only: bool) -> EngineOutput:
