@@ -16,9 +16,22 @@ from tests.eval_helpers import liven
 pytestmark = pytest.mark.gpu
 
 
+def _padded_sdpa(q, k, v, rows, old, T, kv_len, scale):
+    """The engine's SDPA path over the padded kv_len (what the kernel replaces), in q's dtype."""
+    B, KVH, M, D = q.shape
+    G = M // T
+    pos = old[:, None] + torch.arange(T, device=q.device)
+    visible = torch.arange(kv_len, device=q.device)[None, None, :] <= pos[:, :, None]
+    mask = visible[:, None, None].expand(B, 1, G, T, kv_len).reshape(B, 1, G * T, kv_len)
+    return torch.nn.functional.scaled_dot_product_attention(q, k[rows, :, :kv_len], v[rows, :, :kv_len],
+                                                            attn_mask=mask, scale=scale)
+
+
 @pytest.mark.parametrize("T", [1, 4, 16])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_kernel_equals_the_reference(T, dtype):
+def test_kernel_equals_the_reference_as_closely_as_sdpa_does(T, dtype):
+    """Against the fp32 reference on the same (rounded) inputs, the kernel's error is at most SDPA's (the path it
+    replaces) x 1.5 + one half-precision ulp of the output scale, max and mean."""
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(T)
     n_rows, KVH, G, D, size, B = 50, 3, 3, 64, 513, 37
@@ -27,17 +40,22 @@ def test_kernel_equals_the_reference(T, dtype):
     rows = torch.randperm(n_rows, device=dev, generator=g)[:B]
     old = torch.randint(0, size - T, (B,), device=dev, generator=g)
     old[0], old[1], old[2] = 0, size - T, 63                       # empty, full, a block edge
-    q = torch.randn(B, KVH, G * T, D, device=dev, generator=g).to(dtype)
+    q = (2 * torch.randn(B, KVH, G * T, D, device=dev, generator=g)).to(dtype)   # peaked softmax too
     for kv_len in (size, 256):                                     # 256 cuts the longer rows (the engine's slice)
-        got = da.decode_attention(q, k, v, rows, old, T, kv_len, 0.125)
-        want = da.decode_attention_reference(q, k, v, rows, old, T, kv_len, 0.125)
-        err = (got.float() - want.float()).abs()
-        assert float(err.max()) <= 2e-2 and float(err.mean()) <= 2e-3, (float(err.max()), float(err.mean()))
+        want = da.decode_attention_reference(q, k, v, rows, old, T, kv_len, 0.125).float()
+        got = da.decode_attention(q, k, v, rows, old, T, kv_len, 0.125).float()
+        sdpa = _padded_sdpa(q, k, v, rows, old, T, kv_len, 0.125).float()
+        ulp = float(want.abs().max()) * (2 ** -8 if dtype == torch.bfloat16 else 2 ** -11)
+        e_got, e_sdpa = (got - want).abs(), (sdpa - want).abs()
+        print(f"T {T} {dtype} kv_len {kv_len}: max err kernel {float(e_got.max()):.3g} sdpa {float(e_sdpa.max()):.3g}, "
+              f"mean {float(e_got.mean()):.3g} / {float(e_sdpa.mean()):.3g}")
+        assert float(e_got.max()) <= 1.5 * float(e_sdpa.max()) + ulp
+        assert float(e_got.mean()) <= 1.5 * float(e_sdpa.mean()) + ulp / 16
 
 
-def _model():
-    m = build_random_model("tiny-llama", seed=0, device=torch.device("cuda"), dtype=torch.bfloat16)
-    return liven(m.eval().requires_grad_(False))
+def _model(dtype=torch.bfloat16):
+    m = build_random_model("tiny-llama", seed=0, device=torch.device("cuda"), dtype=torch.float32)
+    return liven(m.eval().requires_grad_(False)).to(dtype)     # the same weights in both dtypes
 
 
 def _teacher_forced(eng, prompts, tokens):
@@ -55,20 +73,27 @@ def _teacher_forced(eng, prompts, tokens):
     return torch.stack(out), [eng.length(r) for r in range(len(prompts))]
 
 
-def test_engine_on_per_row_attention_equals_sdpa_and_its_graphs_equal_eager():
-    model = _model()
+def test_engine_on_per_row_attention_is_as_accurate_as_sdpa_and_its_graphs_equal_eager():
+    """Teacher-forced decode steps (rows of different lengths, some idle): bf16 logits on the per-row kernel, eager
+    and graphed (equal: the same kernels), against an fp32 engine on the same weights; the error is at most the bf16
+    SDPA engine's x 1.25 + 1e-3 (the two differ by their own roundings, not in which keys they attend to)."""
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 49152, (n,), generator=g).tolist() for n in (5, 40, 17, 1, 33, 64, 9, 2, 120, 77)]
     tokens = torch.randint(0, 49152, (40,), generator=g).tolist()
     runs = {}
-    for attention, graphs in (("sdpa", "off"), ("rows", "off"), ("rows", "on")):
-        eng = StaticKVEngine(model, len(prompts), 200, use_graphs=graphs, kv_bucket=16, attention=attention)
-        runs[attention, graphs] = _teacher_forced(eng, prompts, tokens)
-    (ref, n_ref), (eager, n_eager), (graphed, n_graphed) = runs.values()
-    assert n_ref == n_eager == n_graphed
+    for dtype, attention, graphs in ((torch.float32, "sdpa", "off"), (torch.bfloat16, "sdpa", "off"),
+                                     (torch.bfloat16, "rows", "off"), (torch.bfloat16, "rows", "on")):
+        eng = StaticKVEngine(_model(dtype), len(prompts), 200, use_graphs=graphs, kv_bucket=16, attention=attention)
+        runs[dtype, attention, graphs] = _teacher_forced(eng, prompts, tokens)
+    (ref, n_ref), (sdpa, n_sdpa), (eager, n_eager), (graphed, n_graphed) = runs.values()
+    assert n_ref == n_sdpa == n_eager == n_graphed
     assert torch.equal(eager, graphed)                             # the same kernels, captured or not
-    rel = float((eager - ref).abs().max() / ref.abs().max())
-    assert rel <= 3e-2, rel                                         # bf16: two attentions, two roundings
+    scale = float(ref.abs().max())
+    e_rows, e_sdpa = float((eager - ref).abs().max()) / scale, float((sdpa - ref).abs().max()) / scale
+    m_rows, m_sdpa = float((eager - ref).abs().mean()) / scale, float((sdpa - ref).abs().mean()) / scale
+    print(f"bf16 vs fp32 logits, max / mean relative error: per-row {e_rows:.4f} / {m_rows:.2e}, "
+          f"SDPA {e_sdpa:.4f} / {m_sdpa:.2e}")
+    assert e_rows <= 1.25 * e_sdpa + 1e-3 and m_rows <= 1.25 * m_sdpa + 1e-4
 
 
 def test_regenerate_backend_picks_per_row_attention_at_large_batch_and_decodes_like_sdpa():

@@ -164,3 +164,33 @@ def test_bucketed_prefill_equals_the_unpadded_forward_and_padding_rows_never_tou
         eng.prefill([[1], [2]], [3, 3])
     with pytest.raises(UsageError, match="bucketed_prefill"):
         ref.prefill([[1]], [0])
+
+
+def test_prefill_into_reset_rows_ignores_their_old_keys_and_equals_the_masked_append(llama):
+    """Rows that held longer sequences, reset, then prefilled in one padded call: the fresh path (causal attention
+    over the new tokens only) gives the logits and K/V of the masked append path of a fresh engine; a prefill into
+    a row that is not empty appends (its old keys are attended to)."""
+    model = llama
+    V = model.config.vocab_size
+    g = torch.Generator().manual_seed(7)
+    old = [torch.randint(0, V, (n,), generator=g).tolist() for n in (60, 45, 70)]
+    new = [torch.randint(0, V, (n,), generator=g).tolist() for n in (33, 20, 9)]
+    eng = StaticKVEngine(model, max_batch=4, max_len=80, kv_bucket=8, bucketed_prefill=True)
+    eng.prefill(old, [0, 1, 2])
+    eng.reset([0, 1, 2])
+    got = eng.prefill(new, [2, 0, 1]).clone()
+    ref = StaticKVEngine(model, max_batch=4, max_len=80, kv_bucket=8)
+    T = max(map(len, new))
+    ids = torch.zeros((3, T), dtype=torch.long)
+    for i, p in enumerate(new):
+        ids[i, :len(p)] = torch.tensor(p)
+    want = ref.forward(ids, torch.tensor([len(p) for p in new]), rows=[2, 0, 1], last_only=True).logits
+    assert _rel(got, want) <= 1e-5
+    for r, p in zip([2, 0, 1], new):
+        assert _rel(eng.k_cache[:, r, :, :len(p)], ref.k_cache[:, r, :, :len(p)]) <= 1e-5
+    assert [eng.length(r) for r in range(3)] == [20, 9, 33]
+    tail = [torch.randint(0, V, (n,), generator=g).tolist() for n in (18,)]
+    appended = eng.prefill(tail, [1])                             # row 1 holds 9 tokens: an append
+    ids = torch.tensor([new[2] + tail[0]])
+    full = StaticKVEngine(model, max_batch=1, max_len=80, kv_bucket=8).forward(ids, last_only=True).logits
+    assert _rel(appended, full) <= 1e-5 and eng.length(1) == 27

@@ -30,6 +30,9 @@ appends R prompts to R rows as one call padded to `prefill_shape(R, longest)` (p
 to a power of two, tokens up to two buckets per octave, or a larger shape already in use that pads at most
 2x: `prefill_reuse_ratio`). Padding rows
 point at one scratch row beyond `max_batch` (allocated only in this mode), so they never touch a live row.
+When every row of the call is empty (regenerate resets a row before refilling it) token t attends to the
+new tokens 0..t alone: causal SDPA over the call's own keys, no read of the cache and no mask (stale keys of
+a row's previous occupant are never looked at); otherwise the call appends like `forward`.
 On CUDA a shape's first call runs eagerly (its warm-up) and its second one captures a CUDA graph (row indices, ids and lengths in static
 inputs), replayed from then on; at most `max_prefill_graphs` prefill graphs (then eager), all in the one memory
 pool of the decode graphs (graphs are replayed one after another, never concurrently). On the CPU the
@@ -262,16 +265,17 @@ class StaticKVEngine:
         packed = to_device(torch.tensor(flat, dtype=torch.long), self.device)     # one host-to-device copy
         ids, num, row_t = packed[:Rb * Tb].view(Rb, Tb), packed[Rb * Tb:Rb * Tb + Rb], packed[Rb * Tb + Rb:]
         kv_len = self.attended_length(host_rows, Tb)
+        fresh = all(self._bound[r] == 0 for r in host_rows)     # empty rows: the prompts attend only to themselves
         for r, n in zip(host_rows, lens):
             self._bound[r] = min(self._bound[r] + n, self.max_len)
         uses = self.prefill_shapes.use((Rb, Tb))
         self.last_prefill_shape = (Rb, Tb)
         if self.use_graphs:
-            key = ("prefill", Rb, Tb, kv_len)
+            key = ("prefill", Rb, Tb, kv_len, fresh)
             entry = self._graphs.get(key)
             if entry is None and uses >= 2 and self.prefill_graph_count < self.max_prefill_graphs:
                 # the shape's first (eager) call was its warm-up: capture without another (~ one eager call's host time)
-                entry = self._graphs[key] = self._capture(ids, num, kv_len, True, row_t, warmups=0)
+                entry = self._graphs[key] = self._capture(ids, num, kv_len, True, row_t, warmups=0, fresh=fresh)
                 self.prefill_graph_count += 1
                 log.info("captured prefill graph %d of at most %d: %d rows x %d tokens (attended %d)",
                          self.prefill_graph_count, self.max_prefill_graphs, Rb, Tb, kv_len)
@@ -282,9 +286,11 @@ class StaticKVEngine:
                 s_rows.copy_(row_t)
                 graph.replay()
                 return out.logits[:R]
-        return self._compute(ids, num, row_t, kv_len, True).logits[:R]
+        return self._compute(ids, num, row_t, kv_len, True, fresh=fresh).logits[:R]
 
-    def _compute(self, ids, num_new, row_t, kv_len: int, last_only: bool) -> EngineOutput:
+    def _compute(self, ids, num_new, row_t, kv_len: int, last_only: bool, fresh: bool = False) -> EngineOutput:
+        """One forward (module docstring). `fresh`: every row was empty (a prefill of new prompts, right-padded),
+        so token t sees exactly the new tokens 0..t: plain causal attention over them, no cache read, no mask."""
         B, T = ids.shape
         H, KVH, D = self.heads, self.kv_heads, self.head_dim
         G = H // KVH
@@ -293,10 +299,11 @@ class StaticKVEngine:
         pos = old[:, None] + torch.arange(T, device=self.device)                   # [B, T]
         write_pos = pos.clamp(max=self.size - 1)
         few = T <= GROUPED_QUERY_MAX_T
-        mode = ("rows" if few and self.ops.row_attention(B, KVH, G * T, D)        # each row reads its own keys
+        mode = ("causal" if fresh and not few
+                else "rows" if few and self.ops.row_attention(B, KVH, G * T, D)   # each row reads its own keys
                 else "explicit" if few and self.ops.explicit_attention(B, KVH) else "sdpa")
         mask = None
-        if mode != "rows":
+        if mode in ("explicit", "sdpa"):
             visible = torch.arange(kv_len, device=self.device)[None, None, :] <= pos[:, :, None]   # [B, T, kv]
             if few:
                 mask = visible[:, None, None].expand(B, 1, G, T, kv_len).reshape(B, 1, G * T, kv_len)
@@ -322,7 +329,7 @@ class StaticKVEngine:
             kc, vc = self.k_cache[li], self.v_cache[li]
             kc[ri[:, None], :, write_pos] = k.transpose(1, 2)
             vc[ri[:, None], :, write_pos] = v
-            o = self._attend(q, kc, vc, row_t, ri, old, kv_len, mask, mode, attn.scaling)
+            o = self._attend(q, (k, v), kc, vc, row_t, ri, old, kv_len, mask, mode, attn.scaling)
             o = o.reshape(B, H, T, D).transpose(1, 2).reshape(B, T, H * D)
             x = x + self.ops.o[li](o)
             x = x + self.ops.mlp(li, layer.mlp, self.ops.norm(layer.post_attention_layernorm, x))
@@ -341,11 +348,15 @@ class StaticKVEngine:
         hidden = torch.cat(captured, dim=-1) if captured else None
         return EngineOutput(self.ops.head(x), hidden)
 
-    def _attend(self, q, kc, vc, row_t, ri, old, kv_len: int, mask, mode: str, scale: float) -> torch.Tensor:
-        """Attention of q [B, H, T, D] over one layer's cache rows; [B, KVH, G*T, D] or [B, H, T, D]."""
+    def _attend(self, q, new_kv, kc, vc, row_t, ri, old, kv_len: int, mask, mode: str, scale: float) -> torch.Tensor:
+        """Attention of q [B, H, T, D] over one layer's cache rows (or, "causal", over the new keys / values
+        [B, KVH, T, D] / [B, T, KVH, D] alone); [B, KVH, G*T, D] or [B, H, T, D]."""
         B, H, T, D = q.shape
         KVH = self.kv_heads
         G = H // KVH
+        if mode == "causal":
+            k, v = new_kv[0].repeat_interleave(G, dim=1), new_kv[1].transpose(1, 2).repeat_interleave(G, dim=1)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
         if mode == "rows":
             return row_length_attention(q.reshape(B, KVH, G * T, D), kc, vc, ri, old, T, kv_len, scale)
         if row_t is None:
@@ -372,7 +383,7 @@ class StaticKVEngine:
         graph.replay()
         return out
 
-    def _capture(self, ids, num_new, kv_len: int, last_only: bool, row_t=None, warmups: int = 2):
+    def _capture(self, ids, num_new, kv_len: int, last_only: bool, row_t=None, warmups: int = 2, fresh: bool = False):
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         s_ids, s_num = ids.clone(), num_new.clone()
@@ -382,12 +393,12 @@ class StaticKVEngine:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):                    # warm-up (lazy inits); the lengths are put back
             for _ in range(warmups):
-                self._compute(s_ids, s_num, s_rows, kv_len, last_only)
+                self._compute(s_ids, s_num, s_rows, kv_len, last_only, fresh)
                 self.lengths.copy_(saved)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            out = self._compute(s_ids, s_num, s_rows, kv_len, last_only)
+            out = self._compute(s_ids, s_num, s_rows, kv_len, last_only, fresh)
         self.lengths.copy_(saved)                        # capture does not run kernels; belt and braces
         log.debug("captured a CUDA graph for (B, T, kv_len, last_only) = %s", (*ids.shape, kv_len, last_only))
         return graph, s_ids, s_num, out, s_rows
