@@ -6,7 +6,14 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# One intra-op thread per pytest-xdist worker when the workers already fill the cores (CI: 2 workers, 2 cores):
+# two workers with two OpenMP threads each, plus the subprocesses some tests start, oversubscribe the cores,
+# and the threads' spin-waits made the eval tests 3-5x slower inside the suite than alone.
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+_threads = max(1, min(2, (os.cpu_count() or 1) // _workers))
+torch.set_num_threads(min(_threads, torch.get_num_threads()))
+if _workers > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(_threads))     # inherited by the subprocesses tests start
 
 
 def pytest_collection_modifyitems(config, items):
