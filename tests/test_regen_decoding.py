@@ -80,7 +80,7 @@ def test_out_of_memory_halves_the_batch_and_reruns_the_answers_in_flight(cfg, ll
     # The faults below leave every answer to batch 1, so the reference is batch 1 too: a sampled
     # answer is a function of its key, but batch 4 and batch 1 round differently on some CPUs
     # (CI's BLAS did), and a near-tie then samples another token.
-    _run(cfg, llama, tmp_path / "ref.jsonl", batch_size=1, **sampling)
+    _run(cfg, llama, tmp_path / "ref.jsonl", batch_size=1, attention="sdpa", **sampling)
     real = regen_backends.EngineBackend._decode
     faults = {"n": 0}
 
@@ -90,9 +90,18 @@ def test_out_of_memory_halves_the_batch_and_reruns_the_answers_in_flight(cfg, ll
             raise torch.OutOfMemoryError("CUDA out of memory (injected)")
         return real(self)
 
+    built = []
+    real_init = regen_backends.EngineBackend.__init__
+
+    def record_attention(self, *a, **kw):
+        built.append(kw.get("attention"))
+        real_init(self, *a, **kw)
+
     monkeypatch.setattr(regen_backends.EngineBackend, "_decode", decode_oom_above_batch_1)
-    _run(cfg, llama, tmp_path / "oom.jsonl", batch_size=4, **sampling)
+    monkeypatch.setattr(regen_backends.EngineBackend, "__init__", record_attention)
+    _run(cfg, llama, tmp_path / "oom.jsonl", batch_size=4, attention="sdpa", **sampling)
     assert faults["n"] == 2                                   # 4 -> 2 -> 1
+    assert built == ["sdpa"] * 3                              # the smaller engines keep --engine-attention
     log = capsys.readouterr().out
     assert "batch 4; continuing at --batch-size 2" in log and "batch 2; continuing at --batch-size 1" in log
     assert (tmp_path / "oom.jsonl").read_bytes() == (tmp_path / "ref.jsonl").read_bytes()

@@ -307,7 +307,7 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
                 smaller = backend.B
                 backend = None               # free its cache before allocating the smaller one
                 backend = make_backend(bundle, eos, pad, _halve(smaller), cfg.extract.max_length,
-                                       max_new_tokens, dec, engine)
+                                       max_new_tokens, dec, engine, attention)
                 state["decode_path"] = backend.describe
             # host work while the device decodes: the last answers, the next turns, new prompts, the output
             going = [st for st in (regen.record(c) for c in completions) if st is not None]   # detokenizes
