@@ -42,6 +42,7 @@ from .s3_config import (CRED_HINT, DENIED, TRANSIENT, chunked_refusal, list_inco
 from .upload import Upload
 
 log = logging.getLogger("dflash_pipe.cache.fs")
+TORN_READ_ATTEMPTS = 4         # reads of one small object that met it being replaced (ObjectCacheFS.read_bytes)
 REMOTE_SCHEMES = ("s3", "gs", "gcs")
 def is_remote(location: Any) -> bool:
     return isinstance(location, ObjectCacheFS) or (
@@ -161,6 +162,7 @@ class ObjectCacheFS(CacheFS):
         self.query = query  # the URI's checked parameters, for hints (cli_location)
         self.attempts, self.backoff_s = max(1, attempts), backoff_s
         self.retries = 0  # transient failures retried by this layer (the SDK's own retries come first)
+        self.torn_reads = 0  # reads that met an object being replaced, and were repeated
         self._lock = threading.Lock()
 
     @property
@@ -263,10 +265,25 @@ class ObjectCacheFS(CacheFS):
         return {i.base_name: i.size for i in infos if i.type == pafs.FileType.File}
 
     def read_bytes(self, name: str) -> bytes:
+        """The whole object, from one version of it. pyarrow reads an object as a HEAD (its size) then a ranged
+        GET, so an object replaced in between (window.json and manifest.json are rewritten in place) comes back
+        cut to the old version's size: the length is checked against a fresh HEAD and the read repeated (at most
+        TORN_READ_ATTEMPTS times; after that the caller's parse and checksum judge the bytes)."""
+        key, what = self.key(name), f"reading {self.display(name)}"
+
         def get():
-            with self.fs.open_input_stream(self.key(name)) as f:
+            with self.fs.open_input_stream(key) as f:
                 return f.read()
-        return self.call(f"reading {self.display(name)}", get)
+        data = b""
+        for attempt in range(1, TORN_READ_ATTEMPTS + 1):
+            data = self.call(what, get)
+            if self.call(what, self.fs.get_file_info, key).size == len(data):
+                return data
+            with self._lock:
+                self.torn_reads += 1
+            log.info("%s: the object changed while it was read (%d bytes read); reading it again", what, len(data))
+            time.sleep(0.05 * attempt)
+        return data
 
     def _put(self, name: str, blocks) -> None:
         """One whole object from `blocks()` (an iterable of bytes): visible only when complete, nothing on failure."""
