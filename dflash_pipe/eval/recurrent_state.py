@@ -48,16 +48,20 @@ def crop_attention(cache, tokens: int) -> None:
             layer.crop(-tokens)
 
 
+def _counter(layer) -> torch.Tensor | None:
+    """A linear layer's token counter (transformers >= 5.25; None before)."""
+    c = getattr(layer, "cumulative_length_linear", None)
+    return c if isinstance(c, torch.Tensor) else None
+
+
 def _counters(cache) -> list[torch.Tensor]:
-    """The token counters of the linear layers (transformers >= 5.25; none before)."""
-    return [c for layer in _layers(cache) if _is_linear(layer)
-            for c in [getattr(layer, "cumulative_length_linear", None)] if isinstance(c, torch.Tensor)]
+    return [c for layer in _layers(cache) if _is_linear(layer) and (c := _counter(layer)) is not None]
 
 
 def advance_count(cache, layer_idx: int, tokens: int) -> None:
     """Count `tokens` more seen by linear layer `layer_idx` (a re-feed that bypasses the layer's forward)."""
-    counter = getattr(_layers(cache)[layer_idx], "cumulative_length_linear", None)
-    if isinstance(counter, torch.Tensor):
+    counter = _counter(_layers(cache)[layer_idx])
+    if counter is not None:
         counter.add_(tokens)
 
 

@@ -106,9 +106,7 @@ class EngineBackend:
         self._events: list[tuple] = []                   # (start, after prefill, after decode) of uncollected launches
         self.gpu_s = {"prefill": 0.0, "decode": 0.0}     # device time (CUDA events; host time on the CPU)
         mode = "CUDA graphs" if self.engine.use_graphs else "eager"
-        eng = self.engine
-        attn = ("per-row attention" if eng.ops.row_attention(batch, eng.kv_heads, eng.heads // eng.kv_heads,
-                                                             eng.head_dim) else "SDPA attention")
+        attn = "per-row attention" if self.engine.row_attention(batch) else "SDPA attention"
         self.describe = (f"{self.name} ({mode}, batch {batch}, {attn}, check every {self.check_every} steps, "
                          f"refill at {self.policy.min_free} free slots)")
 

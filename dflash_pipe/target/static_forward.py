@@ -211,6 +211,12 @@ class StaticKVEngine:
             self._bound[b] = self._bound[a]
         self.reset(src)
 
+    def row_attention(self, batch: int, T: int = 1) -> bool:
+        """Whether a call of `batch` rows x T <= 16 new tokens attends each row over its own keys only
+        (decode_attention.py) rather than over the padded `kv_len`."""
+        G = self.heads // self.kv_heads
+        return T <= GROUPED_QUERY_MAX_T and self.ops.row_attention(batch, self.kv_heads, G * T, self.head_dim)
+
     def length(self, row: int) -> int:
         """The row's length (a host sync; for tests and debugging)."""
         return int(self.lengths[row])
@@ -300,7 +306,7 @@ class StaticKVEngine:
         write_pos = pos.clamp(max=self.size - 1)
         few = T <= GROUPED_QUERY_MAX_T
         mode = ("causal" if fresh and not few
-                else "rows" if few and self.ops.row_attention(B, KVH, G * T, D)   # each row reads its own keys
+                else "rows" if self.row_attention(B, T)                           # each row reads its own keys
                 else "explicit" if few and self.ops.explicit_attention(B, KVH) else "sdpa")
         mask = None
         if mode in ("explicit", "sdpa"):
