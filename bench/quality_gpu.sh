@@ -60,7 +60,16 @@
 # QUALITY_MODEL_CACHE ($QUALITY_DIR/models), OUT ($QUALITY_DIR/out when unset), DFLASH_PYTHON (python3),
 # QUALITY_SEEDS (empty; e.g. "1"), QUALITY_SCALING (empty; e.g. "0-3 0-7"), QUALITY_VARIANTS (empty; e.g.
 # "kd5=--kd-weight 0.5"), QUALITY_VAL_BATCHES (32: all of
-# cache-val), QUALITY_REGEN_SEED (bench/data/...).
+# cache-val), QUALITY_REGEN_SEED (bench/data/...), QUALITY_REGEN_SOURCE (first_turns; all_turns = every user turn),
+# QUALITY_CODECS ("lossless fp8"), QUALITY_WINDOW_GIB (empty = whole caches; B = stream each cache through a
+# B GiB window: extract-<codec> and train-<codec> run at once, the trainer reading every shard QUALITY_PASSES
+# (1) times and deleting it; with QUALITY_TRAIN_STEPS=0 the run ends when every shard has been read),
+# QUALITY_EXTRACT_JOBS (1; J = J extract processes per cache over disjoint shards, bench/extract_parallel.py).
+#
+# Issue 19 (every ShareGPT turn x 4 sampled answers, conversations up to 1,280 tokens, streamed through a
+# disk window): bench/quality19.env holds the settings. Calls: A = stash, then the turns call (carry
+# .gpucarry/turns, command `bash bench/quality_gpu.sh stash`), then B, C, ... as above with the command
+# `source bench/quality19.env && bash bench/quality_gpu.sh run`.
 #
 # CPU smoke test at toy size (run before each GPU use; session 5: ~15 min on 2 cores, exits 75, 75, then 0;
 # session 6, with QUALITY_VARIANTS="kd5=--kd-weight 0.5;l2=--drafter-num-layers 2" and one long deadline: 665 s, 0):
@@ -95,6 +104,9 @@ EVAL_TOKENS=${QUALITY_EVAL_TOKENS:-256}
 EVAL_STEP_S=${QUALITY_EVAL_STEP_S:-0.015}
 EVAL_CONC=${QUALITY_EVAL_CONC:-1.3}
 MODELS=${QUALITY_MODEL_CACHE:-$Q/models}
+# what regen answers: ShareGPT first turns (one turn each), or every user turn of the same conversations
+# (all_turns: stashed from .gpucarry/turns; pass --max-turns 0 in QUALITY_REGEN_FLAGS)
+REGEN_SOURCE=$CARRY/data/sharegpt_${QUALITY_REGEN_SOURCE:-first_turns}.jsonl
 read -r -a REGEN_FLAGS <<< "${QUALITY_REGEN_FLAGS:-}"
 read -r -a EXTRACT_FLAGS <<< "${QUALITY_EXTRACT_FLAGS:-}"
 read -r -a TRAIN_FLAGS <<< "${QUALITY_TRAIN_FLAGS:-}"
@@ -104,7 +116,13 @@ read -r -a EVAL_FLAGS <<< "${QUALITY_EVAL_FLAGS:---target-dtype float32}"
 VAL_EVERY=${QUALITY_VAL_EVERY:-1000}
 VAL_BATCHES=${QUALITY_VAL_BATCHES:-32}
 HELDOUT=${QUALITY_HELDOUT:-300}
-CODECS=(lossless fp8)
+read -r -a CODECS <<< "${QUALITY_CODECS:-lossless fp8}"
+# issue 19: stream each codec's cache through a disk-budget window instead of keeping it whole (a cache of
+# tens of M tokens is ~4 KB/token, more than the GPU machine's 64 GiB disk): extract-<codec> runs with
+# --max-cache-gib $WINDOW_GIB and train-<codec> with --follow --passes-per-shard $PASSES at the same time
+WINDOW_GIB=${QUALITY_WINDOW_GIB:-}
+PASSES=${QUALITY_PASSES:-1}
+EXTRACT_JOBS=${QUALITY_EXTRACT_JOBS:-1}   # processes per extract-<codec> job (bench/extract_parallel.py; needs --num-shards)
 SETS=(mtbench humaneval heldout)
 # minimum useful seconds for a resumable job (start-up + some progress worth keeping)
 declare -A MIN_S=([regen]=60 [extract]=45 [train]=60 [eval]=60)
@@ -144,7 +162,7 @@ stash() {
 # ------------------------------------------------------------------------------------------- setup
 setup() {
     stash >/dev/null                         # parts / data carried in this call, if any
-    local need=(data/gguf.sha256 data/sharegpt_first_turns.jsonl data/prompts/mt_bench_question.jsonl
+    local need=(data/gguf.sha256 "${REGEN_SOURCE#$CARRY/}" data/prompts/mt_bench_question.jsonl
                 data/prompts/HumanEval.jsonl.gz)
     for f in "${need[@]}"; do
         [ -f "$CARRY/$f" ] || { say "carry missing: $CARRY/$f (machine went cold? start again at call A)"; finish 3; }
@@ -193,7 +211,7 @@ seed_regenerated() {
     local seed=${QUALITY_REGEN_SEED-$REPO/bench/data/smollm2_regenerated_sharegpt.jsonl.gz}
     local side=${seed%.jsonl.gz}.progress.json
     [ -n "$seed" ] && [ -f "$seed" ] && [ -f "$side" ] && [ ! -s "$Q/regenerated.jsonl" ] || return 0
-    if "$PY" - "$side" "$CARRY/data/sharegpt_first_turns.jsonl" <<'PY'
+    if "$PY" - "$side" "$REGEN_SOURCE" <<'PY'
 import json, sys
 sys.exit(0 if json.load(open(sys.argv[1]))["settings"].get("source") == sys.argv[2] else 1)
 PY
@@ -318,6 +336,7 @@ while :; do
         [[ " ${RUNNING[*]} " == *" $j "* ]] && continue
         [ -n "${RC[$j]:-}" ] && continue                 # stopped at the deadline in this call
         ok=1; for d in $(deps "$j"); do is_done "$d" || ok=0; done
+        ready "$j" || ok=0
         [ "$ok" = 1 ] || continue
         budget=$(can_start "$j")
         if [ -n "$budget" ]; then launch "$j" "$budget"; started=1

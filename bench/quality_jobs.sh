@@ -30,6 +30,13 @@ for v in "${_variants[@]}"; do
     VARIANT_FLAGS[$name]=${v#*=}; JOBS+=("var-$name")
 done
 unset _variants v name
+if [ -n "$WINDOW_GIB" ] && [ ${#SEEDS[@]} -gt 0 -o ${#SCALING[@]} -gt 0 -o ${#VARIANT_FLAGS[@]} -gt 0 ]; then
+    # the window deletes each shard once train-<codec> has read it: a second reader of cache-lossless would
+    # find it gone (one window per trainer; not built here)
+    echo "error: QUALITY_WINDOW_GIB streams each cache to one trainer; QUALITY_SEEDS, QUALITY_SCALING and" \
+         "QUALITY_VARIANTS read cache-lossless again and need whole caches (unset QUALITY_WINDOW_GIB)" >&2
+    exit 2
+fi
 TRAINS=(); for j in "${JOBS[@]}"; do case $j in train-*|scale-*|var-*) TRAINS+=("$j") ;; esac; done
 for s in "${SETS[@]}"; do JOBS+=("eval-$s"); done
 
@@ -38,9 +45,17 @@ deps() {   # job -> jobs it needs
         regen) ;;
         extract-*) echo regen ;;
         train-seed*|scale-*|var-*) echo "extract-lossless extract-val" ;;
-        train-*) echo "extract-${1#train-} extract-val" ;;
+        train-*) if [ -n "$WINDOW_GIB" ]; then echo extract-val   # streams while extract-<codec> runs (ready)
+                 else echo "extract-${1#train-} extract-val"; fi ;;
         eval-*) echo "${TRAINS[*]}" ;;
     esac
+}
+ready() {   # job -> true once it can start beyond its deps: a window trainer once its cache has a spec
+    case $1 in
+        train-seed*) ;;
+        train-*) [ -z "$WINDOW_GIB" ] || [ -f "$Q/cache-${1#train-}/cache_spec.json" ] || return 1 ;;
+    esac
+    return 0
 }
 kind() { case $1 in regen) echo regen ;; extract-*) echo extract ;; train-*|scale-*|var-*) echo train ;; eval-*) echo eval ;; esac; }
 train_dir() { case $1 in train-*|scale-*|var-*) echo "$Q/$1" ;; esac; }   # a train job's output dir
@@ -69,7 +84,7 @@ job_cmd() {   # the command of a job (array JOB_CMD)
     local data=(--data-source "$Q/regenerated.jsonl" --data-skip-samples "$HELDOUT")
     case $j in
         regen)
-            JOB_CMD=("$PY" -m dflash_pipe regenerate "${common[@]}" --source "$CARRY/data/sharegpt_first_turns.jsonl"
+            JOB_CMD=("$PY" -m dflash_pipe regenerate "${common[@]}" --source "$REGEN_SOURCE"
                      --skip-samples 0 --max-samples "$N_PROMPTS" -o "$Q/regenerated.jsonl" --max-turns 1
                      --max-new-tokens "$GEN_TOKENS" --batch-size "$GEN_BATCH" --device "$DEVICE" "${REGEN_FLAGS[@]}") ;;
         extract-val)
@@ -78,15 +93,20 @@ job_cmd() {   # the command of a job (array JOB_CMD)
                      --device "$DEVICE" "${EXTRACT_FLAGS[@]}" --num-shards 2) ;;
         extract-*)
             c=${j#extract-}
+            local window=()
+            [ -n "$WINDOW_GIB" ] && window=(--max-cache-gib "$WINDOW_GIB")
             JOB_CMD=("$PY" -m dflash_pipe extract "${common[@]}" "${data[@]}" --codec "$c"
-                     --cache-dir "$Q/cache-$c" --device "$DEVICE" "${EXTRACT_FLAGS[@]}") ;;
+                     --cache-dir "$Q/cache-$c" --device "$DEVICE" "${window[@]}" "${EXTRACT_FLAGS[@]}")
+            # a 135 M target is host-bound (one writer thread per process): J processes over disjoint shards
+            [ "$EXTRACT_JOBS" -gt 1 ] && JOB_CMD=("$PY" bench/extract_parallel.py --jobs "$EXTRACT_JOBS" -- "${JOB_CMD[@]}") ;;
         train-*|scale-*|var-*)
             local extra=()
             case $j in
                 scale-*) c=lossless; s=${j#scale-}; s=${s//_/-}; extra=(--shards "${s//./,}" --epochs 200) ;;  # enough passes
                 train-seed*) c=lossless; extra=(--seed "${j#train-seed}") ;;
                 var-*) c=lossless; read -r -a extra <<< "${VARIANT_FLAGS[${j#var-}]}" ;;
-                *) c=${j#train-} ;;
+                *) c=${j#train-}
+                   [ -n "$WINDOW_GIB" ] && extra=(--follow --passes-per-shard "$PASSES") ;;
             esac
             JOB_CMD=("$PY" -m dflash_pipe train -m "$M" --cache-dir "$Q/cache-$c" --output-dir "$(train_dir "$j")"
                      --max-steps "$TRAIN_STEPS" --resume auto --device "$DEVICE" --val-cache-dir "$Q/cache-val"

@@ -33,7 +33,7 @@ def _pct(p: dict | None) -> str:
 
 
 def markdown(summary: dict) -> str:
-    L = ["# Issue-5 quality report: SmolLM2-135M-Instruct target, DFlash drafters on lossless and fp8 caches", ""]
+    L = ["# Quality report (issues 5, 19): SmolLM2-135M-Instruct target, DFlash drafters against prompt lookup", ""]
     g, R = summary["goals"], summary["runs"]
     if not g["complete"]:
         L += [f"**Partial**: stages done: {', '.join(summary['stages_done']) or 'none'}.", ""]
@@ -59,6 +59,13 @@ def markdown(summary: dict) -> str:
     met = {True: "**met**", False: "**not met**", None: "not yet measured"}
     L += ["", f"DFlash vs prompt lookup, goal >= 2x on MT-Bench and HumanEval: {met[g['dflash_vs_lookup_2x_met']]} "
               f"(lowest ratio {_f(g['dflash_vs_lookup_min_ratio'], '.2f', 'x')}).", ""]
+    g19 = g.get("issue19") or {}
+    if g19:
+        sets19 = "; ".join(f"{s} {_f(v['ratio'], '.2f', 'x')} (goal >= {v['goal']}x: {met[v['met']]})"
+                           for s, v in g19["sets"].items())
+        L += [f"Issue 19: DFlash ({REFERENCE}) vs prompt lookup: {sets19}. Unique supervised training tokens "
+              f"(cache-{REFERENCE}): {_tokens(g19['supervised_tokens']) if g19['supervised_tokens'] else '-'} "
+              f"(goal >= 30M: {met[g19['tokens_met']]}).", ""]
     others = [n for n in R if n != REFERENCE]
     if others:
         L += [f"Every drafter against the {REFERENCE} one, tau(drafter) / tau({REFERENCE}) - 1: decoded on the same "
@@ -110,7 +117,11 @@ def markdown(summary: dict) -> str:
     rg = summary.get("regenerate")
     if rg:
         st = rg.get("settings") or {}
-        L.append(f"- Data: SmolLM2 answered {rg['rows_written']} ShareGPT first turns itself ({rg['skipped']} skipped, "
+        what = ("ShareGPT first turns" if st.get("mode", "first-turn") != "multi-turn" else
+                "ShareGPT conversations, every turn,")
+        how = (f" ({st['samples']} samples each, temperature {st.get('temperature')}, top-p {st.get('top_p')}, "
+               f"max_length {st.get('max_length')})" if int(st.get("samples") or 1) > 1 else "")
+        L.append(f"- Data: SmolLM2 answered {rg['rows_written']} {what} itself{how} ({rg['skipped']} skipped, "
                  f"{rg['generated_tokens']:,} tokens generated, {rg['truncated_responses']} hit "
                  f"{st.get('max_new_tokens')} tokens) in {rg['seconds']:.0f} s (summed over the runs that wrote it).")
     for c, cf in summary["caches"].items():

@@ -83,6 +83,9 @@ def regenerate_cmd(cfg: RunConfig, output: Path = typer.Option(..., "--output", 
                    device: str = typer.Option("auto", help="'auto', 'cpu' or 'cuda'."),
                    max_turns: int = typer.Option(0, help="Regenerate at most this many assistant turns per "
                                                          "conversation (0 = all, turn by turn)."),
+                   max_length: int = typer.Option(0, help="Longest conversation kept, prompts + answers, in tokens "
+                                                          "(0 = the manifest's [extract] max_length; extraction "
+                                                          "cuts there, so pass it the same value)."),
                    samples: int = typer.Option(1, help="Answers per conversation (ids <id>#0..; needs "
                                                        "--temperature > 0 when > 1)."),
                    temperature: float = typer.Option(0.0, help="Sampling temperature (0 = greedy)."),
@@ -95,8 +98,13 @@ def regenerate_cmd(cfg: RunConfig, output: Path = typer.Option(..., "--output", 
                                                         "'auto' (per-row lengths, a Triton kernel, on CUDA in bf16 / "
                                                         "fp16 at large batch; else SDPA), 'rows' or 'sdpa'.")):
     """Regenerate the assistant turns with the target itself (drafters must learn the target's outputs)."""
+    from .errors import UsageError
     from .eval.regenerate import run_regenerate
 
+    if max_length < 0:
+        raise UsageError(f"--max-length must be >= 0 (0 = the manifest's), got {max_length}")
+    if max_length:
+        cfg.extract.max_length = max_length
     run_regenerate(cfg, output, max_new_tokens=max_new_tokens, batch_size=batch_size, device=device,
                    max_turns=max_turns, samples=samples, temperature=temperature, top_p=top_p, seed=seed,
                    engine=engine, attention=engine_attention)

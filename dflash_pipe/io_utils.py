@@ -187,12 +187,27 @@ def safe_child(root: Path, relative: str, what: str) -> Path:
     return resolved
 
 
+def temp_writer_alive(name: str) -> bool:
+    """Whether the process that owns a temp file (its name carries the pid, `temp_path_for`) still runs on
+    this host. A name without a readable pid counts as dead."""
+    try:
+        pid = int(name.split(TMP_MARK, 1)[1].split("-", 1)[0])
+        os.kill(pid, 0)
+    except (ValueError, IndexError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def remove_stale_temps(directory: Path) -> int:
-    """Delete temp files left by a killed writer. Returns how many were removed."""
+    """Delete temp files left by a killed writer (its pid is gone). A live writer's temp files stay: another
+    extraction job writing other shards of the same cache (`--shards`) is mid-write. Returns how many were
+    removed."""
     n = 0
     if directory.is_dir():
         for p in directory.iterdir():
-            if is_temp_name(p.name):
+            if is_temp_name(p.name) and not temp_writer_alive(p.name):
                 p.unlink(missing_ok=True)
                 n += 1
     return n

@@ -94,3 +94,20 @@ def test_recipe_variants_are_compared_with_lossless_but_kept_out_of_data_scaling
     assert summary["runs"]["var-kd5"]["recipe_vs_reference"] == {"train.kd_weight": [0.0, 0.5]}
     assert "recipe_vs_reference" not in summary["runs"]["lossless"]
     assert summary["val_vs_reference"]["var-kd5"] == pytest.approx(2.4 / 2.0 - 1)
+
+
+def test_issue19_goals_use_each_sets_bar_and_the_supervised_tokens():
+    """heldout needs 1.5x prompt lookup, MT-Bench and HumanEval 1.2x; a partial set is not judged."""
+    def row(ratio, partial=False):
+        return {"prompts": 10, "partial": partial, "drafters": {"lossless": {"ratio_vs_lookup": ratio}}}
+
+    summary = {"sets": {"heldout": row(1.49), "mtbench": row(1.2), "humaneval": row(1.9, partial=True)},
+               "caches": {"lossless": {"supervised_tokens": 31_000_000}}}
+    g = qr.issue19_goals(summary)
+    assert {s: v["met"] for s, v in g["sets"].items()} == {"heldout": False, "mtbench": True, "humaneval": None}
+    assert g["tokens_met"] is True and g["supervised_tokens"] == 31_000_000
+    summary["caches"]["lossless"]["supervised_tokens"] = 29_999_999
+    summary["sets"].pop("mtbench")
+    g = qr.issue19_goals(summary)
+    assert g["tokens_met"] is False and g["sets"]["mtbench"] == {"ratio": None, "goal": 1.2, "prompts": None,
+                                                                  "met": None}

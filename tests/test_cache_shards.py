@@ -197,3 +197,22 @@ def test_row_groups_reach_the_disk_before_the_commit(tmp_path, monkeypatch, sync
     assert info.row_groups > 2 and len(synced) == info.row_groups
     assert synced == sorted(synced) and len(set(synced)) == len(synced)
     assert synced[-1] < (tmp_path / shard_name(0, 1)).stat().st_size   # the footer came after the last sync
+
+
+def test_stale_temp_cleanup_keeps_a_live_writers_files(tmp_path):
+    """Two extraction jobs on disjoint --shards share one cache dir: a job starting must not delete the other
+    job's temp files (found when bench/extract_parallel.py started two at once: the first job's target head
+    lost its temp file before the rename). Only a writer whose pid is gone left stale ones."""
+    import subprocess as sp
+
+    from dflash_pipe.io_utils import remove_stale_temps, temp_path_for
+
+    live = temp_path_for(tmp_path / "target_head.safetensors")          # this process: alive
+    gone = sp.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    dead = tmp_path / f".shard-00001-of-00004.parquet.tmp-{gone.pid}-abcd1234"
+    odd = tmp_path / ".manifest.json.tmp-notapid"
+    for p in (live, dead, odd):
+        p.write_bytes(b"x")
+    assert remove_stale_temps(tmp_path) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == [live.name]

