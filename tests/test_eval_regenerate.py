@@ -133,6 +133,8 @@ def test_crash_inside_a_batch_write_then_resume(reference, cfg, llama, tmp_path,
     with pytest.raises(KeyboardInterrupt):
         _regen(cfg, llama, out)
     assert not out.read_bytes().endswith(b"\n")
+    timing = json.loads(sidecar_path(out).read_text())["timing"]      # the split up to the first flush stays
+    assert timing["wall_s"] > 0 and timing["decode_steps"] > 0
     monkeypatch.setattr(regen_mod.JsonlAppender, "append", real_append)
     _regen(cfg, llama, out)
     assert _rows(out) == reference

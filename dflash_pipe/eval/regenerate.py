@@ -28,7 +28,8 @@ targets (hybrid / recurrent layers) fall back to HF `generate`, greedy, named in
 4 x batch_size conversations are in flight; their ready turns are served oldest conversation
 first, and the answers are written in input order. While the device runs a launch, the host
 detokenizes the answers just collected and tokenizes the round's new prompts in one batched call
-(`encode_prompts`); the time of each phase is logged at the end and kept in the sidecar's "timing".
+(`encode_prompts`); the time of each phase is logged at the end and kept in the sidecar's "timing" (updated at
+every flush, so a run stopped by a deadline keeps its split up to its last flush).
 
 Prefix-stable, resumable and crash-safe: rows are appended in input order only (a finished
 conversation waits for the earlier ones), so a file made with max_samples = N is the prefix of
@@ -281,6 +282,8 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
             state[k] = int(state.get(k, 0)) + sum(st.counts[k] for st in pending_rows)
         state["seconds"] = seconds0 + time.perf_counter() - t0
         state["data_stats"] = stats.to_dict()
+        # this run's time split so far (one device sync per flush): an interrupted run keeps it too
+        state["timing"] = _timing(split, backend, time.perf_counter() - t0)
         atomic_write_json(sidecar_path(output), state)
         bar.update(len(pending_rows), tokens=tokens)
         pending_rows.clear()
