@@ -119,8 +119,12 @@ def markdown(summary: dict) -> str:
         st = rg.get("settings") or {}
         what = ("ShareGPT first turns" if st.get("mode", "first-turn") != "multi-turn" else
                 "ShareGPT conversations, every turn,")
-        how = (f" ({st['samples']} samples each, temperature {st.get('temperature')}, top-p {st.get('top_p')}, "
-               f"max_length {st.get('max_length')})" if int(st.get("samples") or 1) > 1 else "")
+        greedy_after = (f", greedy after {st['greedy_after']} sampled tokens" if st.get("greedy_after") else "")
+        how = (f" ({st['samples']} samples each, temperature {st.get('temperature')}, top-p {st.get('top_p')}"
+               f"{greedy_after}, max_length {st.get('max_length')})" if int(st.get("samples") or 1) > 1 else "")
+        if rg.get("duplicate_rows"):
+            how += (f" ({rg['duplicate_rows']} rows repeat an earlier sample of their conversation: "
+                    f"{rg['duplicate_tokens']:,} of the generated tokens are not unique)")
         L.append(f"- Data: SmolLM2 answered {rg['rows_written']} {what} itself{how} ({rg['skipped']} skipped, "
                  f"{rg['generated_tokens']:,} tokens generated, {rg['truncated_responses']} hit "
                  f"{st.get('max_new_tokens')} tokens) in {rg['seconds']:.0f} s (summed over the runs that wrote it).")

@@ -242,7 +242,8 @@ def build(d: Path) -> dict:
     regen = _json(d / "regenerated.jsonl.progress.json")
     if regen:
         summary["regenerate"] = {k: regen.get(k) for k in ("rows_written", "generated_tokens", "truncated_responses",
-                                                             "seconds")} | {"skipped": len(regen.get("skipped", {})),
+                                                             "seconds", "duplicate_rows", "duplicate_tokens",
+                                                             "timing")} | {"skipped": len(regen.get("skipped", {})),
                                                                             "settings": regen.get("settings")}
     summary["stage_seconds"] = {p.name[:-len(".seconds")]: int(p.read_text().strip() or 0)
                                 for p in sorted((d / "done").glob("*.seconds"))}

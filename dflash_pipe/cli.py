@@ -92,6 +92,10 @@ def regenerate_cmd(cfg: RunConfig, output: Path = typer.Option(..., "--output", 
                    top_p: float = typer.Option(1.0, help="Nucleus sampling: keep the smallest set of tokens "
                                                          "holding this probability, in (0, 1]."),
                    seed: int = typer.Option(0, help="Sampling seed; an answer depends on (seed, id, turn) only."),
+                   greedy_after: int = typer.Option(0, help="Sample only the first K tokens of each answer (with "
+                                                            "--temperature / --top-p), then continue greedily: "
+                                                            "diverse answers whose later tokens are the target's "
+                                                            "own greedy choices (0 = sample every token)."),
                    engine: str = typer.Option("auto", help="'auto' (static-KV engine where the target allows, "
                                                            "else HF generate), 'static' or 'hf'."),
                    engine_attention: str = typer.Option("auto", help="The static-KV engine's decode attention: "
@@ -107,7 +111,7 @@ def regenerate_cmd(cfg: RunConfig, output: Path = typer.Option(..., "--output", 
         cfg.extract.max_length = max_length
     run_regenerate(cfg, output, max_new_tokens=max_new_tokens, batch_size=batch_size, device=device,
                    max_turns=max_turns, samples=samples, temperature=temperature, top_p=top_p, seed=seed,
-                   engine=engine, attention=engine_attention)
+                   engine=engine, attention=engine_attention, greedy_after=greedy_after)
 
 
 @app.command("export")

@@ -67,6 +67,8 @@ def test_inverse_cdf_sampling_follows_the_distribution_and_the_top_p_cut():
                                       (dict(samples=3), "--temperature"), (dict(batch_size=-1), "--batch-size"),
                                       (dict(engine="fast"), "--engine"),
                                       (dict(attention="flash"), "--engine-attention"),
+                                      (dict(greedy_after=-1, temperature=1.0), "--greedy-after"),
+                                      (dict(greedy_after=4), "--greedy-after 4 .* needs --temperature"),
                                       (dict(attention="rows"), "attention 'rows' needs CUDA")])
 def test_bad_decoding_flags_are_usage_errors_naming_the_flag(cfg, llama, tmp_path, kw, flag):
     with pytest.raises(UsageError, match=flag) as err:
@@ -286,3 +288,59 @@ def test_refills_rounded_to_a_row_bucket_give_the_same_answers(llama, monkeypatc
         runs[name] = (got, any(short))
     assert runs["rounded"][1] and not runs["plain"][1]  # the rounding did leave slots free at some refill
     assert runs["rounded"][0] == runs["plain"][0] and sorted(runs["plain"][0]) == list(range(len(prompts)))
+
+
+def test_greedy_after_samples_the_first_tokens_then_continues_with_the_greedy_choices(llama, monkeypatch):
+    """--greedy-after K: tokens 0..K-1 are the plain sampled ones (same key, same draw), every later token is the
+    greedy continuation of the prompt plus the answer so far (checked against unbatched greedy decoding). Steps
+    where no row is within its first K tokens take the argmax alone (no softmax / sort): some steps must."""
+    from dflash_pipe.eval import eos_token_ids, greedy_generate
+
+    modes = []
+    real = regen_backends.next_tokens
+    monkeypatch.setattr(regen_backends, "next_tokens",
+                        lambda logits, keys, steps, dec: modes.append(dec.greedy) or real(logits, keys, steps, dec))
+
+    eos = eos_token_ids(llama.model, llama.tokenizer)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (7, 19, 3, 11)]
+
+    def answers(dec):
+        be = regen_backends.EngineBackend(llama.model, eos, batch=2, max_len=64, max_new_tokens=12, dec=dec,
+                                          check_every=3)
+        ready = [regen_backends.TurnRequest(None, p, key=1000 + i, order=i) for i, p in enumerate(prompts)]
+        got = {}
+        while ready or be.busy():
+            be.launch(ready)
+            for c in be.collect():
+                got[c.request.order] = c.tokens + [eos[0]] * c.ended
+        return [got[i] for i in range(len(prompts))]
+
+    K = 3
+    sampled = answers(Decoding(temperature=1.5))
+    modes.clear()
+    mixed = answers(Decoding(temperature=1.5, greedy_after=K))
+    assert True in modes and False in modes                            # argmax-only steps and sampling steps
+    greedy = [greedy_generate(llama.model, p, 12, eos) for p in prompts]
+    for p, s, m, gr in zip(prompts, sampled, mixed, greedy):
+        assert m[:K] == s[:K]                                         # the same draws for the first K tokens
+        if any(t in eos for t in m[:K]):
+            continue
+        assert m[K:] == greedy_generate(llama.model, p + m[:K], 12 - K, eos)
+    assert mixed != greedy and sampled != mixed                        # it did sample, and it did stop sampling
+    assert Decoding(temperature=1.0, greedy_after=K).settings()["greedy_after"] == K
+    assert "greedy_after" not in Decoding(temperature=1.0).settings()  # old sidecars resume unchanged
+
+
+def test_samples_equal_to_an_earlier_sample_are_counted_as_duplicates(cfg, llama, tmp_path):
+    """--samples N at a temperature so low that every sample is the greedy answer: N - 1 duplicates per
+    conversation, their tokens counted, every row still written (the held-out head is counted in rows)."""
+    cfg.data.max_samples = 3
+    state = _run(cfg, llama, tmp_path / "d.jsonl", samples=3, temperature=1e-4, seed=1)
+    by_id, order = _rows(tmp_path / "d.jsonl")
+    assert len(order) == 9 and state["duplicate_rows"] == 6
+    per_row = state["generated_tokens"] / 9
+    assert state["duplicate_tokens"] == pytest.approx(6 * per_row, rel=0.5)
+    assert by_id["a#0"] == by_id["a#1"] == by_id["a#2"]
+    plain = _run(cfg, llama, tmp_path / "s.jsonl", **SAMPLING)
+    assert plain.get("duplicate_rows", 0) == 0                         # distinct samples: nothing counted

@@ -101,6 +101,11 @@ class EngineBackend:
             self.eos = torch.tensor(sorted(set(eos)), dtype=torch.long, device=dev)
             self.live_row_steps = torch.zeros((), dtype=torch.long, device=dev)   # occupancy, summed per step
         self.decode_steps = 0
+        # --greedy-after K: a row refilled before decode step s0 samples while its token index is < K, i.e. at
+        # steps < s0 + K - 1; past the last such step no row samples and the step takes the argmax alone
+        # (skipping softmax + the full-vocabulary sort of top-p). The host knows this without a sync.
+        self.greedy_dec = Decoding() if dec.greedy_after else None
+        self.sample_until = 0
         self.prefill_rows = self.prefill_calls = self.prefill_real = self.prefill_padded = 0
         self.cuda = dev.type == "cuda"
         self._events: list[tuple] = []                   # (start, after prefill, after decode) of uncollected launches
@@ -213,7 +218,8 @@ class EngineBackend:
     def _advance(self, logits, w: int) -> None:
         """Next token of every live row of the first `w`; finished rows write to the spare column and stay put."""
         keys, n_gen, active, cur = self.keys[:w], self.n_gen[:w], self.active[:w], self.cur[:w]
-        tok = next_tokens(logits, keys, n_gen, self.dec)
+        greedy_now = self.greedy_dec is not None and self.decode_steps >= self.sample_until
+        tok = next_tokens(logits, keys, n_gen, self.greedy_dec if greedy_now else self.dec)
         act = active.clone()
         col = torch.where(act, n_gen, self.max_new)
         self.out[:w].scatter_(1, col[:, None], tok[:, None])
@@ -230,6 +236,7 @@ class EngineBackend:
         self.engine.reset(rows)
         logits = self.engine.prefill([r.prompt for r in reqs], rows)
         self._start(logits, to_device(rows, dev), to_device([r.key for r in reqs], dev))   # no host sync
+        self.sample_until = max(self.sample_until, self.decode_steps + self.dec.greedy_after - 1)
         lens = [len(r.prompt) for r in reqs]
         self.prefill_rows += len(reqs)
         self.prefill_calls += 1

@@ -3,7 +3,11 @@
 Each answer has a 62-bit key derived from (seed, sample id, turn) on the host; step s of that
 answer draws one uniform u = hash(key, s) in [0, 1) with integer arithmetic on the device, and
 takes the token where the (top-p-cut, renormalised) cumulative distribution first exceeds u
-(inverse-CDF sampling). So a row's randomness depends on nothing but its own key and step: not on
+(inverse-CDF sampling). With ``--greedy-after K`` only steps 0..K-1 are sampled and every later token
+is the argmax: diverse answers whose continuations are the target's own greedy choices (a block-
+parallel drafter cannot see the sampled tokens inside the block it drafts, so fully sampled answers
+give it labels that are partly noise: session 13's drafter, trained on fully sampled multi-turn answers,
+decoded 5.5 % below session 6's, trained on greedy first turns, with other things changed as well). So a row's randomness depends on nothing but its own key and step: not on
 which other rows share its batch, which slot it sits in, or the device (the hash is exact integer
 math on CPU and CUDA alike). No generator state, no host sync.
 """
@@ -28,6 +32,7 @@ class Decoding:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
+    greedy_after: int = 0   # > 0: only an answer's first `greedy_after` tokens are sampled, the rest are greedy
 
     def validate(self) -> "Decoding":
         if self.samples < 1:
@@ -36,6 +41,11 @@ class Decoding:
             raise UsageError(f"--temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise UsageError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if self.greedy_after < 0:
+            raise UsageError(f"--greedy-after must be >= 0 (0 = sample every token), got {self.greedy_after}")
+        if self.greedy_after and self.temperature == 0:
+            raise UsageError(f"--greedy-after {self.greedy_after} samples the first tokens of each answer, which "
+                             "needs --temperature > 0", "pass --temperature (e.g. 1.0), or drop --greedy-after")
         if self.samples > 1 and self.temperature == 0:
             raise UsageError(f"--samples {self.samples} with --temperature 0 would write {self.samples} identical "
                              "greedy answers per prompt", "pass --temperature > 0 (e.g. 0.7) or --samples 1")
@@ -46,8 +56,11 @@ class Decoding:
         return self.temperature == 0
 
     def settings(self) -> dict:
-        return {"samples": self.samples, "temperature": float(self.temperature), "top_p": float(self.top_p),
-                "seed": self.seed}
+        out = {"samples": self.samples, "temperature": float(self.temperature), "top_p": float(self.top_p),
+               "seed": self.seed}
+        if self.greedy_after:               # absent when 0: sidecars from before the flag resume unchanged
+            out["greedy_after"] = self.greedy_after
+        return out
 
 
 def answer_key(seed: int, sample_id: str, turn: int) -> int:
@@ -74,9 +87,17 @@ def uniforms(keys: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
 
 
 def next_tokens(logits: torch.Tensor, keys: torch.Tensor, steps: torch.Tensor, dec: Decoding) -> torch.Tensor:
-    """The chosen token of every row of `logits` [B, V] (long [B])."""
+    """The chosen token of every row of `logits` [B, V] (long [B]); `steps` [B] is each row's token index in its
+    answer. With `dec.greedy_after` = K the rows at step >= K take the argmax (no host sync: both are computed)."""
     if dec.greedy:
         return logits.argmax(dim=-1)
+    tok = _sampled(logits, keys, steps, dec)
+    if dec.greedy_after:
+        tok = torch.where(steps < dec.greedy_after, tok, logits.argmax(dim=-1))
+    return tok
+
+
+def _sampled(logits: torch.Tensor, keys: torch.Tensor, steps: torch.Tensor, dec: Decoding) -> torch.Tensor:
     probs = torch.softmax(logits.float() / dec.temperature, dim=-1)
     u = uniforms(keys, steps)
     V = probs.shape[-1]

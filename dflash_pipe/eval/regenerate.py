@@ -19,7 +19,9 @@ system turns are kept verbatim. Details:
     (counted as truncated in the sidecar).
 Decoding is greedy by default; ``--temperature T --top-p P --seed S`` samples instead, and
 ``--samples N`` writes N answers per conversation with ids ``<id>#0 .. <id>#N-1`` (N = 1 keeps
-the id). A sampled answer is a function of (seed, sample id, turn) and the target only
+the id); a sample equal to an earlier one of its conversation is written but counted
+(``duplicate_rows`` / ``duplicate_tokens`` in the sidecar). ``--greedy-after K`` samples only the
+first K tokens of each answer and continues greedily (regen_sampling). A sampled answer is a function of (seed, sample id, turn) and the target only
 (regen_sampling): not of the batch size or of which conversations share a batch.
 
 How (regen_backends): on attention-only targets a static-KV engine runs `batch_size` slots of
@@ -46,6 +48,8 @@ from __future__ import annotations
 
 import bisect
 import gc
+import hashlib
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -71,6 +75,7 @@ ENGINES = ("auto", "static", "hf")
 ENGINE_ATTENTION = ("auto", "rows", "sdpa")
 FLUSH_SECONDS = 10.0
 COUNTERS = ("generated_tokens", "truncated_responses", "prompts_too_long", "empty_answers")
+DUPLICATES = ("duplicate_rows", "duplicate_tokens")   # --samples N: rows equal to an earlier sample of theirs
 
 
 @dataclass
@@ -228,14 +233,14 @@ def _validate(cfg: RunConfig, max_new_tokens: int, batch_size: int, dec: Decodin
 def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batch_size: int = 0,
                    device: str = "auto", *, bundle=None, max_turns: int = 0, samples: int = 1,
                    temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, engine: str = "auto",
-                   attention: str = "auto") -> dict:
+                   attention: str = "auto", greedy_after: int = 0) -> dict:
     """Regenerate cfg.data's conversations into `output` (JSONL); returns the final sidecar dict.
 
     batch_size 0 = auto (16 on the CPU, up to 1024 on CUDA as memory allows).
     bundle: an already loaded TargetBundle to use instead of loading cfg.target (tests, notebooks).
     """
     output = Path(output)
-    dec = Decoding(samples, temperature, top_p, seed)
+    dec = Decoding(samples, temperature, top_p, seed, greedy_after)
     _validate(cfg, max_new_tokens, batch_size, dec)
     if bundle is None:
         t = cfg.target
@@ -271,9 +276,29 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
     pending_rows: list[_ConvState] = []
     order, exhausted, last_flush = 0, False, time.perf_counter()
 
+    siblings: dict[str, set[str]] = {}       # the current conversation's samples written so far (content hashes)
+
+    def count_duplicates(st: _ConvState) -> None:
+        """A sample whose whole conversation equals an earlier sample's is still written (the held-out head is
+        counted in rows) but counted, so reports can give unique tokens. Samples of one conversation are
+        adjacent in the output; after a resume the first conversation's earlier samples are not compared."""
+        base = st.sample_id.rsplit("#", 1)[0]
+        if base not in siblings:
+            siblings.clear()
+            siblings[base] = set()
+        key = hashlib.sha1(json.dumps(st.out, ensure_ascii=False).encode()).hexdigest()
+        if key in siblings[base]:
+            state["duplicate_rows"] = int(state.get("duplicate_rows", 0)) + 1
+            state["duplicate_tokens"] = int(state.get("duplicate_tokens", 0)) + st.counts["generated_tokens"]
+        siblings[base].add(key)
+
     def flush() -> None:
         nonlocal last_flush
         rows = [{"id": st.sample_id, "messages": st.out} for st in pending_rows if not st.skipped]
+        if dec.samples > 1:
+            for st in pending_rows:
+                if not st.skipped:
+                    count_duplicates(st)
         writer.append(rows)
         state["rows_written"] += len(rows)
         state["skipped"].update({st.sample_id: st.skipped for st in pending_rows if st.skipped})
@@ -366,5 +391,7 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
           f"({state['prompts_too_long']} prompts too long for [extract] max_length, {state['empty_answers']} empty "
           f"answers), "
           f"{state['generated_tokens']:,} tokens generated ({state['truncated_responses']} responses hit "
-          f"--max-new-tokens)", flush=True)
+          f"--max-new-tokens)" + (f"; {state.get('duplicate_rows', 0)} rows repeat an earlier sample of theirs "
+                                  f"({state.get('duplicate_tokens', 0):,} tokens)" if dec.samples > 1 else ""),
+          flush=True)
     return state
