@@ -214,6 +214,11 @@ class EvalConfig:
     baseline_every: int = opt(8, "With --reference batched: every k-th generation of a set (0, k, 2k, ...) is also "
                                  "decoded target-only at batch 1, timed and checked against the batched reference; "
                                  "speed-ups are measured on those generations.")
+    replay: bool = opt(False, "With --reference batched: the generations outside the --baseline-every sample get "
+                              "each method's steps by replay against the batched reference (one target pass for the "
+                              "features, then the drafts accepted on the host; eval/replay.py) instead of decoding: "
+                              "the same tau and acceptance in exact arithmetic, at a fraction of the device time. "
+                              "The sample is decoded for real, timed, and replayed too as a check.")
     output_dir: str = opt("", "Where the report goes (empty = <train.output_dir>/eval).")
     device: str = opt("auto", "'auto', 'cpu' or 'cuda'.")
 

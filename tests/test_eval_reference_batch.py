@@ -229,3 +229,69 @@ def test_out_of_memory_in_the_reference_pass_halves_the_batch(llama, monkeypatch
     monkeypatch.setattr(Flaky, "launch", lambda self, ready: (_ for _ in ()).throw(torch.OutOfMemoryError("x")))
     with pytest.raises(RuntimeFailure, match="--reference sequential"):
         ReferenceBatcher(llama.model, eos, 6, limit=4096, batch=2).generate(prompts)
+
+
+class _GreedyOracle:
+    """Stands in for prompt lookup: drafts the target's greedy continuation with one slot made wrong (which one
+    depends on the anchor), so drafts are accepted in part and the acceptance is not trivially 0."""
+
+    needs_features = False
+
+    def __init__(self, model):
+        self.model = model
+
+    def propose(self, tokens, features, num):
+        drafts = greedy_generate(self.model, tokens, num, [])[:num]
+        j = len(tokens) % (num + 1)
+        if j < len(drafts):
+            drafts[j] = (drafts[j] + 1) % 49152
+        return drafts
+
+
+def test_replay_eval_gives_the_decoded_tau_and_acceptance_on_every_generation(llama, runs, monkeypatch):
+    """--replay: generations outside the timed sample are replayed, not decoded; tau, steps and per-position
+    acceptance equal the sequential (fully decoded) eval's, per set and per generation; identity and speed-up come
+    from the decoded sample, whose replay agrees with its decoding."""
+    tmp, _, kw, _ = runs
+    monkeypatch.setattr(runner, "NgramProposer", lambda: _GreedyOracle(llama.model))
+    seq = run_eval(_cfg(tmp, reference="sequential", output_dir=str(tmp / "oracle-seq"), **kw), bundle=llama)
+    rep = run_eval(_cfg(tmp, reference="batched", baseline_every=2, replay=True, output_dir=str(tmp / "replay"),
+                        **kw), bundle=llama)
+    assert all(1.5 < s["ngram"]["tau"] < 4 for s in seq["sets"].values())    # accepted in part
+    keys = ("tau", "acceptance", "accepted_per_slot", "eligible_per_slot", "steps", "generated_tokens")
+    for name, s in seq["sets"].items():
+        r = rep["sets"][name]
+        timed = r["target_only"]["timed_generations"]
+        for m in ("dflash", "ngram"):
+            assert {k: r[m][k] for k in keys} == {k: s[m][k] for k in keys}, (name, m)
+            assert r[m]["replayed"] == r["generations"] - timed and r[m]["replay_checked"] == timed
+            assert r[m]["replay_agreed"] == timed and r[m]["identical_to_target"] == 1.0
+            assert r[m]["speedup"] is not None
+    by = lambda rows: {(x["id"], x["method"]): (x.get("tau"), x.get("steps"), x.get("accepted"))  # noqa: E731
+                       for x in rows if x["method"] != "target"}
+    assert by(_rows(tmp / "replay")) == by(_rows(tmp / "oracle-seq"))
+    with pytest.raises(UsageError, match="--replay"):
+        run_eval(_cfg(tmp, reference="sequential", replay=True, output_dir=str(tmp / "bad"), **kw), bundle=llama)
+
+
+def test_a_replay_that_disagrees_with_decoding_is_counted(llama, runs, monkeypatch):
+    """Fault injected: the replay of every generation commits one token less in its first step. The decoded sample's
+    check counts every disagreement (replay_agreed 0 of replay_checked), and the report says how many."""
+    tmp, _, kw, _ = runs
+    real = reference_batch.replay_methods
+
+    def off_by_one(*a, **k):
+        out = real(*a, **k)
+        for r in out.values():
+            r.committed[0] += 1
+        return out
+
+    monkeypatch.setattr(reference_batch, "replay_methods", off_by_one)
+    rep = run_eval(_cfg(tmp, reference="batched", baseline_every=2, replay=True, output_dir=str(tmp / "replay-bad"),
+                        **kw), bundle=llama)
+    for s in rep["sets"].values():
+        for m in ("dflash", "ngram"):
+            assert s[m]["replay_checked"] == s["target_only"]["timed_generations"] > 0
+            assert s[m]["replay_agreed"] == 0
+    md = (tmp / "replay-bad" / "eval_report.md").read_text()
+    assert "timed ones' replays equal to their decoding in 0 of 4" in md      # mtbench: 2 timed x 2 methods

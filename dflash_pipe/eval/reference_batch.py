@@ -17,6 +17,9 @@ differently in the last bit, which could flip a near-tied argmax: counted as `ba
 and each method's speed-up is its tok/s on the sampled generations over target-only's on the same
 ones (`batched_summary`).
 
+With `--replay` the generations outside that sample are not decoded: each method's steps are walked
+against the reference (replay.py), and the sample, decoded for real, is replayed too as the check.
+
 Resume: the references of generations already in eval_progress.jsonl come from it (they condition
 the later turns); the others are generated again, which is cheap (one pass per wave).
 """
@@ -37,6 +40,7 @@ from .regen_backends import EngineBackend, TurnRequest, auto_batch_size
 from ..progress import progress_bar
 from .generation import record, run_methods, warm_up
 from .regen_sampling import Decoding
+from .replay import replay_methods, same_steps
 from .report import method_summary
 from .target_step import CACHED_MODES
 
@@ -250,7 +254,17 @@ class BatchedReferenceSet:
             if not same:
                 log.warning("%s %s: the batch-1 target-only output differs from the batched reference", set_name,
                             g.gen_id)
-        results = run_methods(self.methods, g.ids, self.B, self.max_new, self.eos)
+        if self.replay and not time_it:      # outside the timed sample: steps by replay (replay.py)
+            results = replay_methods(self.methods, g.ids, g.ref, self.B, self.max_new, self.eos)
+        else:
+            results = run_methods(self.methods, g.ids, self.B, self.max_new, self.eos)
+            if self.replay:                  # the sample is the check: its replay must take the decoded steps
+                again = replay_methods(self.methods, g.ids, g.ref, self.B, self.max_new, self.eos)
+                for name, r in results.items():
+                    r.replay_agrees = same_steps(r, again[name])
+                    if not r.replay_agrees:
+                        log.warning("%s %s: %s: replay took other steps than decoding (tau %.3f vs %.3f)", set_name,
+                                    g.gen_id, name, again[name].tau or 0, r.tau or 0)
         self.progress.add(set_name, g.gen_id, g.ref, wall, results, batch1_equal=same)
         return wall, same, results
 
@@ -270,6 +284,9 @@ def batched_summary(refs: list[list[int]], walls: list[float | None], batch1_equ
                            "batch1_mismatches": sum(batch1_equal[i] is False for i in sample)}}
     for m, rs in results.items():
         s = method_summary(rs, refs, None, False)
+        checked = [r.replay_agrees for r in rs if r.replay_agrees is not None]
+        if any(r.replayed for r in rs) or checked:
+            s.update(replayed=sum(r.replayed for r in rs), replay_checked=len(checked), replay_agreed=sum(checked))
         tok, wall = sum(len(rs[i].tokens) for i in sample), sum(rs[i].wall_s for i in sample)
         s["sample_tokens_per_s"] = tok / wall if wall > 0 else None
         if with_speedup and s["sample_tokens_per_s"] and t_tok_s:
@@ -286,10 +303,16 @@ def reference_note(report: dict) -> str | None:
         if t.get("reference") != "batched":
             continue
         gens = s.get("generations", s.get("prompts", 0))
+        replay = [s[m] for m in s if isinstance(s.get(m), dict) and "replay_checked" in s[m]]
+        note = ""
+        if replay:
+            checked, agreed = sum(r["replay_checked"] for r in replay), sum(r["replay_agreed"] for r in replay)
+            note = (f", the other generations' steps replayed against it ({replay[0]['replayed']} per method), the "
+                    f"timed ones' replays equal to their decoding in {agreed} of {checked}")
         parts.append(f"{name}: {t['timed_generations']} of {gens} generations timed at batch 1 (one in "
                      f"{t['baseline_every']}), batch-1 output equal to the batched reference in "
                      f"{t['timed_generations'] - t['batch1_mismatches']} of {t['timed_generations']}, "
-                     f"reference pass {t['reference_pass_s']:.1f} s")
+                     f"reference pass {t['reference_pass_s']:.1f} s{note}")
     if not parts:
         return None
     return ("Target-only references were generated batched (continuous batching on the static-KV engine, the "

@@ -64,6 +64,8 @@ class SpecResult:
     verify_s: float = 0.0                                # target verify + commit (crop / rollback re-feed)
     prefill_s: float = 0.0                               # the prompt's forward (first token)
     refeeds: int = 0                                     # rollback re-feed forwards (recurrent targets)
+    replayed: bool = False                               # steps walked against the reference (replay.py), not decoded
+    replay_agrees: bool | None = None                    # decoded and also replayed: the same steps? (None: not checked)
 
     @property
     def steps(self) -> int:
