@@ -129,6 +129,8 @@ def main() -> int:
     ap.add_argument("--draft-graphs", default="auto", choices=("auto", "on", "off"))
     ap.add_argument("--reference", default="auto", choices=("auto", "batched", "sequential"))
     ap.add_argument("--baseline-every", type=int, default=8, help="batched references: batch-1 target-only on 1 in k")
+    ap.add_argument("--replay", action="store_true", help="batched references: replay the methods outside the timed "
+                                                          "sample (eval --replay; their time counts in 'methods')")
     ap.add_argument("--full-reference-pass", default="auto", choices=("auto", "on", "off"),
                     help="time the batched reference pass over the whole sets (auto: with batched references)")
     ap.add_argument("--device", default="auto")
@@ -156,7 +158,7 @@ def main() -> int:
     ev.drafter, ev.prompts, ev.max_prompts = str(drafter), args.sets, args.per_set
     ev.max_new_tokens, ev.output_dir, ev.device = args.max_new_tokens, str(work / "eval"), str(device)
     ev.engine, ev.draft_graphs = args.engine, args.draft_graphs
-    ev.reference, ev.baseline_every = args.reference, args.baseline_every
+    ev.reference, ev.baseline_every, ev.replay = args.reference, args.baseline_every, args.replay
     t0 = time.perf_counter()
     report = run_eval(cfg, bundle=bundle)
     eval_wall = time.perf_counter() - t0
@@ -180,7 +182,7 @@ def main() -> int:
         timed = t.get("timed_generations", gens)
         full_timed = -(-round(gens * scale) // t["baseline_every"]) if "baseline_every" in t else round(gens * scale)
         base_scale = full_timed / timed if timed else 0.0
-        spec_s = sum(s[m]["wall_s"] for m in methods if m != "target_only")
+        spec_s = sum(s[m]["wall_s"] + s[m].get("replay_s", 0.0) for m in methods if m != "target_only")
         measured = spec_s + t["wall_s"] + ref_s
         ref_proj = full[name]["pass_s"] if full and name in full else ref_s * scale
         projected = spec_s * scale + t["wall_s"] * base_scale + ref_proj

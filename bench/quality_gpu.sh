@@ -63,7 +63,8 @@
 # cache-val), QUALITY_REGEN_SEED (bench/data/...), QUALITY_REGEN_SOURCE (first_turns; all_turns = every user turn),
 # QUALITY_CODECS ("lossless fp8"), QUALITY_WINDOW_GIB (empty = whole caches; B = stream each cache through a
 # B GiB window: extract-<codec> and train-<codec> run at once, the trainer reading every shard QUALITY_PASSES
-# (1) times and deleting it; with QUALITY_TRAIN_STEPS=0 the run ends when every shard has been read),
+# (1) times and deleting it; with QUALITY_TRAIN_STEPS=0 the run ends when every shard has been read; the
+# QUALITY_SEEDS / QUALITY_VARIANTS trainers stream cache-lossless with it as one --window-group),
 # QUALITY_EXTRACT_JOBS (1; J = J extract processes per cache over disjoint shards, bench/extract_parallel.py).
 #
 # Issue 19 (every ShareGPT turn x 4 sampled answers, conversations up to 1,280 tokens, streamed through a

@@ -30,11 +30,10 @@ for v in "${_variants[@]}"; do
     VARIANT_FLAGS[$name]=${v#*=}; JOBS+=("var-$name")
 done
 unset _variants v name
-if [ -n "$WINDOW_GIB" ] && [ ${#SEEDS[@]} -gt 0 -o ${#SCALING[@]} -gt 0 -o ${#VARIANT_FLAGS[@]} -gt 0 ]; then
-    # the window deletes each shard once train-<codec> has read it: a second reader of cache-lossless would
-    # find it gone (one window per trainer; not built here)
-    echo "error: QUALITY_WINDOW_GIB streams each cache to one trainer; QUALITY_SEEDS, QUALITY_SCALING and" \
-         "QUALITY_VARIANTS read cache-lossless again and need whole caches (unset QUALITY_WINDOW_GIB)" >&2
+if [ -n "$WINDOW_GIB" ] && [ ${#SCALING[@]} -gt 0 ]; then
+    # scale-<subset> trains on a shard subset (--shards), which window mode cannot combine with
+    echo "error: QUALITY_WINDOW_GIB streams the caches; QUALITY_SCALING trains on shard subsets of a whole cache" \
+         "(unset one of them)" >&2
     exit 2
 fi
 TRAINS=(); for j in "${JOBS[@]}"; do case $j in train-*|scale-*|var-*) TRAINS+=("$j") ;; esac; done
@@ -44,18 +43,30 @@ deps() {   # job -> jobs it needs
     case $1 in
         regen) ;;
         extract-*) echo regen ;;
-        train-seed*|scale-*|var-*) echo "extract-lossless extract-val" ;;
+        scale-*) echo "extract-lossless extract-val" ;;
+        train-seed*|var-*) if [ -n "$WINDOW_GIB" ]; then echo extract-val; else echo "extract-lossless extract-val"; fi ;;
         train-*) if [ -n "$WINDOW_GIB" ]; then echo extract-val   # streams while extract-<codec> runs (ready)
                  else echo "extract-${1#train-} extract-val"; fi ;;
         eval-*) echo "${TRAINS[*]}" ;;
     esac
 }
 ready() {   # job -> true once it can start beyond its deps: a window trainer once its cache has a spec
+    [ -n "$WINDOW_GIB" ] || return 0
     case $1 in
-        train-seed*) ;;
-        train-*) [ -z "$WINDOW_GIB" ] || [ -f "$Q/cache-${1#train-}/cache_spec.json" ] || return 1 ;;
+        train-seed*|var-*) [ -f "$Q/cache-lossless/cache_spec.json" ] || return 1 ;;
+        train-*) [ -f "$Q/cache-${1#train-}/cache_spec.json" ] || return 1 ;;
     esac
     return 0
+}
+window_group() {   # codec -> the output dirs of every trainer streaming cache-<codec> (comma list)
+    local c=$1 j list=()
+    for j in "${TRAINS[@]}"; do
+        case $j in
+            train-seed*|var-*) [ "$c" = lossless ] && list+=("$(train_dir "$j")") ;;
+            train-*) [ "${j#train-}" = "$c" ] && list+=("$(train_dir "$j")") ;;
+        esac
+    done
+    (IFS=,; echo "${list[*]}")
 }
 kind() { case $1 in regen) echo regen ;; extract-*) echo extract ;; train-*|scale-*|var-*) echo train ;; eval-*) echo eval ;; esac; }
 train_dir() { case $1 in train-*|scale-*|var-*) echo "$Q/$1" ;; esac; }   # a train job's output dir
@@ -105,9 +116,11 @@ job_cmd() {   # the command of a job (array JOB_CMD)
                 scale-*) c=lossless; s=${j#scale-}; s=${s//_/-}; extra=(--shards "${s//./,}" --epochs 200) ;;  # enough passes
                 train-seed*) c=lossless; extra=(--seed "${j#train-seed}") ;;
                 var-*) c=lossless; read -r -a extra <<< "${VARIANT_FLAGS[${j#var-}]}" ;;
-                *) c=${j#train-}
-                   [ -n "$WINDOW_GIB" ] && extra=(--follow --passes-per-shard "$PASSES") ;;
+                *) c=${j#train-} ;;
             esac
+            # window: every trainer of cache-<codec> streams it as one group (a shard goes once all read it)
+            [ -n "$WINDOW_GIB" ] && [ "${j%%-*}" != scale ] &&
+                extra=(--follow --passes-per-shard "$PASSES" --window-group "$(window_group "$c")" "${extra[@]}")
             JOB_CMD=("$PY" -m dflash_pipe train -m "$M" --cache-dir "$Q/cache-$c" --output-dir "$(train_dir "$j")"
                      --max-steps "$TRAIN_STEPS" --resume auto --device "$DEVICE" --val-cache-dir "$Q/cache-val"
                      --val-every "$VAL_EVERY" --val-batches "$VAL_BATCHES" "${TRAIN_FLAGS[@]}" "${extra[@]}") ;;  # extra wins

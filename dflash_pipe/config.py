@@ -163,6 +163,10 @@ class TrainConfig:
                                 "times as it streams in (round r reads the shards committed r-K+1..r, shuffled "
                                 "together), then retire it; its file is deleted after the next complete "
                                 "checkpoint, so the cache stays within [extract] max_cache_gib. --epochs is unused.")
+    window_group: str = opt("", "Window mode: the output dirs of every trainer streaming this cache together, "
+                            "this run's included (comma list), e.g. recipe variants on one extraction; a shard's "
+                            "file is deleted once every one of them has retired it (a member not started yet "
+                            "holds every shard). Empty = this run alone. Give each member the same list.")
     window_checkpoint_rounds: int = opt(1, "Window mode: checkpoint (and then delete the retired shards) every this "
                                         "many rounds. A checkpoint per round costs its write every round; M rounds "
                                         "need room for K + M shards in [extract] max_cache_gib instead of K + 1.")

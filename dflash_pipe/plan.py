@@ -24,7 +24,7 @@ from .cache import load_spec
 from .cache.budget import GIB
 from .cache.fs import CacheFS, open_cache_fs
 from .cache.manifest import MANIFEST_FILE, committed_shards, diff_fields, fingerprint_of
-from .cache.window import load_ledger
+from .cache.window import consumed_indices, load_ledgers
 from .config import RunConfig
 from .errors import UsageError
 from .extract.fingerprint import fingerprint_fields, resolve_target_dtype
@@ -183,15 +183,16 @@ def make_plan(cfg: RunConfig) -> Plan:
     done = committed_shards(cache_dir, old)
     plan.committed = len(done)
     plan.window = window_plan(cfg, cache_dir, old)
-    led = load_ledger(cache_dir, old)
-    consumed = sorted(led.deleted_indices()) if led is not None else []
-    if consumed and led.finished:
+    ledgers = load_ledgers(cache_dir, old)
+    consumed = sorted(consumed_indices(cache_dir, old))
+    owners = ", ".join(led.owner for led in ledgers)
+    if consumed and all(led.finished for led in ledgers):
         plan.stage1 = "run"
-        plan.reason = (f"a finished window run ({led.owner}) consumed {len(consumed)} of {old['num_shards']} shards "
+        plan.reason = (f"a finished window run ({owners}) consumed {len(consumed)} of {old['num_shards']} shards "
                        "(their files are deleted): extract re-extracts them")
     elif consumed:
         plan.stage1 = "resume"
-        plan.reason = (f"a window run ({led.owner}) is streaming this cache: {len(consumed)} shards consumed, "
+        plan.reason = (f"a window run ({owners}) is streaming this cache: {len(consumed)} shards consumed, "
                        f"{plan.committed} of {old['num_shards']} committed")
     elif cache_dir.exists(MANIFEST_FILE) and plan.committed == old["num_shards"]:
         plan.stage1, plan.reason = "skip", "the cache is complete and its fingerprint matches this manifest"

@@ -250,3 +250,38 @@ def test_two_gloo_ranks_read_the_same_window_and_follow_the_schedule(staged, tmp
     assert read_state(complete_checkpoints(out)[-1])["total_steps"] == step  # exact at the end, on 2 ranks too
     lrs = [json.loads(ln)["lr"] for ln in (out / "metrics.jsonl").read_text().splitlines()]
     assert lrs[-1] == 0.0 and min(lrs[:-1]) > 0
+
+
+@pytest.mark.slow
+def test_a_window_group_of_two_trainers_streams_one_extraction_each_as_if_alone(staged, reference, tmp_path):
+    """`--window-group A,B`: two drafters (recipe variants) read one extraction within the budget; a shard's file
+    goes only once both retired it, each trainer keeps its own ledger, and each one's losses equal the solo
+    run's (the same data in the same commit order)."""
+    cache, budget = staged
+    ref_losses = reference[0]
+    live = tmp_path / "live"
+    outs = [tmp_path / "a" / "out", tmp_path / "b" / "out"]
+    for o in outs:
+        o.parent.mkdir()
+    group = ["--window-group", ",".join(str(o) for o in outs)]
+    ext = start_extractor(cache, live, budget, K)
+    _wait_for(live / "cache_spec.json", ext)
+    trainers = [start_trainer(live, o, K, o.parent / "trace", extra=group) for o in outs]
+    for p in trainers:
+        rc, log = finish(p)
+        assert rc == 0, log[-3000:]
+    rc, log = finish(ext)
+    assert rc == 0 and "waiting for space" in log, log[-2000:]       # the budget bounded the extractor
+    ledgers = sorted(live.glob("window-*.json"))
+    assert len(ledgers) == 2 and not (live / "window.json").exists()
+    from dflash_pipe.cache.window import load_ledgers
+
+    for led in load_ledgers(live):
+        assert led.finished and [e.state for e in led.shards] == ["deleted"] * SHARDS
+    assert not list(live.glob("shard-*.parquet")) and len(list(live.glob("shard-*.json"))) == SHARDS
+    for o in outs:
+        assert losses(o) == ref_losses
+    # a trainer alone cannot join the group's cache while it streams (nor after: the cache is consumed)
+    (tmp_path / "solo").mkdir()
+    rc, log = finish(start_trainer(live, tmp_path / "solo" / "out", K, tmp_path / "solo-trace"))
+    assert rc == 3 and "has consumed this cache" in log and "rerun `dflash-pipe extract`" in log, log[-2000:]

@@ -102,6 +102,45 @@ def test_consumed_shards_stay_committed_until_the_run_finishes_then_are_redone(t
     assert committed_shards(tmp_path, spec) == {} and not (tmp_path / "window.json").exists()
 
 
+def test_a_window_group_deletes_a_shard_only_once_every_member_released_it(tmp_path):
+    """Two trainers stream one cache (--window-group): each keeps its own ledger; a shard released by one member
+    is still held (not consumed, its file counted by extraction) until the other releases it too; a member with
+    no ledger yet holds everything; the cache is consumed (and redone) only when both have finished."""
+    from dflash_pipe.cache.window import consumed_indices, group_released, ledger_name, load_ledgers
+
+    spec = write_train_cache(tmp_path, num_docs=8, num_shards=2)
+    group = sorted(["/runs/a", "/runs/b"])
+    a = Ledger(spec["fingerprint"], 1, "/runs/a", group=group)
+    for i in (0, 1):
+        a.add(i, 1)
+    a.shards[0].state = DELETED
+    save_ledger(tmp_path, a)
+    assert a.file == ledger_name("/runs/a", group) != ledger_name("/runs/b", group) != "window.json"
+    assert (tmp_path / a.file).exists() and not (tmp_path / "window.json").exists()
+    assert consumed_indices(tmp_path, spec) == set()              # b has no ledger yet: it holds every shard
+    assert not group_released(tmp_path, spec, a, 0)
+    b = Ledger(spec["fingerprint"], 1, "/runs/b", group=group)
+    for i in (1, 0):                                              # its own commit order
+        b.add(i, 1)
+    save_ledger(tmp_path, b)
+    assert consumed_indices(tmp_path, spec) == set() and not group_released(tmp_path, spec, a, 0)
+    b.entry(0).state = DELETED
+    save_ledger(tmp_path, b)
+    assert consumed_indices(tmp_path, spec) == {0} and group_released(tmp_path, spec, a, 0)
+    assert group_released(tmp_path, spec, b, 0) and not group_released(tmp_path, spec, b, 1)
+    assert [led.owner for led in load_ledgers(tmp_path, spec)] == sorted(["/runs/a", "/runs/b"], key=lambda o:
+                                                                            ledger_name(o, group))
+    (tmp_path / "shard-00000-of-00002.parquet").unlink()          # the last releaser unlinked it
+    assert sorted(committed_shards(tmp_path, spec)) == [0, 1]     # consumed: still committed (not redone)
+    a.finished = True
+    save_ledger(tmp_path, a)
+    assert reset_consumed(tmp_path, spec, lambda i: sidecar_path(tmp_path, i, 2)) == []   # b still runs
+    b.finished = True
+    save_ledger(tmp_path, b)
+    assert reset_consumed(tmp_path, spec, lambda i: sidecar_path(tmp_path, i, 2)) == [0]
+    assert not list(tmp_path.glob("window*.json"))
+
+
 def _fake_shards(d: Path, sizes):
     d.mkdir(exist_ok=True)
     for i, n in enumerate(sizes):
@@ -286,3 +325,24 @@ def test_checkpointing_every_M_rounds_trains_the_same_and_deletes_only_after_eac
     assert [e for e in ev2 if e[0] == "ckpt"] == [("ckpt", r) for r in (2, 4, 5)]  # rounds 2, 4 and the end
     # deletions follow each checkpoint: shard c is retired after round c+1, deleted at the next checkpoint
     assert [e[1] for e in ev2 if e[0] == "delete"] == [(0,), (1, 2), (3,)]
+
+
+def test_a_trainer_outside_a_streaming_window_group_is_refused_by_name(tmp_path, capsys):
+    """While a window group streams the cache, a trainer alone (or with another group) would delete shards the
+    group still reads: usage error (exit 2) naming the group's ledger and the flag, before any step."""
+    from dflash_pipe.cli import main
+
+    spec = write_train_cache(tmp_path / "c", num_docs=8, num_shards=2)
+    group = ["/runs/a", "/runs/b"]
+    save_ledger(tmp_path / "c", Ledger(spec["fingerprint"], 1, "/runs/a", group=group))
+    args = ["train", "--cache-dir", str(tmp_path / "c"), "--output-dir", str(tmp_path / "solo"), "--follow",
+            "--passes-per-shard", "1", "--drafter-num-layers", "1", "--drafter-block-size", "4",
+            "--context-tokens", "96", "--num-anchors", "8", "--loader-workers", "1", "--follow-timeout-s", "5"]
+    with pytest.raises(SystemExit) as err:
+        main(args)
+    assert err.value.code == 2
+    msg = capsys.readouterr().err
+    assert "window-" in msg and "/runs/a" in msg and "--window-group" in msg
+    with pytest.raises(SystemExit) as err:                      # not in its own list
+        main(args + ["--window-group", "/runs/a,/runs/b"])
+    assert err.value.code == 2 and "does not list this run's --output-dir" in capsys.readouterr().err

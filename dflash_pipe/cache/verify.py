@@ -273,15 +273,17 @@ def _resolved_config(fs: CacheFS, sizes: dict[str, int], problems: list[Problem]
 def _window_ledger(fs: CacheFS, spec: dict | None, problems: list[Problem]) -> set[int]:
     """window.json of a window run (`train --passes-per-shard`): its checksum, fields and fingerprint.
     Returns the shards it records as deleted (consumed), whose missing files are no problem."""
-    from .window import ledger_path, load_ledger
+    from .window import consumed_indices, ledger_names, ledger_path, load_ledger
 
-    try:
-        led = load_ledger(fs, spec)
-    except CacheError as exc:
-        problems.append(Problem(str(ledger_path(fs)), _field_of(exc.message), exc.message.split(": ", 1)[-1],
-                                exc.hint or ""))
-        return set()
-    return led.deleted_indices() if led is not None else set()
+    bad = False
+    for name in ledger_names(fs):                # window.json, or one per member of a window group
+        try:
+            load_ledger(fs, spec, name)
+        except CacheError as exc:
+            problems.append(Problem(str(ledger_path(fs, name)), _field_of(exc.message),
+                                    exc.message.split(": ", 1)[-1], exc.hint or ""))
+            bad = True
+    return set() if bad else consumed_indices(fs, spec)
 
 
 def _shards(fs: CacheFS, sizes: dict[str, int], man: dict, checksums: bool, decode: bool,

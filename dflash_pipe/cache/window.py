@@ -13,10 +13,18 @@ Only the trainer's rank 0 writes the ledger (atomically, with a sha256 of its co
 or hand-edited file is refused by name); extraction only reads it. `finished` is set once the
 trainer has exported: the cache is then *consumed*, and the next extraction re-extracts the
 deleted shards (`reset_consumed`).
+
+A window group (`train --window-group DIR,DIR,...`: several drafters, e.g. recipe variants, streaming
+one extraction) gives every trainer its own ledger, ``window-<hash of its output dir>.json``, listing
+the whole group. There `deleted` means *released by this trainer*; the file goes once every member's
+ledger has released it (`group_released`), by whichever member releases it last, and a member that
+has not started yet holds every shard. Readers that ask which files are gone use `consumed_indices`:
+the shards every ledger of the cache has released.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +34,7 @@ from ..io_utils import fsync_dir, sha256_json
 from .fs import CacheFS, open_cache_fs
 
 WINDOW_FILE = "window.json"
+GROUP_PREFIX = "window-"   # + 12 hex digits of the member's output dir + ".json"
 HELD, RETIRED, DELETED = "held", "retired", "deleted"
 _STATES = (HELD, RETIRED, DELETED)
 
@@ -46,6 +55,12 @@ class Ledger:
     owner: str  # the training output dir that streams this cache
     shards: list[ShardEntry] = field(default_factory=list)  # in commit (seq) order
     finished: bool = False
+    group: list[str] = field(default_factory=list)  # a window group's members (output dirs), this one included
+
+    @property
+    def file(self) -> str:
+        """This ledger's file name in the cache dir."""
+        return ledger_name(self.owner, self.group)
 
     # ------------------------------------------------------------------ queries
     def order(self) -> list[int]:
@@ -88,23 +103,38 @@ class Ledger:
         body = {"format": "dflash-pipe-window", "version": 1, "fingerprint": self.fingerprint,
                 "passes_per_shard": self.passes_per_shard, "owner": self.owner, "finished": self.finished,
                 "shards": [vars(e).copy() for e in self.shards]}
+        if self.group:
+            body["group"] = list(self.group)
         return {**body, "checksum": sha256_json(body)}
 
 
-def ledger_path(cache_dir: str | Path | CacheFS) -> Path | str:
-    """Where the ledger is: a path, or an object's URI (for messages)."""
-    fs = open_cache_fs(cache_dir)
-    return fs.path(WINDOW_FILE) if fs.is_local else fs.display(WINDOW_FILE)
+def ledger_name(owner: str, group: list[str] | tuple[str, ...] = ()) -> str:
+    """window.json for a trainer alone; window-<12 hex of its output dir>.json for a group member."""
+    if not group:
+        return WINDOW_FILE
+    return f"{GROUP_PREFIX}{hashlib.sha256(owner.encode()).hexdigest()[:12]}.json"
 
 
-def load_ledger(cache_dir: str | Path | CacheFS, spec: dict | None = None) -> Ledger | None:
-    """The ledger of this cache, or None. Damage (bad JSON, checksum, fields) is a CacheError naming it."""
+def ledger_names(fs: CacheFS) -> list[str]:
+    """Every ledger file in the cache dir (window.json and group members'), sorted."""
+    return sorted(n for n in fs.list_sizes() if n == WINDOW_FILE or (n.startswith(GROUP_PREFIX) and n.endswith(".json")
+                                                                      and not n.startswith(".")))
+
+
+def ledger_path(cache_dir: str | Path | CacheFS, name: str = WINDOW_FILE) -> Path | str:
+    """Where a ledger is: a path, or an object's URI (for messages)."""
     fs = open_cache_fs(cache_dir)
-    path = ledger_path(fs)
+    return fs.path(name) if fs.is_local else fs.display(name)
+
+
+def load_ledger(cache_dir: str | Path | CacheFS, spec: dict | None = None, name: str = WINDOW_FILE) -> Ledger | None:
+    """The ledger `name` of this cache, or None. Damage (bad JSON, checksum, fields) is a CacheError naming it."""
+    fs = open_cache_fs(cache_dir)
+    path = ledger_path(fs, name)
     hint = ("the window state was damaged or edited; if no window run is in progress delete it (and re-extract "
             "the shards it deleted), otherwise restore it from a backup")
     try:
-        raw = json.loads(fs.read_bytes(WINDOW_FILE).decode("utf-8"))
+        raw = json.loads(fs.read_bytes(name).decode("utf-8"))
     except FileNotFoundError:
         return None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -118,7 +148,7 @@ def load_ledger(cache_dir: str | Path | CacheFS, spec: dict | None = None) -> Le
         shards = [ShardEntry(int(s["index"]), int(s["seq"]), int(s["bytes"]), str(s["state"]),
                              int(s["retired_after_round"])) for s in body["shards"]]
         led = Ledger(str(body["fingerprint"]), int(body["passes_per_shard"]), str(body["owner"]), shards,
-                     bool(body["finished"]))
+                     bool(body["finished"]), [str(g) for g in body.get("group", [])])
     except (KeyError, TypeError, ValueError) as exc:
         raise CacheError(f"{path}: window ledger field missing or mistyped ({exc})", hint) from None
     for i, e in enumerate(led.shards):
@@ -131,7 +161,42 @@ def load_ledger(cache_dir: str | Path | CacheFS, spec: dict | None = None) -> Le
 
 
 def save_ledger(cache_dir: str | Path | CacheFS, ledger: Ledger) -> None:
-    open_cache_fs(cache_dir).write_json(WINDOW_FILE, ledger.to_json())  # atomic: rename, or one whole PUT
+    open_cache_fs(cache_dir).write_json(ledger.file, ledger.to_json())  # atomic: rename, or one whole PUT
+
+
+def load_ledgers(cache_dir: str | Path | CacheFS, spec: dict | None = None) -> list[Ledger]:
+    """Every ledger of the cache (one per trainer streaming it), each checked as load_ledger checks it."""
+    fs = open_cache_fs(cache_dir)
+    return [led for n in ledger_names(fs) if (led := load_ledger(fs, spec, n)) is not None]
+
+
+def consumed_indices(cache_dir: str | Path | CacheFS, spec: dict | None = None) -> set[int]:
+    """Shards whose files the window run(s) removed or may remove: deleted in every ledger of the cache, and in
+    a group only once every member has a ledger (a member not started yet holds every shard)."""
+    ledgers = load_ledgers(cache_dir, spec)
+    if not ledgers:
+        return set()
+    group = {g for led in ledgers for g in led.group}
+    if group - {led.owner for led in ledgers}:
+        return set()
+    out = ledgers[0].deleted_indices()
+    for led in ledgers[1:]:
+        out &= led.deleted_indices()
+    return out
+
+
+def group_released(cache_dir: str | Path | CacheFS, spec: dict | None, ledger: Ledger, index: int) -> bool:
+    """Whether every member of `ledger`'s group (itself included, as in memory) has released shard `index`."""
+    if ledger.entry(index) is None or ledger.entry(index).state != DELETED:
+        return False
+    for owner in ledger.group:
+        if owner == ledger.owner:
+            continue
+        other = load_ledger(cache_dir, spec, ledger_name(owner, ledger.group))
+        e = other.entry(index) if other is not None else None
+        if e is None or e.state != DELETED:
+            return False
+    return True
 
 
 def delete_shard_file(cache_dir: str | Path | CacheFS, name: str) -> None:
@@ -158,14 +223,15 @@ def reset_consumed(cache_dir: str | Path | CacheFS, spec: dict, sidecar_of) -> l
     from .manifest import MANIFEST_FILE
 
     fs = open_cache_fs(cache_dir)
-    led = load_ledger(fs, spec)
-    if led is None or not led.finished:
+    ledgers = load_ledgers(fs, spec)
+    if not ledgers or not all(led.finished for led in ledgers):   # a group: every member finished
         return []
-    redo = sorted(led.deleted_indices())
+    redo = sorted(consumed_indices(fs, spec))
     for i in redo:
         fs.delete(Path(sidecar_of(i)).name)
     fs.delete(MANIFEST_FILE)
-    fs.delete(WINDOW_FILE)
+    for led in ledgers:
+        fs.delete(led.file)
     if fs.is_local:
         fsync_dir(fs.root)
     return redo
@@ -174,18 +240,23 @@ def reset_consumed(cache_dir: str | Path | CacheFS, spec: dict, sidecar_of) -> l
 def window_status(cache_dir: str | Path | CacheFS, spec: dict) -> dict | None:
     """`cache info`'s view of the window: shards held / retired / deleted / pending, bytes on disk."""
     fs = open_cache_fs(cache_dir)
-    led = load_ledger(fs, spec)
-    if led is None:
+    ledgers = load_ledgers(fs, spec)
+    if not ledgers:
         return None
     from .schema import shard_name
 
+    led = ledgers[0]                     # a group: the first member's view; `group` lists every member's state
     n = int(spec["num_shards"])
     sizes = fs.list_sizes()
     on_disk = {i: sizes[shard_name(i, n)] for i in range(n) if shard_name(i, n) in sizes}
     known = set(led.order())
-    return {"passes_per_shard": led.passes_per_shard, "owner": led.owner, "finished": led.finished,
-            "consumed": led.finished and bool(led.deleted_indices()),
-            "commit_order": led.order(),
-            "held": [e.index for e in led.in_state(HELD)], "retired": [e.index for e in led.in_state(RETIRED)],
-            "deleted": sorted(led.deleted_indices()), "pending": [i for i in range(n) if i not in known],
-            "bytes_on_disk": sum(on_disk.values()), "shard_files_on_disk": len(on_disk)}
+    gone = consumed_indices(fs, spec)
+    out = {"passes_per_shard": led.passes_per_shard, "owner": led.owner, "finished": led.finished,
+           "consumed": all(x.finished for x in ledgers) and bool(gone),
+           "commit_order": led.order(),
+           "held": [e.index for e in led.in_state(HELD)], "retired": [e.index for e in led.in_state(RETIRED)],
+           "deleted": sorted(gone), "pending": [i for i in range(n) if i not in known],
+           "bytes_on_disk": sum(on_disk.values()), "shard_files_on_disk": len(on_disk)}
+    if led.group:
+        out["group"] = {x.owner: {"finished": x.finished, "released": len(x.deleted_indices())} for x in ledgers}
+    return out

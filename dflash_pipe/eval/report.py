@@ -69,6 +69,7 @@ def method_summary(results: list[SpecResult], reference: list[list[int]], target
         "generated_tokens": tokens, "wall_s": wall, "draft_s": draft, "verify_s": verify, "prefill_s": prefill,
         "other_s": max(0.0, wall - draft - verify - prefill),
         "tokens_per_s": tok_s, "speedup": speedup,
+        "replay_s": sum(r.wall_s for r in results if r.replayed),   # --replay: the replayed generations' time
         "identical_to_target": identical / len(decoded) if decoded else None,
     }
 

@@ -13,7 +13,7 @@ from ..cache import load_manifest, load_spec
 from ..cache.fs import open_cache_fs
 from ..cache.manifest import MANIFEST_FILE, committed_shards
 from ..cache.reader import ShardReader
-from ..cache.window import WINDOW_FILE, load_ledger
+from ..cache.window import consumed_indices, load_ledgers
 from ..config import parse_shard_subset
 from ..errors import CacheError
 
@@ -64,10 +64,11 @@ class CacheIndex:
 
     def refresh(self) -> bool:
         """Pick up newly committed shards. Returns whether the data is final (manifest written)."""
-        led = load_ledger(self.fs, self.spec)
-        if led is not None and led.deleted_indices():
-            raise CacheError(f"{self.cache_dir}: shards {sorted(led.deleted_indices())} were consumed (deleted) by "
-                             f"the window run {led.owner} ({WINDOW_FILE})",
+        gone = consumed_indices(self.fs, self.spec)
+        if gone:
+            owners = ", ".join(f"{led.owner} ({led.file})" for led in load_ledgers(self.fs, self.spec))
+            raise CacheError(f"{self.cache_dir}: shards {sorted(gone)} were consumed (deleted) by the window run "
+                             f"{owners}",
                              "rerun `dflash-pipe extract` to re-extract them (a finished window run's cache), or "
                              "resume that run with --follow --passes-per-shard K")
         if self.fs.exists(MANIFEST_FILE):

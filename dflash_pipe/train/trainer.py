@@ -34,7 +34,7 @@ from .loader import BatchLoader
 from .metrics import StepLogger, Stopwatch, plot_history, step_flops
 from .round_carry import RoundCarry
 from .window_lr import WindowLR, planned_total
-from .window_run import WindowCoordinator
+from .window_run import WindowCoordinator, window_group
 
 log = logging.getLogger("dflash_pipe.train")
 
@@ -66,7 +66,8 @@ def _window(cfg: RunConfig, index: CacheIndex, out_dir: Path, info: DistInfo, de
     if tr.shards.strip():
         raise UsageError("--passes-per-shard (window mode) cannot be combined with --shards")
     coord = WindowCoordinator(index, out_dir, tr.passes_per_shard, info.rank, info.world, device, tr.follow_poll_s,
-                              tr.follow_timeout_s, tr.seed, tr.context_tokens, tr.shuffle_rows)
+                              tr.follow_timeout_s, tr.seed, tr.context_tokens, tr.shuffle_rows,
+                              group=window_group(tr.window_group, out_dir))
     loader.schedule_fn = coord.schedule
     if tr.window_read_ahead:
         loader.carry = RoundCarry(coord.peek_schedule, tr.follow_poll_s)

@@ -27,8 +27,9 @@ import torch
 import torch.distributed as dist
 
 from ..cache.manifest import committed_shards
-from ..cache.window import DELETED, Ledger, check_owner, delete_shard_file, ledger_path, load_ledger, save_ledger
-from ..errors import CacheError, RuntimeFailure
+from ..cache.window import (DELETED, Ledger, check_owner, delete_shard_file, group_released, ledger_name,
+                            ledger_names, ledger_path, load_ledger, save_ledger)
+from ..errors import CacheError, RuntimeFailure, UsageError
 from ..faults import fault_point
 from .checkpoint import complete_checkpoints, read_state
 from .schedule import EpochSchedule, build_round_schedule, retired_after, window_members, window_rounds
@@ -46,9 +47,24 @@ def _locked(method):
     return run
 
 
+def window_group(spec: str, out_dir: Path) -> list[str]:
+    """`--window-group DIR,DIR,...` as resolved output dirs (sorted, so every member writes the same list); []
+    for a trainer alone. This run's own output dir must be one of them."""
+    dirs = [d.strip() for d in spec.split(",") if d.strip()]
+    if not dirs:
+        return []
+    group = sorted({str(Path(d).expanduser().resolve()) for d in dirs})
+    own = str(Path(out_dir).resolve())
+    if own not in group:
+        raise UsageError(f"--window-group {spec!r} does not list this run's --output-dir {own}",
+                         "give every member of the group the same list, its own output dir included")
+    return group
+
+
 class WindowCoordinator:
     def __init__(self, index, out_dir: Path, passes: int, rank: int, world: int, device: torch.device,
-                 poll_s: float, timeout_s: float, seed: int, context_tokens: int, shuffle_rows: int):
+                 poll_s: float, timeout_s: float, seed: int, context_tokens: int, shuffle_rows: int,
+                 group: list[str] | None = None):
         self.index = index
         self.cache_dir, self.spec = index.cache_dir, index.spec
         self.n = int(self.spec["num_shards"])
@@ -65,17 +81,61 @@ class WindowCoordinator:
         # peek_schedule runs on the read-ahead's own thread (round_carry.py); it and the step loop's looks,
         # retirements and deletions take turns on the ledger, the commit order and the lengths
         self._lock = threading.RLock()
+        self.group = list(group or [])
+        self._unlinked: set[int] = set()                     # released shards whose files are known to be gone
+        owner = str(self.out_dir.resolve())
+        self.ledger_file = ledger_name(owner, self.group)   # window.json alone, window-<hash>.json in a group
         if rank == 0:
-            owner = str(self.out_dir.resolve())
-            led = load_ledger(self.cache_dir, self.spec)
+            self._check_neighbours(owner)
+            path = ledger_path(self.cache_dir, self.ledger_file)
+            led = load_ledger(self.cache_dir, self.spec, self.ledger_file)
             if led is not None and led.finished and led.owner != owner:
-                raise CacheError(f"{ledger_path(self.cache_dir)}: another window run ({led.owner}) has consumed this "
-                                 "cache", "rerun `dflash-pipe extract` (it re-extracts the consumed shards) first")
+                raise CacheError(f"{path}: another window run ({led.owner}) has consumed this cache",
+                                 "rerun `dflash-pipe extract` (it re-extracts the consumed shards) first")
             if led is not None:
-                check_owner(led, owner, passes, ledger_path(self.cache_dir))
-            self.ledger = led or Ledger(self.spec["fingerprint"], passes, owner)
-            for e in self.ledger.in_state(DELETED):  # killed between the ledger write and the unlink
-                delete_shard_file(self.cache_dir, self._name(e.index))
+                check_owner(led, owner, passes, path)
+                if sorted(led.group) != self.group and not led.finished:
+                    raise UsageError(f"{path}: this run streams the cache in the window group {led.group or '(none)'}, "
+                                     f"not {self.group or '(none)'}", "resume with the original --window-group")
+            self.ledger = led or Ledger(self.spec["fingerprint"], passes, owner, group=self.group)
+            self._sweep()  # killed between the ledger write and the unlink: the files the group released go now
+
+    def _check_neighbours(self, owner: str) -> None:
+        """A trainer alone and a window group cannot stream one cache at once (each would delete what the other
+        still reads); nor can two groups. Finished ledgers are history and do not count."""
+        names = ledger_names(self.index.fs)
+        for name in names:
+            if name == self.ledger_file:
+                continue
+            other = load_ledger(self.cache_dir, self.spec, name)
+            if other is not None and other.finished and self.ledger_file not in names and other.deleted_indices():
+                raise CacheError(f"{ledger_path(self.cache_dir, name)}: another window run ({other.owner}) has "
+                                 "consumed this cache",
+                                 "rerun `dflash-pipe extract` (it re-extracts the consumed shards) first")
+            if other is None or other.finished or (self.group and sorted(other.group) == self.group):
+                continue
+            raise UsageError(f"{ledger_path(self.cache_dir, name)}: the cache is being streamed by "
+                             f"{'the window group ' + str(other.group) if other.group else 'the window run ' + other.owner}"
+                             f", and this run has --window-group {self.group or '(none)'}",
+                             "give every trainer of this cache the same --window-group (its members' output dirs), "
+                             "or use another --cache-dir")
+
+    def _sweep(self) -> list[int]:
+        """Rank 0: unlink the shard files this trainer released (ledger state deleted) that every group member has
+        released too (alone: all of them). Idempotent; returns the indices unlinked now."""
+        gone = []
+        fs = self.index.fs
+        for e in self.ledger.in_state(DELETED):
+            if e.index in self._unlinked:    # known gone: no look (a look is a HEAD request on object storage)
+                continue
+            name = self._name(e.index)
+            if fs.exists(name):
+                if self.group and not group_released(self.cache_dir, self.spec, self.ledger, e.index):
+                    continue                 # another member still reads it: looked at again next boundary
+                delete_shard_file(self.cache_dir, name)
+                gone.append(e.index)
+            self._unlinked.add(e.index)
+        return gone
 
     @property
     def rounds(self) -> int:
@@ -191,7 +251,7 @@ class WindowCoordinator:
             if self.rank == 0:
                 order = self._update_ledger()
             else:
-                led = load_ledger(self.cache_dir, self.spec)
+                led = load_ledger(self.cache_dir, self.spec, self.ledger_file)
                 order = led.order() if led is not None else []
             need = min(round_, self.n - 1) + 1
             if len(order) < need:
@@ -245,10 +305,10 @@ class WindowCoordinator:
             for e in gone:
                 e.state = DELETED
             save_ledger(self.cache_dir, self.ledger)  # first the ledger, then the files (a kill in between:
-            for e in gone:                            # the next start unlinks what the ledger says is deleted)
-                delete_shard_file(self.cache_dir, self._name(e.index))
-            log.info("window: deleted shards %s (retired, checkpointed at round %d)", [e.index for e in gone],
-                     boundary_round)
+        unlinked = self._sweep()                      # the next start unlinks what the ledger says is deleted)
+        if gone or unlinked:                          # (a group: the files every member has released, maybe
+            log.info("window: released shards %s (retired, checkpointed at round %d); files deleted: %s",  # older)
+                     [e.index for e in gone], boundary_round, unlinked)
         self.prune_checkpoints(boundary_round)
         return [e.index for e in gone]
 
