@@ -254,3 +254,15 @@ def test_tensor_sample_addresses_huge_tensors_exactly():
     t[(t.numel() - 1) // (TENSOR_SAMPLES - 1)] = 3
     s = _tensor_sample(t)
     assert s.numel() == TENSOR_SAMPLES and int(s[-1]) == 7 and int(s[1]) == 3 and int(s[0]) == 0
+
+
+def test_the_embedded_tokenizer_dir_expands_a_home_relative_cache_dir(tmp_path, monkeypatch):
+    """The default model cache dir is "~/.cache/...": called directly (bench scripts do), the helper used to create a
+    literal "~" directory in the working directory."""
+    from dflash_pipe.target.embedded import ensure_embedded_tokenizer_dir
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    got = ensure_embedded_tokenizer_dir("~/models")
+    assert str(got).startswith(str(tmp_path / "home" / "models")) and got.is_dir()
+    assert not (tmp_path / "~").exists()

@@ -218,7 +218,7 @@ def ensure_embedded_tokenizer_dir(model_cache_dir: Path) -> Path:
     Reuses the full converted model dir when it exists; otherwise extracts the tokenizer only
     (~4 s once, instead of the ~12 s weight dequantization).
     """
-    cache_dir = Path(model_cache_dir)
+    cache_dir = Path(os.path.expanduser(str(model_cache_dir)))   # the default is "~/...": never a literal "~" dir
     digest = file_sample_digest(embedded_gguf_path(TOKENIZER_SOURCE))
     full = cache_dir / TOKENIZER_SOURCE
     if conversion_is_complete(full, digest, "model"):
