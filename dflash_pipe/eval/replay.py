@@ -61,12 +61,7 @@ def replay_generate(verifier, proposer, prompt_ids: Sequence[int], ref: Sequence
         while accepted < len(drafts) and n + accepted < len(ref) and drafts[accepted] == ref[n + accepted]:
             accepted += 1
         new = drafts[:accepted] + ref[n + accepted:n + accepted + 1]    # no bonus token past the reference's end
-        cut = next((i + 1 for i, t in enumerate(new) if t in eos), len(new))
-        out.extend(new[:cut])
-        res.proposed.append(len(drafts))
-        res.accepted.append(accepted)
-        res.slot_limit.append(limit)
-        res.committed.append(cut)
+        res.record_step(drafts, accepted, new, limit, eos)
     sync_fn(verifier.device)()
     res.wall_s = time.perf_counter() - t0
     return res

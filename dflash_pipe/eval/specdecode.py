@@ -71,6 +71,15 @@ class SpecResult:
     def steps(self) -> int:
         return len(self.accepted)
 
+    def record_step(self, drafts: list[int], accepted: int, new: list[int], limit: int, eos: set[int]) -> None:
+        """Commit `new` (the accepted drafts + the target's own token) up to and including an EOS; log the step."""
+        cut = next((i + 1 for i, t in enumerate(new) if t in eos), len(new))
+        self.tokens.extend(new[:cut])
+        self.proposed.append(len(drafts))
+        self.accepted.append(accepted)
+        self.slot_limit.append(limit)
+        self.committed.append(cut)
+
     @property
     def tau(self) -> float | None:
         """Mean tokens committed per verify step (accepted drafts + the target's own token)."""
@@ -128,12 +137,7 @@ def speculative_generate(verifier: TargetVerifier, proposer: Proposer, prompt_id
         new = drafts[:accepted] + [target[accepted]]
         verifier.commit(accepted, target[accepted])
         res.verify_s += time.perf_counter() - t_verify
-        cut = next((i + 1 for i, t in enumerate(new) if t in eos), len(new))
-        out.extend(new[:cut])
-        res.proposed.append(len(drafts))
-        res.accepted.append(accepted)
-        res.slot_limit.append(limit)
-        res.committed.append(cut)
+        res.record_step(drafts, accepted, new, limit, eos)
     sync()
     res.wall_s = time.perf_counter() - t0
     res.target_forwards = verifier.forwards
