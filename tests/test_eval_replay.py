@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from dflash_pipe.eval import eos_token_ids, greedy_generate
+from dflash_pipe.eval.draft_graph import GraphedDFlashProposer
 from dflash_pipe.eval.engine_step import EngineTarget, EngineVerifier
 from dflash_pipe.eval.ngram import NgramProposer
 from dflash_pipe.eval.replay import replay_generate, same_steps
@@ -53,6 +54,11 @@ def test_replay_takes_the_decoded_steps_for_oracle_dflash_and_ngram(llama, kind)
             "oracle": lambda: CorruptingOracle(ids + ref, lambda s: (s * 3) % B, VOCAB, needs_features=True),
             "dflash": lambda: Recording(DFlashProposer(drafter, cfg, m.get_input_embeddings().weight,
                                                       m.get_output_embeddings())),
+            # the eval's proposer on CUDA (fixed-shape buffers; eager here): in replay the feature rows past the
+            # anchor already hold later tokens' features, which its update writes and the mask must hide
+            "dflash-buffers": lambda: Recording(GraphedDFlashProposer(drafter, cfg, m.get_input_embeddings().weight,
+                                                                      m.get_output_embeddings(), use_graphs="off",
+                                                                      kv_bucket=8)),
             "ngram": lambda: Recording(NgramProposer()),
         }
         for name, new in proposers.items():
