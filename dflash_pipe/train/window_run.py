@@ -305,9 +305,11 @@ class WindowCoordinator:
             for e in gone:
                 e.state = DELETED
             save_ledger(self.cache_dir, self.ledger)  # first the ledger, then the files (a kill in between:
-        unlinked = self._sweep()                      # the next start unlinks what the ledger says is deleted)
-        if gone or unlinked:                          # (a group: the files every member has released, maybe
-            log.info("window: released shards %s (retired, checkpointed at round %d); files deleted: %s",  # older)
+        # the next start unlinks what the ledger says is deleted); in a group, the files every member has
+        # released by now, this boundary's or older ones
+        unlinked = self._sweep()
+        if gone or unlinked:
+            log.info("window: released shards %s (retired, checkpointed at round %d); files deleted: %s",
                      [e.index for e in gone], boundary_round, unlinked)
         self.prune_checkpoints(boundary_round)
         return [e.index for e in gone]
