@@ -184,7 +184,7 @@ def make_plan(cfg: RunConfig) -> Plan:
     plan.committed = len(done)
     plan.window = window_plan(cfg, cache_dir, old)
     ledgers = load_ledgers(cache_dir, old)
-    consumed = sorted(consumed_indices(cache_dir, old))
+    consumed = sorted(consumed_indices(cache_dir, old, ledgers))
     owners = ", ".join(led.owner for led in ledgers)
     if consumed and all(led.finished for led in ledgers):
         plan.stage1 = "run"

@@ -177,7 +177,7 @@ def committed_shards(cache_dir: str | Path | CacheFS, spec: dict, skip: frozense
 
     A shard that a window run has consumed (window.json says `deleted`) has only its sidecar left and
     still counts as committed (entry field "deleted": true): extraction must not redo it."""
-    from .window import consumed_indices
+    from .window import consumed_indices, load_ledgers
 
     fs = open_cache_fs(cache_dir)
     sizes = fs.list_sizes()
@@ -201,7 +201,9 @@ def committed_shards(cache_dir: str | Path | CacheFS, spec: dict, skip: frozense
             missing[i] = sc
     # read the ledger after looking at the files: the trainer marks a shard deleted before it unlinks it,
     # so every file seen missing above was either consumed by then or never committed
-    consumed = consumed_indices(fs, spec)      # every window ledger's (a group: released by all members)
+    # every window ledger's (a group: released by all members); the listing above names the ledgers (a ledger
+    # is written before any file it deletes goes, so one missing from it has deleted nothing seen missing)
+    consumed = consumed_indices(fs, spec, load_ledgers(fs, spec, names=sizes))
     for i, sc in missing.items():
         if i in consumed:
             out[i] = {**sc, "deleted": True}

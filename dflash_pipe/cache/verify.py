@@ -275,15 +275,18 @@ def _window_ledger(fs: CacheFS, spec: dict | None, problems: list[Problem]) -> s
     Returns the shards it records as deleted (consumed), whose missing files are no problem."""
     from .window import consumed_indices, ledger_names, ledger_path, load_ledger
 
-    bad = False
+    ledgers, bad = [], False
     for name in ledger_names(fs):                # window.json, or one per member of a window group
         try:
-            load_ledger(fs, spec, name)
+            led = load_ledger(fs, spec, name)
         except CacheError as exc:
             problems.append(Problem(str(ledger_path(fs, name)), _field_of(exc.message),
                                     exc.message.split(": ", 1)[-1], exc.hint or ""))
             bad = True
-    return set() if bad else consumed_indices(fs, spec)
+            continue
+        if led is not None:
+            ledgers.append(led)
+    return set() if bad else consumed_indices(fs, spec, ledgers)
 
 
 def _shards(fs: CacheFS, sizes: dict[str, int], man: dict, checksums: bool, decode: bool,

@@ -115,10 +115,11 @@ def ledger_name(owner: str, group: list[str] | tuple[str, ...] = ()) -> str:
     return f"{GROUP_PREFIX}{hashlib.sha256(owner.encode()).hexdigest()[:12]}.json"
 
 
-def ledger_names(fs: CacheFS) -> list[str]:
-    """Every ledger file in the cache dir (window.json and group members'), sorted."""
-    return sorted(n for n in fs.list_sizes() if n == WINDOW_FILE or (n.startswith(GROUP_PREFIX) and n.endswith(".json")
-                                                                      and not n.startswith(".")))
+def ledger_names(fs: CacheFS, names=None) -> list[str]:
+    """Every ledger file in the cache dir (window.json and group members'), sorted. `names`: a listing the caller
+    already made (one listing is one request on object storage)."""
+    names = fs.list_sizes() if names is None else names
+    return sorted(n for n in names if n == WINDOW_FILE or (n.startswith(GROUP_PREFIX) and n.endswith(".json")))
 
 
 def ledger_path(cache_dir: str | Path | CacheFS, name: str = WINDOW_FILE) -> Path | str:
@@ -164,16 +165,20 @@ def save_ledger(cache_dir: str | Path | CacheFS, ledger: Ledger) -> None:
     open_cache_fs(cache_dir).write_json(ledger.file, ledger.to_json())  # atomic: rename, or one whole PUT
 
 
-def load_ledgers(cache_dir: str | Path | CacheFS, spec: dict | None = None) -> list[Ledger]:
-    """Every ledger of the cache (one per trainer streaming it), each checked as load_ledger checks it."""
+def load_ledgers(cache_dir: str | Path | CacheFS, spec: dict | None = None, names=None) -> list[Ledger]:
+    """Every ledger of the cache (one per trainer streaming it), each checked as load_ledger checks it.
+    `names`: the cache dir's listing, if the caller already has one."""
     fs = open_cache_fs(cache_dir)
-    return [led for n in ledger_names(fs) if (led := load_ledger(fs, spec, n)) is not None]
+    return [led for n in ledger_names(fs, names) if (led := load_ledger(fs, spec, n)) is not None]
 
 
-def consumed_indices(cache_dir: str | Path | CacheFS, spec: dict | None = None) -> set[int]:
+def consumed_indices(cache_dir: str | Path | CacheFS, spec: dict | None = None,
+                     ledgers: list[Ledger] | None = None) -> set[int]:
     """Shards whose files the window run(s) removed or may remove: deleted in every ledger of the cache, and in
-    a group only once every member has a ledger (a member not started yet holds every shard)."""
-    ledgers = load_ledgers(cache_dir, spec)
+    a group only once every member has a ledger (a member not started yet holds every shard). `ledgers`: the
+    cache's ledgers, if the caller has loaded them (else they are read here)."""
+    if ledgers is None:
+        ledgers = load_ledgers(cache_dir, spec)
     if not ledgers:
         return set()
     group = {g for led in ledgers for g in led.group}
@@ -185,14 +190,22 @@ def consumed_indices(cache_dir: str | Path | CacheFS, spec: dict | None = None) 
     return out
 
 
-def group_released(cache_dir: str | Path | CacheFS, spec: dict | None, ledger: Ledger, index: int) -> bool:
-    """Whether every member of `ledger`'s group (itself included, as in memory) has released shard `index`."""
-    if ledger.entry(index) is None or ledger.entry(index).state != DELETED:
+def member_ledgers(cache_dir: str | Path | CacheFS, spec: dict | None, ledger: Ledger) -> dict[str, Ledger | None]:
+    """The other members of `ledger`'s group, by owner, as stored now (None: not started yet)."""
+    return {owner: load_ledger(cache_dir, spec, ledger_name(owner, ledger.group))
+            for owner in ledger.group if owner != ledger.owner}
+
+
+def group_released(cache_dir: str | Path | CacheFS, spec: dict | None, ledger: Ledger, index: int,
+                   members: dict[str, Ledger | None] | None = None) -> bool:
+    """Whether every member of `ledger`'s group (itself included, as in memory) has released shard `index`.
+    `members`: member_ledgers() read once for several shards (else read here)."""
+    e = ledger.entry(index)
+    if e is None or e.state != DELETED:
         return False
-    for owner in ledger.group:
-        if owner == ledger.owner:
-            continue
-        other = load_ledger(cache_dir, spec, ledger_name(owner, ledger.group))
+    if members is None:
+        members = member_ledgers(cache_dir, spec, ledger)
+    for other in members.values():
         e = other.entry(index) if other is not None else None
         if e is None or e.state != DELETED:
             return False
@@ -226,7 +239,7 @@ def reset_consumed(cache_dir: str | Path | CacheFS, spec: dict, sidecar_of) -> l
     ledgers = load_ledgers(fs, spec)
     if not ledgers or not all(led.finished for led in ledgers):   # a group: every member finished
         return []
-    redo = sorted(consumed_indices(fs, spec))
+    redo = sorted(consumed_indices(fs, spec, ledgers))
     for i in redo:
         fs.delete(Path(sidecar_of(i)).name)
     fs.delete(MANIFEST_FILE)
@@ -250,7 +263,7 @@ def window_status(cache_dir: str | Path | CacheFS, spec: dict) -> dict | None:
     sizes = fs.list_sizes()
     on_disk = {i: sizes[shard_name(i, n)] for i in range(n) if shard_name(i, n) in sizes}
     known = set(led.order())
-    gone = consumed_indices(fs, spec)
+    gone = consumed_indices(fs, spec, ledgers)
     out = {"passes_per_shard": led.passes_per_shard, "owner": led.owner, "finished": led.finished,
            "consumed": all(x.finished for x in ledgers) and bool(gone),
            "commit_order": led.order(),

@@ -38,6 +38,7 @@ from .regen_refill import RefillPolicy, plan_refill
 from .regen_sampling import Decoding, next_tokens
 
 log = logging.getLogger("dflash_pipe.eval")
+GREEDY = Decoding()
 
 
 @dataclass
@@ -104,7 +105,6 @@ class EngineBackend:
         # --greedy-after K: a row refilled before decode step s0 samples while its token index is < K, i.e. at
         # steps < s0 + K - 1; past the last such step no row samples and the step takes the argmax alone
         # (skipping softmax + the full-vocabulary sort of top-p). The host knows this without a sync.
-        self.greedy_dec = Decoding() if dec.greedy_after else None
         self.sample_until = 0
         self.prefill_rows = self.prefill_calls = self.prefill_real = self.prefill_padded = 0
         self.cuda = dev.type == "cuda"
@@ -218,8 +218,8 @@ class EngineBackend:
     def _advance(self, logits, w: int) -> None:
         """Next token of every live row of the first `w`; finished rows write to the spare column and stay put."""
         keys, n_gen, active, cur = self.keys[:w], self.n_gen[:w], self.active[:w], self.cur[:w]
-        greedy_now = self.greedy_dec is not None and self.decode_steps >= self.sample_until
-        tok = next_tokens(logits, keys, n_gen, self.greedy_dec if greedy_now else self.dec)
+        greedy_now = self.dec.greedy_after and self.decode_steps >= self.sample_until
+        tok = next_tokens(logits, keys, n_gen, GREEDY if greedy_now else self.dec)
         act = active.clone()
         col = torch.where(act, n_gen, self.max_new)
         self.out[:w].scatter_(1, col[:, None], tok[:, None])

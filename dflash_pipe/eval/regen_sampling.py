@@ -3,13 +3,15 @@
 Each answer has a 62-bit key derived from (seed, sample id, turn) on the host; step s of that
 answer draws one uniform u = hash(key, s) in [0, 1) with integer arithmetic on the device, and
 takes the token where the (top-p-cut, renormalised) cumulative distribution first exceeds u
-(inverse-CDF sampling). With ``--greedy-after K`` only steps 0..K-1 are sampled and every later token
-is the argmax: diverse answers whose continuations are the target's own greedy choices (a block-
-parallel drafter cannot see the sampled tokens inside the block it drafts, so fully sampled answers
-give it labels that are partly noise: session 13's drafter, trained on fully sampled multi-turn answers,
-decoded 5.5 % below session 6's, trained on greedy first turns, with other things changed as well). So a row's randomness depends on nothing but its own key and step: not on
+(inverse-CDF sampling). So a row's randomness depends on nothing but its own key and step: not on
 which other rows share its batch, which slot it sits in, or the device (the hash is exact integer
 math on CPU and CUDA alike). No generator state, no host sync.
+
+With ``--greedy-after K`` only steps 0..K-1 are sampled and every later token is the argmax:
+diverse answers whose continuations are the target's own greedy choices. A block-parallel drafter
+cannot see the sampled tokens inside the block it drafts, so fully sampled answers give it labels
+that are partly noise (session 13's drafter, trained on fully sampled multi-turn answers, decoded
+5.5 % below session 6's, trained on greedy first turns, with other things changed as well).
 """
 
 from __future__ import annotations

@@ -21,8 +21,9 @@ Decoding is greedy by default; ``--temperature T --top-p P --seed S`` samples in
 ``--samples N`` writes N answers per conversation with ids ``<id>#0 .. <id>#N-1`` (N = 1 keeps
 the id); a sample equal to an earlier one of its conversation is written but counted
 (``duplicate_rows`` / ``duplicate_tokens`` in the sidecar). ``--greedy-after K`` samples only the
-first K tokens of each answer and continues greedily (regen_sampling). A sampled answer is a function of (seed, sample id, turn) and the target only
-(regen_sampling): not of the batch size or of which conversations share a batch.
+first K tokens of each answer and continues greedily. A sampled answer is a function of (seed,
+sample id, turn) and the target only (regen_sampling): not of the batch size or of which
+conversations share a batch.
 
 How (regen_backends): on attention-only targets a static-KV engine runs `batch_size` slots of
 continuous batching (finished slots refilled with the next prompts, CUDA graphs on CUDA); other
@@ -75,7 +76,6 @@ ENGINES = ("auto", "static", "hf")
 ENGINE_ATTENTION = ("auto", "rows", "sdpa")
 FLUSH_SECONDS = 10.0
 COUNTERS = ("generated_tokens", "truncated_responses", "prompts_too_long", "empty_answers")
-DUPLICATES = ("duplicate_rows", "duplicate_tokens")   # --samples N: rows equal to an earlier sample of theirs
 
 
 @dataclass
@@ -276,21 +276,20 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
     pending_rows: list[_ConvState] = []
     order, exhausted, last_flush = 0, False, time.perf_counter()
 
-    siblings: dict[str, set[str]] = {}       # the current conversation's samples written so far (content hashes)
+    siblings = {"base": None, "seen": set()}   # the current conversation's samples written so far (content hashes)
 
     def count_duplicates(st: _ConvState) -> None:
         """A sample whose whole conversation equals an earlier sample's is still written (the held-out head is
         counted in rows) but counted, so reports can give unique tokens. Samples of one conversation are
         adjacent in the output; after a resume the first conversation's earlier samples are not compared."""
         base = st.sample_id.rsplit("#", 1)[0]
-        if base not in siblings:
-            siblings.clear()
-            siblings[base] = set()
+        if base != siblings["base"]:
+            siblings["base"], siblings["seen"] = base, set()
         key = hashlib.sha1(json.dumps(st.out, ensure_ascii=False).encode()).hexdigest()
-        if key in siblings[base]:
+        if key in siblings["seen"]:
             state["duplicate_rows"] = int(state.get("duplicate_rows", 0)) + 1
             state["duplicate_tokens"] = int(state.get("duplicate_tokens", 0)) + st.counts["generated_tokens"]
-        siblings[base].add(key)
+        siblings["seen"].add(key)
 
     def flush() -> None:
         nonlocal last_flush

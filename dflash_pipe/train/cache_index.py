@@ -64,9 +64,10 @@ class CacheIndex:
 
     def refresh(self) -> bool:
         """Pick up newly committed shards. Returns whether the data is final (manifest written)."""
-        gone = consumed_indices(self.fs, self.spec)
+        ledgers = load_ledgers(self.fs, self.spec)
+        gone = consumed_indices(self.fs, self.spec, ledgers)
         if gone:
-            owners = ", ".join(f"{led.owner} ({led.file})" for led in load_ledgers(self.fs, self.spec))
+            owners = ", ".join(f"{led.owner} ({led.file})" for led in ledgers)
             raise CacheError(f"{self.cache_dir}: shards {sorted(gone)} were consumed (deleted) by the window run "
                              f"{owners}",
                              "rerun `dflash-pipe extract` to re-extract them (a finished window run's cache), or "

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from ..cache.manifest import committed_shards
 from ..cache.window import (DELETED, Ledger, check_owner, delete_shard_file, group_released, ledger_name,
-                            ledger_names, ledger_path, load_ledger, save_ledger)
+                            ledger_names, ledger_path, load_ledger, member_ledgers, save_ledger)
 from ..errors import CacheError, RuntimeFailure, UsageError
 from ..faults import fault_point
 from .checkpoint import complete_checkpoints, read_state
@@ -125,12 +125,12 @@ class WindowCoordinator:
         released too (alone: all of them). Idempotent; returns the indices unlinked now."""
         gone = []
         fs = self.index.fs
-        for e in self.ledger.in_state(DELETED):
-            if e.index in self._unlinked:    # known gone: no look (a look is a HEAD request on object storage)
-                continue
+        pending = [e for e in self.ledger.in_state(DELETED) if e.index not in self._unlinked]  # known gone: no look
+        members = member_ledgers(self.cache_dir, self.spec, self.ledger) if self.group and pending else None
+        for e in pending:
             name = self._name(e.index)
-            if fs.exists(name):
-                if self.group and not group_released(self.cache_dir, self.spec, self.ledger, e.index):
+            if fs.exists(name):              # (a look is a HEAD request on object storage)
+                if self.group and not group_released(self.cache_dir, self.spec, self.ledger, e.index, members):
                     continue                 # another member still reads it: looked at again next boundary
                 delete_shard_file(self.cache_dir, name)
                 gone.append(e.index)
