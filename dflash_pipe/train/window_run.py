@@ -86,6 +86,8 @@ class WindowCoordinator:
         owner = str(self.out_dir.resolve())
         self.ledger_file = ledger_name(owner, self.group)   # window.json alone, window-<hash>.json in a group
         if rank == 0:
+            # a temp file of this trainer's killed predecessor (a ledger write cut by SIGKILL); live writers' stay
+            self.index.fs.remove_stale_temps()
             self._check_neighbours(owner)
             path = ledger_path(self.cache_dir, self.ledger_file)
             led = load_ledger(self.cache_dir, self.spec, self.ledger_file)
