@@ -68,7 +68,9 @@
 # B GiB window: extract-<codec> and train-<codec> run at once, the trainer reading every shard QUALITY_PASSES
 # (1) times and deleting it; with QUALITY_TRAIN_STEPS=0 the run ends when every shard has been read; the
 # QUALITY_SEEDS / QUALITY_VARIANTS trainers stream cache-lossless with it as one --window-group),
-# QUALITY_EXTRACT_JOBS (1; J = J extract processes per cache over disjoint shards, bench/extract_parallel.py).
+# QUALITY_EXTRACT_JOBS (1; J = J extract processes per cache over disjoint shards, bench/extract_parallel.py),
+# QUALITY_REGEN_MAX_S (empty; S = regen stops after S s of wall time summed over calls and the rows it wrote are the
+# data: the file is prefix-stable, so a later run with a larger cap or none continues it).
 #
 # Issue 19 (every ShareGPT turn x 4 sampled answers, conversations up to 1,280 tokens, streamed through a
 # disk window): bench/quality19.env holds session 13's settings, bench/quality19b.env the next run's. Calls A, T,
@@ -107,6 +109,7 @@ EVAL_TOKENS=${QUALITY_EVAL_TOKENS:-256}
 EVAL_STEP_S=${QUALITY_EVAL_STEP_S:-0.015}
 EVAL_CONC=${QUALITY_EVAL_CONC:-1.3}
 MODELS=${QUALITY_MODEL_CACHE:-$Q/models}
+REGEN_MAX_S=${QUALITY_REGEN_MAX_S:-}   # empty: regen runs until every prompt is answered
 # what regen answers: ShareGPT first turns (one turn each), or every user turn of the same conversations
 # (all_turns: stashed from .gpucarry/turns; pass --max-turns 0 in QUALITY_REGEN_FLAGS)
 REGEN_SOURCE=$CARRY/data/sharegpt_${QUALITY_REGEN_SOURCE:-first_turns}.jsonl
@@ -234,6 +237,7 @@ declare -A PID STARTED RC
 RUNNING=()
 launch() {   # job budget_s
     local j=$1 budget=$2
+    [ "$j" = regen ] && [ -n "$REGEN_MAX_S" ] && budget=$(( budget < $(regen_left) ? budget : $(regen_left) ))
     job_cmd "$j"
     echo "=== call $CALL $(date -u +%FT%TZ) budget ${budget}s: ${JOB_CMD[*]}" >> "$Q/logs/$j.log"
     timeout --signal=INT --kill-after=20 "$budget" "${JOB_CMD[@]}" >> "$Q/logs/$j.log" 2>&1 &
@@ -252,6 +256,8 @@ reap() {   # collect finished jobs; sets RC[job]
         if [ "$rc" = 0 ] && job_ok "$j"; then
             date -u +%FT%TZ > "$Q/done/$j"; say "done  $j in ${dt}s"
             [ "$j" = regen ] && gzip -c "$Q/regenerated.jsonl" > "$Q/regenerated.jsonl.gz"
+        elif [ "$j" = regen ] && regen_capped && job_ok regen; then
+            regen_cap_done "stopped at its time cap after ${dt}s (rc $rc)"
         elif [ "$rc" = 124 ] || [ "$rc" = 130 ] || [ "$rc" = 137 ]; then
             say "stopped $j at the deadline after ${dt}s (rc $rc): $(job_progress "$j")"
         else
@@ -281,6 +287,16 @@ snapshot() {   # small files to $OUT (called every 30 s in the background and at
             echo "===== ${f#$Q/} (last 25 lines)"; tail -n 25 "$f" | cut -c1-400
         done
     } > "$OUT/logs_tail.txt.tmp" 2>/dev/null && mv "$OUT/logs_tail.txt.tmp" "$OUT/logs_tail.txt"
+}
+
+# QUALITY_REGEN_MAX_S caps regen's wall time summed over calls: at the cap, what regenerated.jsonl holds (a prefix
+# of the prompts, complete rows only) is the data, and the stages after it start
+regen_left() { echo $(( REGEN_MAX_S - $(cat "$Q/done/regen.seconds" 2>/dev/null || echo 0) )); }
+regen_capped() { [ -n "$REGEN_MAX_S" ] && [ "$(regen_left)" -lt "${MIN_S[regen]}" ]; }
+regen_cap_done() {   # why
+    date -u +%FT%TZ > "$Q/done/regen"; echo "$REGEN_MAX_S" > "$Q/done/regen.capped"
+    gzip -c "$Q/regenerated.jsonl" > "$Q/regenerated.jsonl.gz"
+    say "done  regen: $1, QUALITY_REGEN_MAX_S=$REGEN_MAX_S reached; the data is what it wrote: $(job_progress regen)"
 }
 
 SNAP=""
@@ -335,6 +351,7 @@ while :; do
     [ "$failed" = 1 ] && { say "a job failed: stopping"; finish 1; }
     started=0
     for j in "${JOBS[@]}"; do
+        [ "$j" = regen ] && ! is_done regen && regen_capped && job_ok regen && regen_cap_done "cap reached before this call"
         is_done "$j" && continue
         [[ " ${RUNNING[*]} " == *" $j "* ]] && continue
         [ -n "${RC[$j]:-}" ] && continue                 # stopped at the deadline in this call

@@ -127,7 +127,13 @@ def markdown(summary: dict) -> str:
                     f"{rg['duplicate_tokens']:,} of the generated tokens are not unique)")
         L.append(f"- Data: SmolLM2 answered {rg['rows_written']} {what} itself{how} ({rg['skipped']} skipped, "
                  f"{rg['generated_tokens']:,} tokens generated, {rg['truncated_responses']} hit "
-                 f"{st.get('max_new_tokens')} tokens) in {rg['seconds']:.0f} s (summed over the runs that wrote it).")
+                 f"{st.get('max_new_tokens')} tokens) in {rg['seconds']:.0f} s (summed over the runs that wrote it)"
+                 + (f"; stopped at its {rg['capped_at_s']} s cap (QUALITY_REGEN_MAX_S), so the data are the rows "
+                    "written by then, a prefix of the prompts." if rg.get("capped_at_s") else "."))
+        tm = rg.get("timing") or {}
+        if tm:
+            L.append("- Regenerate time split (s): " + ", ".join(f"{k} {v:.1f}" if isinstance(v, (int, float))
+                                                                else f"{k} {v}" for k, v in tm.items()) + ".")
     for c, cf in summary["caches"].items():
         if cf:
             extra = (f", fp8 rel. L2 mean {_f(cf.get('fp8_rel_l2_mean'), '.2%')}, max {_f(cf.get('fp8_rel_l2_max'), '.2%')}, "

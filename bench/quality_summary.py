@@ -245,6 +245,9 @@ def build(d: Path) -> dict:
                                                              "seconds", "duplicate_rows", "duplicate_tokens",
                                                              "timing")} | {"skipped": len(regen.get("skipped", {})),
                                                                             "settings": regen.get("settings")}
+        cap = d / "done" / "regen.capped"   # the driver stopped regen at QUALITY_REGEN_MAX_S and kept its rows
+        if cap.is_file():
+            summary["regenerate"]["capped_at_s"] = int(cap.read_text().strip() or 0)
     summary["stage_seconds"] = {p.name[:-len(".seconds")]: int(p.read_text().strip() or 0)
                                 for p in sorted((d / "done").glob("*.seconds"))}
     summary["stages_done"] = sorted(p.name for p in (d / "done").glob("*") if not p.name.endswith(".seconds"))

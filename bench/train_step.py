@@ -12,6 +12,7 @@ FLOPs per step = 6 x trainable params x query tokens + 4 x lm_head params x quer
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import sys
@@ -45,7 +46,12 @@ VARIANTS = {
     "compiled-fused-mlp2": dict(compile=True, fused=True, mlp=2, param="bf16"),
     "compiled-fused-mlp3": dict(compile=True, fused=True, mlp=3, param="bf16"),
     "compiled-fused-mlp5": dict(compile=True, fused=True, mlp=5, param="bf16"),
+    # the quality runs' setting (manifests/quality-smollm2-gpu.toml): dense-mask SDPA, nothing compiled
+    "eager-sdpa": dict(compile=False, fused=True, mlp=0, param="bf16", attention="sdpa"),
 }
+# --shape smollm2: the quality runs' drafter (SmolLM2-135M target: hidden 576, 9/3 heads of 64, 3 layers)
+SMOLLM2 = dict(context=4096, anchors=256, block=16, hidden=576, layers=3, heads=9, kv_heads=3, head_dim=64,
+               intermediate=1536, vocab=49152, target_layers=5, mask_token_id=2)
 
 
 class BenchHead:
@@ -86,7 +92,7 @@ def run_variant(name: str, shape: SeedShape, head: BenchHead, batches: list[Trai
                               block_size=shape.block, mask_token_id=shape.mask_token_id,
                               target_layer_ids=[1, 16, 31, 46, 61][: shape.target_layers], num_target_layers=64,
                               vocab_size=shape.vocab,
-                              attention="flex" if device.type == "cuda" else "sdpa")
+                              attention=v.get("attention", "flex") if device.type == "cuda" else "sdpa")
     cfg = RunConfig()
     cfg.train.fused_loss = v["fused"]
     if device.type == "cuda":
@@ -283,6 +289,10 @@ def main() -> None:
     ap.add_argument("--flex-block", default="128,128")
     ap.add_argument("--flex-from", default="", help="take the fastest tiles from a bench/flex_kernel.py --json file")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shape on the CPU (checks the script, no numbers)")
+    ap.add_argument("--shape", choices=("seed", "smollm2"), default="seed",
+                    help="seed: the 27B-shaped drafter; smollm2: the quality runs' 3-layer drafter at width 576")
+    ap.add_argument("--context", type=int, default=0, help="context tokens per step (default: the shape's)")
+    ap.add_argument("--anchors", type=int, default=0, help="anchors per step (default: the shape's)")
     ap.add_argument("--in-process", action="store_true",
                     help="run all variants in this process (default: one child process per variant when there are "
                          "several, so no variant's memory or compiled code leaks into the next one's numbers)")
@@ -292,7 +302,7 @@ def main() -> None:
     if len(names) > 1 and not args.in_process:
         return run_isolated(args, names)
     device = torch.device("cpu" if args.cpu_smoke else "cuda")
-    shape = bench_shape(args.cpu_smoke)
+    shape = bench_shape(args)
     if args.flex_from:
         qb, kb, kernel_options = best_flex_variant(args.flex_from)
     else:
@@ -320,12 +330,15 @@ def main() -> None:
     report(results, lr, shape, width, args.json, {"flex_tiles": [qb, kb], "flex_kernel_options": kernel_options})
 
 
-def bench_shape(cpu_smoke: bool) -> SeedShape:
-    """The seed's shape, or a tiny one for --cpu-smoke (checks the script, no numbers)."""
-    if not cpu_smoke:
-        return SeedShape()
-    return SeedShape(context=512, anchors=16, block=8, hidden=64, layers=1, heads=4, kv_heads=2, head_dim=16,
-                     intermediate=128, vocab=49152 + 16, target_layers=2, mask_token_id=49152 + 3)
+def bench_shape(args) -> SeedShape:
+    """The seed's or the quality drafter's shape (--shape), or a tiny one for --cpu-smoke (checks the script, no
+    numbers); --context / --anchors override the step's size."""
+    if args.cpu_smoke:
+        shape = SeedShape(context=512, anchors=16, block=8, hidden=64, layers=1, heads=4, kv_heads=2, head_dim=16,
+                          intermediate=128, vocab=49152 + 16, target_layers=2, mask_token_id=49152 + 3)
+    else:
+        shape = SeedShape(**SMOLLM2) if args.shape == "smollm2" else SeedShape()
+    return dataclasses.replace(shape, context=args.context or shape.context, anchors=args.anchors or shape.anchors)
 
 
 def run_isolated(args, names: list[str]) -> None:
@@ -340,13 +353,14 @@ def run_isolated(args, names: list[str]) -> None:
                "--lock-steps", str(args.lock_steps if i == 0 else 0), "--loader-workers", str(args.loader_workers),
                "--flex-block", args.flex_block, "--json", str(out)] + (["--flex-from", args.flex_from]
                                                                       if args.flex_from else []) \
-            + (["--cpu-smoke"] if args.cpu_smoke else []) + ([] if i == 0 else ["--no-loader"])
+            + (["--cpu-smoke"] if args.cpu_smoke else []) + ([] if i == 0 else ["--no-loader"]) \
+            + ["--shape", args.shape, "--context", str(args.context), "--anchors", str(args.anchors)]
         rc = subprocess.run(cmd).returncode
         got = json.loads(out.read_text()) if out.is_file() else {}
         results += got.get("variants") or [{"variant": name, "ok": False, "error": f"child exited {rc}, no result"}]
         lr = lr or got.get("loader", {})
         head_info = head_info or {k: got[k] for k in ("flex_tiles", "flex_kernel_options") if k in got}
-    shape = bench_shape(args.cpu_smoke)
+    shape = bench_shape(args)
     report(results, lr, shape, shape.hidden * shape.target_layers, args.json, head_info)
 
 
