@@ -4,14 +4,14 @@
 #
 # Before the calls, on this machine:  scripts/prepare_gpu_carry.sh   (writes .gpucarry/, prints the sizes)
 #
-#   call A (fresh machine; copies GGUF parts 0-1, the GGUF hash and the eval prompt files to /tmp/quality/carry):
-#     carry   [".gpucarry/p0", ".gpucarry/p1", ".gpucarry/data"]                        (59.8 MiB with the tree)
+#   call A (fresh machine; copies GGUF part 0, the GGUF hash, the eval prompt files and the wheels to /tmp/quality/carry):
+#     carry   [".gpucarry/p0", ".gpucarry/data", ".gpucarry/whl"]                       (48.5 MiB with the tree)
 #     command bash bench/quality_gpu.sh stash
-#   call T (within 30 s; the ShareGPT prompt files, first turns and every turn, decompressed into the carry):
-#     carry   [".gpucarry/turns"]                                                       (20.8 MiB with the tree)
+#   call T (within 30 s; GGUF part 1 and the ShareGPT prompt files, first turns and every turn, decompressed):
+#     carry   [".gpucarry/turns", ".gpucarry/p1"]                                       (54.1 MiB with the tree)
 #     command bash bench/quality_gpu.sh stash
 #   call B (within 30 s of T returning; reassembles + sha256-checks the GGUF, installs the wheels, runs stages):
-#     carry   [".gpucarry/p2", ".gpucarry/p3", ".gpucarry/whl"]                         (58.9 MiB with the tree)
+#     carry   [".gpucarry/p2", ".gpucarry/p3"]                                          (61.8 MiB with the tree)
 #     command bash bench/quality_gpu.sh run
 #   call C (within 30 s of B returning, only if B exited 75 = stopped at the deadline with work left):
 #     carry   []
@@ -84,7 +84,7 @@
 #     QUALITY_REGEN_SEED= QUALITY_HELDOUT=4 QUALITY_SEEDS=1 QUALITY_SCALING=0-1 QUALITY_VAL_EVERY=20 \
 #     QUALITY_TRAIN_FLAGS="--context-tokens 1024 --num-anchors 32 --drafter-num-layers 1 --checkpoint-every 10"
 #   QUALITY_CARRY_SRC=/tmp/carryA bash bench/quality_gpu.sh stash                # copies of p0, p1, data
-#   QUALITY_CARRY_SRC=/tmp/carryB QUALITY_DEADLINE_S=200 bash bench/quality_gpu.sh run   # p2, p3, whl: exits 75
+#   QUALITY_CARRY_SRC=/tmp/carryB QUALITY_DEADLINE_S=200 bash bench/quality_gpu.sh run   # p2, p3: exits 75
 #   QUALITY_CARRY_SRC=/nonexistent bash bench/quality_gpu.sh run                    # resumes; again while 75
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -149,6 +149,7 @@ stash() {
         if [ -f "$f" ] && [ ! -f "$Q/smollm2.gguf" ]; then cp "$f" "$CARRY/"; n=$((n + 1)); fi
     done
     if [ -d "$SRC/data" ]; then cp -r "$SRC/data/." "$CARRY/data/"; fi
+    if [ -d "$SRC/whl" ]; then mkdir -p "$CARRY/whl" && cp "$SRC/whl/"*.whl "$CARRY/whl/"; fi   # setup installs them
     # the ShareGPT prompt files travel in the turns call (.gpucarry/turns; in data/ before session 13) and are
     # decompressed here: first turns (regen's default source) and every user turn (QUALITY_REGEN_SOURCE=all_turns)
     local kind gz
@@ -179,7 +180,7 @@ setup() {
         export DFLASH_SMOLLM2_GGUF=$Q/smollm2.gguf
         if [ ! -f "$Q/smollm2.gguf" ]; then
             for i in 0 1 2 3; do
-                [ -f "$CARRY/smollm2.gguf.part-$i" ] || { say "GGUF part $i missing in $CARRY (call A stashes 0-1, call B carries 2-3)"; finish 3; }
+                [ -f "$CARRY/smollm2.gguf.part-$i" ] || { say "GGUF part $i missing in $CARRY (call A stashes 0, call T 1, call B carries 2-3)"; finish 3; }
             done
             cat "$CARRY"/smollm2.gguf.part-{0,1,2,3} > "$Q/smollm2.gguf.tmp"
             if ! (cd "$Q" && sed 's/  .*/  smollm2.gguf.tmp/' "$CARRY/data/gguf.sha256" | sha256sum -c --quiet -); then
@@ -195,7 +196,7 @@ setup() {
     for mod in zstandard gguf; do
         "$PY" -c "import $mod" 2>/dev/null && continue
         local whl; whl=$(ls "$SRC/whl/$mod"-*.whl "$CARRY/whl/$mod"-*.whl 2>/dev/null | head -1)
-        [ -n "$whl" ] || { say "no wheel for $mod in $SRC/whl (call B carries .gpucarry/whl)"; finish 3; }
+        [ -n "$whl" ] || { say "no wheel for $mod in $SRC/whl (call A stashes .gpucarry/whl)"; finish 3; }
         "$PY" -m pip install -q --no-index --no-deps --target "$Q/site" "$whl" >> "$Q/logs/setup.log" 2>&1 ||
             "$PY" -m zipfile -e "$whl" "$Q/site" >> "$Q/logs/setup.log" 2>&1 ||    # no pip: a wheel is a zip
             fail "cannot install $whl (logs/setup.log)"
@@ -213,16 +214,20 @@ setup() {
 # A regenerated file kept from an earlier run (bench/data/, with its progress sidecar) seeds regen: the regen
 # job then only answers the prompts beyond it (a larger QUALITY_N_PROMPTS extends it, `dflash-pipe regenerate`
 # resumes by id). Used only if it was made from this same source path; QUALITY_REGEN_SEED="" disables it.
+# bench/data/smollm2_all_turns_greedy4.jsonl.xz is session 14's every-turn data (bench/quality19c.env's regen
+# settings, 36,548 rows, 21.4 M generated tokens); bench/quality19d.env continues from it.
 seed_regenerated() {
     local seed=${QUALITY_REGEN_SEED-$REPO/bench/data/smollm2_regenerated_sharegpt.jsonl.gz}
-    local side=${seed%.jsonl.gz}.progress.json
+    local side=${seed%.jsonl.*}.progress.json     # .jsonl.gz or .jsonl.xz (python's lzma: the image has no xz)
     [ -n "$seed" ] && [ -f "$seed" ] && [ -f "$side" ] && [ ! -s "$Q/regenerated.jsonl" ] || return 0
     if "$PY" - "$side" "$REGEN_SOURCE" <<'PY'
 import json, sys
 sys.exit(0 if json.load(open(sys.argv[1]))["settings"].get("source") == sys.argv[2] else 1)
 PY
     then
-        gzip -dc "$seed" > "$Q/regenerated.jsonl.tmp" && cp "$side" "$Q/regenerated.jsonl.progress.json" &&
+        "$PY" -c 'import gzip, lzma, shutil, sys
+with (lzma.open if sys.argv[1].endswith(".xz") else gzip.open)(sys.argv[1]) as f, open(sys.argv[2], "wb") as o:
+    shutil.copyfileobj(f, o)' "$seed" "$Q/regenerated.jsonl.tmp" && cp "$side" "$Q/regenerated.jsonl.progress.json" &&
             mv "$Q/regenerated.jsonl.tmp" "$Q/regenerated.jsonl" &&
             say "setup: regen seeded with $(wc -l < "$Q/regenerated.jsonl") conversations from ${seed#$REPO/}"
     else
@@ -252,11 +257,14 @@ reap() {   # collect finished jobs; sets RC[job]
         wait "${PID[$j]}"; rc=$?
         RC[$j]=$rc
         local dt=$(( $(date +%s) - STARTED[$j] ))
-        echo "$(( $(cat "$Q/done/$j.seconds" 2>/dev/null || echo 0) + dt ))" > "$Q/done/$j.seconds"
+        # (a failed regen's time does not count towards QUALITY_REGEN_MAX_S: after the fix, it starts afresh)
+        if [ "$j" != regen ] || [[ " 0 124 130 137 " == *" $rc "* ]]; then
+            echo "$(( $(cat "$Q/done/$j.seconds" 2>/dev/null || echo 0) + dt ))" > "$Q/done/$j.seconds"
+        fi
         if [ "$rc" = 0 ] && job_ok "$j"; then
             date -u +%FT%TZ > "$Q/done/$j"; say "done  $j in ${dt}s"
             [ "$j" = regen ] && gzip -c "$Q/regenerated.jsonl" > "$Q/regenerated.jsonl.gz"
-        elif [ "$j" = regen ] && regen_capped && job_ok regen; then
+        elif [ "$j" = regen ] && { [ "$rc" = 124 ] || [ "$rc" = 130 ] || [ "$rc" = 137 ]; } && regen_capped && job_ok regen; then
             regen_cap_done "stopped at its time cap after ${dt}s (rc $rc)"
         elif [ "$rc" = 124 ] || [ "$rc" = 130 ] || [ "$rc" = 137 ]; then
             say "stopped $j at the deadline after ${dt}s (rc $rc): $(job_progress "$j")"

