@@ -269,6 +269,7 @@ def build(d: Path) -> dict:
         row: dict = {"prompts": st["prompts"], "max_new_tokens": e["max_new_tokens"], "eval_dir": e["dir"],
                      "partial": e["partial"],
                      "ngram_tau": base.get("tau"), "ngram_acceptance": base.get("acceptance"),
+                     "ngram_teacher_forced": base.get("teacher_forced"),
                      "target_tok_s": st["target_only"]["tokens_per_s"], "ngram_tok_s": base.get("tokens_per_s"),
                      "drafters": {}, "vs_reference": {}}
         for m, r in st.items():
@@ -277,6 +278,7 @@ def build(d: Path) -> dict:
             name = m[len("dflash:"):]
             row["drafters"][name] = {"tau": r["tau"], "identical": r["identical_to_target"],
                                      "acceptance": r["acceptance"], "tok_s": r["tokens_per_s"],
+                                     "teacher_forced": r.get("teacher_forced"),   # eval --teacher-forced-every
                                      "ratio_vs_lookup": r["tau"] / row["ngram_tau"] if r["tau"] and row["ngram_tau"]
                                      else None}
             ref = e["prompts"].get(f"dflash:{REFERENCE}")

@@ -223,6 +223,10 @@ class EvalConfig:
                               "features, then the drafts accepted on the host; eval/replay.py) instead of decoding: "
                               "the same tau and acceptance in exact arithmetic, at a fraction of the device time. "
                               "The sample is decoded for real, timed, and replayed too as a check.")
+    teacher_forced_every: int = opt(0, "With --replay: also anchor a block at every N-th token of each reference "
+                                       "(1..block size; 0 = off) and report each method's teacher-forced tau there, "
+                                       "mean and harmonic mean: training's simulated tau on the eval's own text, to "
+                                       "set beside the decoded tau (eval/replay.py).")
     output_dir: str = opt("", "Where the report goes (empty = <train.output_dir>/eval).")
     device: str = opt("auto", "'auto', 'cpu' or 'cuda'.")
 

@@ -111,3 +111,23 @@ def test_issue19_goals_use_each_sets_bar_and_the_supervised_tokens():
     g = qr.issue19_goals(summary)
     assert g["tokens_met"] is False and g["sets"]["mtbench"] == {"ratio": None, "goal": 1.2, "prompts": None,
                                                                   "met": None}
+
+
+def test_the_report_sets_teacher_forced_tau_beside_the_decoded_one():
+    """eval --teacher-forced-every: bench/quality_report.py tabulates each method's scan beside its decoded tau (and
+    leaves the table out when no eval scanned)."""
+    spec = importlib.util.spec_from_file_location("quality_report", Path(__file__).parents[1] / "bench" / "quality_report.py")
+    rep = importlib.util.module_from_spec(spec)
+    import sys
+    sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
+    try:
+        spec.loader.exec_module(rep)
+    finally:
+        sys.path.remove(str(Path(__file__).parents[1] / "bench"))
+    row = {"ngram_tau": 2.2, "ngram_teacher_forced": {"tau": 2.9, "tau_walk": 1.6, "blocks": 100},
+           "drafters": {"lossless": {"tau": 1.9, "teacher_forced": {"tau": 3.2, "tau_walk": 1.7, "blocks": 100}}}}
+    lines = rep._teacher_forced_table({"sets": {"heldout": row}})
+    assert "| lossless | heldout | 1.900 | 3.200 | 1.700 |" in lines
+    assert "| prompt lookup | heldout | 2.200 | 2.900 | 1.600 |" in lines
+    row["drafters"]["lossless"]["teacher_forced"] = row["ngram_teacher_forced"] = None
+    assert rep._teacher_forced_table({"sets": {"heldout": row}}) == []

@@ -255,8 +255,8 @@ def test_replay_eval_gives_the_decoded_tau_and_acceptance_on_every_generation(ll
     tmp, _, kw, _ = runs
     monkeypatch.setattr(runner, "NgramProposer", lambda: _GreedyOracle(llama.model))
     seq = run_eval(_cfg(tmp, reference="sequential", output_dir=str(tmp / "oracle-seq"), **kw), bundle=llama)
-    rep = run_eval(_cfg(tmp, reference="batched", baseline_every=2, replay=True, output_dir=str(tmp / "replay"),
-                        **kw), bundle=llama)
+    rep = run_eval(_cfg(tmp, reference="batched", baseline_every=2, replay=True, teacher_forced_every=1,
+                        output_dir=str(tmp / "replay"), **kw), bundle=llama)
     assert all(1.5 < s["ngram"]["tau"] < 4 for s in seq["sets"].values())    # accepted in part
     keys = ("tau", "acceptance", "accepted_per_slot", "eligible_per_slot", "steps", "generated_tokens")
     for name, s in seq["sets"].items():
@@ -267,11 +267,21 @@ def test_replay_eval_gives_the_decoded_tau_and_acceptance_on_every_generation(ll
             assert r[m]["replayed"] == r["generations"] - timed and r[m]["replay_checked"] == timed
             assert r[m]["replay_agreed"] == timed and r[m]["identical_to_target"] == 1.0
             assert r[m]["speedup"] is not None
+            # --teacher-forced-every 1: a block at every reference token but the last, decoded sample included
+            tf = r[m]["teacher_forced"]
+            assert tf["blocks"] == r[m]["generated_tokens"] - r["generations"]
+            assert 1 <= tf["tau_walk"] <= tf["tau"] <= 16
+    assert "Teacher-forced on the references" in (tmp / "replay" / "eval_report.md").read_text()
     by = lambda rows: {(x["id"], x["method"]): (x.get("tau"), x.get("steps"), x.get("accepted"))  # noqa: E731
                        for x in rows if x["method"] != "target"}
     assert by(_rows(tmp / "replay")) == by(_rows(tmp / "oracle-seq"))
     with pytest.raises(UsageError, match="--replay"):
         run_eval(_cfg(tmp, reference="sequential", replay=True, output_dir=str(tmp / "bad"), **kw), bundle=llama)
+    with pytest.raises(UsageError, match="add --replay"):
+        run_eval(_cfg(tmp, reference="batched", teacher_forced_every=2, output_dir=str(tmp / "bad"), **kw), bundle=llama)
+    with pytest.raises(UsageError, match="teacher-forced-every must be in"):
+        run_eval(_cfg(tmp, reference="batched", replay=True, teacher_forced_every=99, output_dir=str(tmp / "bad"),
+                      **kw), bundle=llama)
 
 
 def test_a_replay_that_disagrees_with_decoding_is_counted(llama, runs, monkeypatch):

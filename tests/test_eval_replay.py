@@ -11,9 +11,9 @@ from dflash_pipe.eval import eos_token_ids, greedy_generate
 from dflash_pipe.eval.draft_graph import GraphedDFlashProposer
 from dflash_pipe.eval.engine_step import EngineTarget, EngineVerifier
 from dflash_pipe.eval.ngram import NgramProposer
-from dflash_pipe.eval.replay import replay_generate, same_steps
+from dflash_pipe.eval.replay import replay_generate, same_steps, teacher_forced_scan
 from dflash_pipe.eval.runner import encode_prompt
-from dflash_pipe.eval.specdecode import DFlashProposer, make_dflash_verifier, speculative_generate
+from dflash_pipe.eval.specdecode import DFlashProposer, SpecResult, make_dflash_verifier, speculative_generate
 from tests.eval_helpers import PROMPTS, CorruptingOracle, liven, llama, tiny_drafter  # noqa: F401 - fixture
 
 NEW, VOCAB, B = 24, 49152, 5
@@ -106,3 +106,56 @@ def test_replay_stops_at_an_eos_inside_the_reference_with_the_same_tau(llama):
     assert dec.tokens == rep.tokens == ref
     assert dec.committed == rep.committed and dec.tau == rep.tau
     assert rep.accepted[:-1] == dec.accepted[:-1] and rep.accepted[-1] <= dec.accepted[-1]
+
+
+
+def _training_layout_drafts(llama, drafter, cfg, ids, ref, every):
+    """Independent of replay.py: (anchor, drafts) of each block through the training forward (the whole sequence
+    as context, masked at kv >= anchor; drafter/masks.py) on HF hidden states."""
+    from dflash_pipe.drafter import AttentionMask, block_positions
+    from dflash_pipe.target import standalone_features
+
+    seq = ids + ref
+    feats = standalone_features(llama, torch.tensor(seq), cfg.target_layer_ids).hidden_TD
+    emb, head = llama.model.get_input_embeddings().weight, llama.model.get_output_embeddings()
+    T, out = len(seq), []
+    ctx_pos = torch.arange(T)
+    for n in range(1, len(ref), every):
+        p = len(ids) + n - 1                                    # the anchor: reference token n - 1
+        anchor = torch.tensor([p])
+        mask = AttentionMask(torch.zeros(T, dtype=torch.int32), anchor, torch.zeros(1, dtype=torch.int32),
+                             torch.ones(1, dtype=torch.bool), cfg.block_size)
+        block = torch.tensor([seq[p]] + [cfg.mask_token_id] * (cfg.block_size - 1))
+        with torch.inference_mode():
+            h = drafter(feats, emb[block], ctx_pos, block_positions(ctx_pos, anchor, cfg.block_size), mask)
+            out.append((p, head(h[1:]).argmax(-1).tolist()[:min(cfg.block_size - 1, len(ref) - n)]))
+    return out
+
+
+@pytest.mark.parametrize("every", [1, 3])
+def test_teacher_forced_scan_drafts_the_training_layout_blocks_and_sums_their_tau(llama, every):
+    """--teacher-forced-every: the scan proposes, at every `every`-th reference token, the drafts the training
+    forward gives there (both eval proposers), and sums tau = 1 + the matching prefix, checked with an oracle that
+    is wrong at a known slot on each block."""
+    eos = eos_token_ids(llama.model, llama.tokenizer)
+    drafter, cfg = tiny_drafter(block_size=B, layer_ids=(1, 3, 7), seed=5)
+    liven(drafter, std=0.3, seed=5)
+    m = llama.model
+    ids = encode_prompt(llama.tokenizer, PROMPTS[1])
+    ref = greedy_generate(m, ids, NEW, eos)
+    want = _training_layout_drafts(llama, drafter, cfg, ids, ref, every)
+    args = (drafter, cfg, m.get_input_embeddings().weight, m.get_output_embeddings())
+    for prop in (DFlashProposer(*args), GraphedDFlashProposer(*args, use_graphs="off", kv_bucket=8)):
+        rec = Recording(prop)
+        with make_dflash_verifier(m, cfg, llama.num_layers, llama.hidden_size) as v:
+            r = replay_generate(v, rec, ids, ref, block_size=B, max_new_tokens=NEW, eos_ids=eos, scan_every=every)
+        assert rec.calls[-len(want):] == want                      # the scan's calls come after the walk's
+        taus = [1 + next((k for k, t in enumerate(d) if t != ref[p - len(ids) + 1 + k]), len(d)) for p, d in want]
+        assert r.scan_blocks == len(want) == len(range(1, len(ref), every))
+        assert r.scan_tau_sum == sum(taus) and abs(r.scan_inv_tau_sum - sum(1 / t for t in taus)) < 1e-9
+    oracle = CorruptingOracle(ids + ref, lambda s: s % B, VOCAB)    # wrong at slot 0, 1, .. B-1 (= none), ..
+    res = SpecResult([], B)
+    teacher_forced_scan(oracle, ids, ref, None, B, every, res)
+    taus = [1 + e for e in oracle.expected]
+    assert len(set(taus)) > 2 and res.scan_blocks == len(taus)
+    assert res.scan_tau_sum == sum(taus) and abs(res.scan_inv_tau_sum - sum(1 / t for t in taus)) < 1e-9

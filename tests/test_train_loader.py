@@ -119,7 +119,10 @@ def test_loader_batches_equal_per_document_decode(tmp_path, codec, release, read
     else:
         assert loader.plane_pool.allocated == batches
     rg = loader.rg_cache
-    assert (rg.reads_ahead > 0) == (read_ahead > 0) and rg.reads_ahead + rg.reads_on_demand >= 3
+    # read-ahead asked for row groups iff it is on (who reads one first, a fetch thread or a decode worker, is a race:
+    # on a loaded 2-core box the workers won every one, so reads_ahead alone is not asserted)
+    assert (rg.prefetch_calls > 0) == (read_ahead > 0) and rg.reads_ahead <= rg.prefetch_calls
+    assert rg.reads_ahead + rg.reads_on_demand >= 3
     loader.close()
 
 

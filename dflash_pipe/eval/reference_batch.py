@@ -40,7 +40,7 @@ from .regen_backends import EngineBackend, TurnRequest, auto_batch_size
 from ..progress import progress_bar
 from .generation import record, run_methods, warm_up
 from .regen_sampling import Decoding
-from .replay import replay_methods, same_steps
+from .replay import copy_scan, replay_methods, same_steps
 from .report import method_summary
 from .target_step import CACHED_MODES
 
@@ -209,7 +209,8 @@ def plan_set(set_name: str, prompts, encode: Callable[[list[dict]], list[int]], 
 
 class BatchedReferenceSet:
     """runner._SetRun's set loop with batched references (module docstring). Uses its attributes greedy, tok,
-    methods, B, max_new, eos, max_prompt, progress, sync, batcher, every, warmed and its _encode / _warn_skipped."""
+    methods, B, max_new, eos, max_prompt, progress, sync, batcher, every, replay, scan_every, warmed and its
+    _encode / _warn_skipped."""
 
     def _run_batched(self, set_name: str, prompts, records: list[dict], cache_mode: str) -> dict:
         known = lambda gen_id: (self.progress.get(set_name, gen_id) or (None,))[0]   # noqa: E731
@@ -255,12 +256,13 @@ class BatchedReferenceSet:
                 log.warning("%s %s: the batch-1 target-only output differs from the batched reference", set_name,
                             g.gen_id)
         if self.replay and not time_it:      # outside the timed sample: steps by replay (replay.py)
-            results = replay_methods(self.methods, g.ids, g.ref, self.B, self.max_new, self.eos)
+            results = replay_methods(self.methods, g.ids, g.ref, self.B, self.max_new, self.eos, self.scan_every)
         else:
             results = run_methods(self.methods, g.ids, self.B, self.max_new, self.eos)
             if self.replay:                  # the sample is the check: its replay must take the decoded steps
-                again = replay_methods(self.methods, g.ids, g.ref, self.B, self.max_new, self.eos)
+                again = replay_methods(self.methods, g.ids, g.ref, self.B, self.max_new, self.eos, self.scan_every)
                 for name, r in results.items():
+                    copy_scan(r, again[name])
                     r.replay_agrees = same_steps(r, again[name])
                     if not r.replay_agrees:
                         log.warning("%s %s: %s: replay took other steps than decoding (tau %.3f vs %.3f)", set_name,

@@ -24,6 +24,14 @@ the --baseline-every sample for real and checks replay against it there (`replay
 
 A DFlash step costs one drafter forward (the context cache grows by the committed rows, as in
 decoding); a prompt-lookup step costs host work only. No verify forward, no KV cache crop.
+
+Teacher-forced scan (`scan_every` > 0, `eval --teacher-forced-every N`): with the same features, a block is
+also anchored at every N-th token of the reference, wherever decoding would or would not step, and its tau
+(1 + the drafts matching the reference) is summed. This is the training loss's simulated tau (drafter/loss.py)
+on the eval's own text: its mean over the blocks is what training reports as tau, its harmonic mean what it
+reports as the walk estimate. Beside the decoded tau it splits a gap between training's numbers and decoding
+into "the text differs" (teacher-forced tau here far from the validation cache's) and "decoding steps where
+tau is low" (teacher-forced tau as on the validation cache, decoded tau near the harmonic mean).
 """
 
 from __future__ import annotations
@@ -35,9 +43,10 @@ from .specdecode import SpecResult, sync_fn
 
 
 def replay_generate(verifier, proposer, prompt_ids: Sequence[int], ref: Sequence[int], *, block_size: int,
-                    max_new_tokens: int, eos_ids: Sequence[int]) -> SpecResult:
+                    max_new_tokens: int, eos_ids: Sequence[int], scan_every: int = 0) -> SpecResult:
     """`speculative_generate`'s step record for `proposer`, its verify answers read from `ref` (the target-only
-    greedy output of `prompt_ids`, EOS kept). `verifier` fills the feature buffer when the proposer needs one."""
+    greedy output of `prompt_ids`, EOS kept). `verifier` fills the feature buffer when the proposer needs one.
+    scan_every > 0 also runs the teacher-forced scan (module docstring) into the result's scan_* fields."""
     eos = set(int(e) for e in eos_ids)
     ref, prompt = [int(t) for t in ref], [int(t) for t in prompt_ids]
     t0 = time.perf_counter()
@@ -64,14 +73,45 @@ def replay_generate(verifier, proposer, prompt_ids: Sequence[int], ref: Sequence
         res.record_step(drafts, accepted, new, limit, eos)
     sync_fn(verifier.device)()
     res.wall_s = time.perf_counter() - t0
+    if scan_every:
+        teacher_forced_scan(proposer, prompt, ref, feats, block_size, scan_every, res)
+        sync_fn(verifier.device)()
+        res.scan_s = time.perf_counter() - t0 - res.wall_s
     return res
 
 
-def replay_methods(methods, ids, ref, block_size, max_new_tokens, eos) -> dict[str, SpecResult]:
+def teacher_forced_scan(proposer, prompt: list[int], ref: list[int], feats, block_size: int, every: int,
+                        res: SpecResult) -> None:
+    """Blocks anchored at reference tokens 0, every, 2 * every, ...: the block at token n - 1 drafts
+    ref[n : n + B - 1] (fewer at the end) from prompt + ref[:n] and the features; its tau is 1 + the drafts
+    that match the reference before the first miss. Adds to res.scan_blocks / scan_tau_sum / scan_inv_tau_sum.
+    Anchors advance by at most the block size, as a decoding step does (the buffered proposer's update needs it)."""
+    if not 0 < every <= block_size:
+        raise ValueError(f"scan_every must be in 1..{block_size}, got {every}")
+    if hasattr(proposer, "reset"):
+        proposer.reset()
+    for n in range(1, len(ref), every):
+        limit = min(block_size - 1, len(ref) - n)
+        drafts = list(proposer.propose(prompt + ref[:n], feats, limit))[:limit]
+        matched = 0
+        while matched < len(drafts) and drafts[matched] == ref[n + matched]:
+            matched += 1
+        res.scan_blocks += 1
+        res.scan_tau_sum += 1 + matched
+        res.scan_inv_tau_sum += 1 / (1 + matched)
+
+
+def replay_methods(methods, ids, ref, block_size, max_new_tokens, eos, scan_every: int = 0) -> dict[str, SpecResult]:
     """{method: its replayed generation of `ids` against `ref`} for (name, verifier, proposer) triples, in order."""
     return {name: replay_generate(verifier, proposer, ids, ref, block_size=block_size,
-                                  max_new_tokens=max_new_tokens, eos_ids=eos)
+                                  max_new_tokens=max_new_tokens, eos_ids=eos, scan_every=scan_every)
             for name, verifier, proposer in methods}
+
+
+def copy_scan(dst: SpecResult, src: SpecResult) -> None:
+    """A decoded generation takes the teacher-forced scan of its check replay (the scan needs the replay's features)."""
+    dst.scan_blocks, dst.scan_tau_sum = src.scan_blocks, src.scan_tau_sum
+    dst.scan_inv_tau_sum, dst.scan_s = src.scan_inv_tau_sum, src.scan_s
 
 
 def same_steps(a: SpecResult, b: SpecResult) -> bool:

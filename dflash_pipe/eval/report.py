@@ -71,7 +71,18 @@ def method_summary(results: list[SpecResult], reference: list[list[int]], target
         "tokens_per_s": tok_s, "speedup": speedup,
         "replay_s": sum(r.wall_s for r in results if r.replayed),   # --replay: the replayed generations' time
         "identical_to_target": identical / len(decoded) if decoded else None,
+        **_teacher_forced(results),
     }
+
+
+def _teacher_forced(results: list[SpecResult]) -> dict:
+    """{"teacher_forced": mean tau, harmonic mean ("tau_walk"), blocks} of the scans (--teacher-forced-every)."""
+    blocks = sum(r.scan_blocks for r in results)
+    if not blocks:
+        return {}
+    inv = sum(r.scan_inv_tau_sum for r in results)
+    return {"teacher_forced": {"blocks": blocks, "tau": sum(r.scan_tau_sum for r in results) / blocks,
+                               "tau_walk": blocks / inv, "scan_s": sum(r.scan_s for r in results)}}
 
 
 def _finite(recs: list[dict], key: str) -> list[float]:
@@ -206,6 +217,16 @@ def acceptance_markdown(report: dict) -> str:
         out.append("|---|" + "---:|" * k)
         for m in ms:
             out.append(f"| {method_label(m)} | " + " | ".join(_fmt(a) for a in s[m]["acceptance"]) + " |")
+        tf = [m for m in ms if s[m].get("teacher_forced")]
+        if tf:
+            out.append(f"\nTeacher-forced on the references, {name} (a block anchored along each reference; "
+                       "training's simulated tau on this text):\n")
+            out.append("| method | decoded tau | teacher-forced tau | harmonic mean (walk) | blocks |")
+            out.append("|---|---:|---:|---:|---:|")
+            for m in tf:
+                t = s[m]["teacher_forced"]
+                out.append(f"| {method_label(m)} | {_fmt(s[m]['tau'])} | {_fmt(t['tau'])} | {_fmt(t['tau_walk'])} | "
+                           f"{t['blocks']} |")
     return "\n".join(out) + "\n"
 
 

@@ -194,17 +194,22 @@ def run_eval(cfg: RunConfig, *, bundle: TargetBundle | None = None) -> dict:
                     "max_prompt_tokens": max_prompt, "mtbench_turns": ev.mtbench_turns, "eos_token_ids": eos,
                     "sets": {}}
     records: list[dict] = []
+    if ev.teacher_forced_every and not ev.replay:
+        raise UsageError("--teacher-forced-every scans the reference with the replay's features", "add --replay")
+    if not 0 <= ev.teacher_forced_every <= B:
+        raise UsageError(f"--teacher-forced-every must be in 0..{B} (the block size), got {ev.teacher_forced_every}")
     if ev.replay and batcher is None:
         raise UsageError("--replay walks the methods against batched references, but the references are "
                          f"'{reference}'", "add --reference batched (it needs the static-KV engine: --engine static)")
     progress = EvalProgress(out_dir, run_key([(s.method, s.export) for s in specs], bundle.identity,
                                              ev.max_new_tokens, B, f"{ev.prompts}|{cache_mode}"
                                              + (f"|batched:{ev.baseline_every}" if batcher else "")
-                                             + ("|replay" if ev.replay else "")))
+                                             + ("|replay" if ev.replay else "")
+                                             + (f"|tf{ev.teacher_forced_every}" if ev.teacher_forced_every else "")))
     if progress.done:
         print(f"eval: resuming, {len(progress.done)} generations already done ({progress.path})", flush=True)
     run = _SetRun(greedy, tok, methods, B, ev.max_new_tokens, eos, max_prompt, progress, sync_fn(device),
-                  batcher, ev.baseline_every, ev.replay)
+                  batcher, ev.baseline_every, ev.replay, ev.teacher_forced_every)
     try:
         for set_name, prompts in sets.items():
             report["sets"][set_name] = run.run_set(set_name, prompts, records, cache_mode)
@@ -233,11 +238,11 @@ class _SetRun(BatchedReferenceSet):
     """
 
     def __init__(self, greedy, tok, methods, block_size, max_new_tokens, eos, max_prompt, progress, sync,
-                 batcher: ReferenceBatcher | None = None, every: int = 8, replay: bool = False):
+                 batcher: ReferenceBatcher | None = None, every: int = 8, replay: bool = False, scan_every: int = 0):
         self.greedy, self.tok, self.methods, self.B = greedy, tok, methods, block_size
         self.max_new, self.eos, self.max_prompt = max_new_tokens, eos, max_prompt
         self.progress, self.sync = progress, sync
-        self.batcher, self.every, self.replay = batcher, every, replay
+        self.batcher, self.every, self.replay, self.scan_every = batcher, every, replay, scan_every
         self.warmed = False
 
     def run_set(self, set_name: str, prompts: list[Prompt], records: list[dict], cache_mode: str) -> dict:

@@ -66,6 +66,12 @@ class SpecResult:
     refeeds: int = 0                                     # rollback re-feed forwards (recurrent targets)
     replayed: bool = False                               # steps walked against the reference (replay.py), not decoded
     replay_agrees: bool | None = None                    # decoded and also replayed: the same steps? (None: not checked)
+    # --teacher-forced-every (replay.teacher_forced_scan): blocks anchored along the reference, sum of their tau,
+    # sum of 1/tau, and the scan's time
+    scan_blocks: int = 0
+    scan_tau_sum: float = 0.0
+    scan_inv_tau_sum: float = 0.0
+    scan_s: float = 0.0
 
     @property
     def steps(self) -> int:

@@ -25,6 +25,7 @@ class RowGroupCache:
         # how the row groups were read: ahead (fetch threads) or on demand by a decode worker, and the
         # seconds decode workers spent reading or waiting for one (what read-ahead is there to hide)
         self.reads_ahead = self.reads_on_demand = 0
+        self.prefetch_calls = 0      # row groups the loader asked to read ahead (a decode worker may still win the race)
         self.worker_wait_s = 0.0
 
     def forget(self, shard: int) -> None:
@@ -36,6 +37,7 @@ class RowGroupCache:
         """Start reading a row group the schedule needs soon (object storage: hides the GET latency behind
         the decode of earlier batches). A failed prefetch is dropped: the decode worker's own read raises."""
         with self._lock:
+            self.prefetch_calls += 1
             if (shard, rg) in self._items or (shard, rg) in self._reading:
                 return
 
