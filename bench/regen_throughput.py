@@ -63,7 +63,7 @@ def run_regen(args, bundle, out: Path, n: int, skip: int = 0, **kw) -> dict:
     t0 = time.perf_counter()
     if kw.get("engine") != "hf":             # the decoding under test (HF generate is greedy only)
         kw = {"max_turns": args.max_turns, "samples": args.samples, "temperature": args.temperature,
-              "top_p": args.top_p, "greedy_after": args.greedy_after, **kw}
+              "top_p": args.top_p, "greedy_after": args.greedy_after, "reuse_history": args.reuse_history, **kw}
     else:
         kw = {"max_turns": 1, **kw}
     state = run_regenerate(_cfg(args, n, skip), out, max_new_tokens=args.new_tokens, bundle=bundle, **kw)
@@ -188,6 +188,7 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--greedy-after", type=int, default=0)
+    ap.add_argument("--reuse-history", action="store_true", help="regenerate --reuse-history (with --max-turns 0)")
     ap.add_argument("--hf-prompts", type=int, default=256)
     ap.add_argument("--hf-batch", type=int, default=256)
     ap.add_argument("--smoke", action="store_true", help="CPU, random tiny-llama, toy sizes")

@@ -100,7 +100,11 @@ def regenerate_cmd(cfg: RunConfig, output: Path = typer.Option(..., "--output", 
                                                            "else HF generate), 'static' or 'hf'."),
                    engine_attention: str = typer.Option("auto", help="The static-KV engine's decode attention: "
                                                         "'auto' (per-row lengths, a Triton kernel, on CUDA in bf16 / "
-                                                        "fp16 at large batch; else SDPA), 'rows' or 'sdpa'.")):
+                                                        "fp16 at large batch; else SDPA), 'rows' or 'sdpa'."),
+                   reuse_history: bool = typer.Option(False, help="Static-KV engine, several turns: a finished "
+                                                      "answer's row keeps its K/V and the conversation's next turn "
+                                                      "prefills only its new tokens (the same answers up to "
+                                                      "rounding; eval/regen_backends.py).")):
     """Regenerate the assistant turns with the target itself (drafters must learn the target's outputs)."""
     from .errors import UsageError
     from .eval.regenerate import run_regenerate
@@ -111,7 +115,7 @@ def regenerate_cmd(cfg: RunConfig, output: Path = typer.Option(..., "--output", 
         cfg.extract.max_length = max_length
     run_regenerate(cfg, output, max_new_tokens=max_new_tokens, batch_size=batch_size, device=device,
                    max_turns=max_turns, samples=samples, temperature=temperature, top_p=top_p, seed=seed,
-                   engine=engine, attention=engine_attention, greedy_after=greedy_after)
+                   engine=engine, attention=engine_attention, greedy_after=greedy_after, reuse_history=reuse_history)
 
 
 @app.command("export")

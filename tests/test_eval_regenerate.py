@@ -232,3 +232,39 @@ def test_max_length_flag_overrides_the_manifest_and_refuses_negatives(tmp_path, 
         main(["regenerate", "-o", out, "--max-length", "-1"])
     assert err.value.code == 2 and seen == {"max_length": RunConfig().extract.max_length}
     assert "--max-length must be >= 0" in capsys.readouterr().err
+
+
+def test_history_reuse_gives_the_same_conversations_prefilling_only_the_new_tokens(reference, cfg, llama, tmp_path):
+    """--reuse-history: later turns continue in the row that wrote the previous answer, prefilling only what follows
+    it; the conversations equal the full-prefill run's (fp32), greedy and sampled, and far fewer tokens are
+    prefilled. With the held tokens made not to match (fault injected), every turn falls back to a full prefill,
+    with the same output."""
+    out = tmp_path / "reuse.jsonl"
+    state = _regen(cfg, llama, out, reuse_history=True)
+    assert _rows(out) == reference
+    t = state["timing"]
+    assert t["history_prefills"] > 0 and t["history_reused_tokens"] > 0
+    sampled = dict(samples=2, temperature=1.0, top_p=0.9, seed=3, greedy_after=2)
+    plain, reuse = tmp_path / "s-plain.jsonl", tmp_path / "s-reuse.jsonl"
+    _regen(cfg, llama, plain, **sampled)
+    _regen(cfg, llama, reuse, reuse_history=True, **sampled)
+    assert _rows(reuse) == _rows(plain)
+
+
+def test_history_reuse_falls_back_when_the_new_prompt_does_not_extend_the_row(reference, cfg, llama, tmp_path,
+                                                                               monkeypatch):
+    from dflash_pipe.eval.regen_backends import EngineBackend
+
+    real = EngineBackend.collect
+
+    def corrupt(self):
+        comps = real(self)
+        for h in self.held.values():
+            h[1] = h[1][:-1] + [h[1][-1] + 1]          # the row's last token no longer matches the re-rendered prompt
+        return comps
+
+    monkeypatch.setattr(EngineBackend, "collect", corrupt)
+    out = tmp_path / "fallback.jsonl"
+    state = _regen(cfg, llama, out, reuse_history=True)
+    assert _rows(out) == reference
+    assert state["timing"]["history_prefills"] == 0 and state["timing"]["history_reused_tokens"] == 0

@@ -176,3 +176,45 @@ def test_graphed_bucketed_prefill_equals_eager_and_padding_rows_never_touch_live
         for a, b in ((k_on, k_off), (v_on, v_off)):
             assert float((a[:, r, :, :n] - b[:, r, :, :n]).abs().max()) <= tol * float(b.abs().max())
     assert torch.equal(l_on[2].argmax(-1), l_off[2].argmax(-1))   # the replayed call picks the same tokens
+
+
+class _Conv:
+    """A synthetic conversation: its turns' user tokens; `done` once the last turn is answered."""
+
+    def __init__(self, i, turns):
+        self.i, self.turns, self.k, self.done = i, turns, 0, False
+
+
+def test_history_reuse_on_graphs_gives_the_same_answers_fp32():
+    """regenerate --reuse-history on CUDA graphs (appending prefills graphed too), fp32: three-turn conversations
+    through 8 slots, each later prompt = the previous prompt + its answer + a separator + the next user turn (so it
+    extends the held row), answers equal to full prefills; the driver's order (answers recorded after the next
+    launch) as in regenerate.py."""
+    model = _model(torch.float32)
+    g = torch.Generator().manual_seed(1)
+    convs = [[torch.randint(3, 49152, (n,), generator=g).tolist() for n in (LENS[i], 7 + i, 20 - i)]
+             for i in range(len(LENS))]
+    runs, delta_calls = {}, 0
+    for reuse in (False, True):
+        be = EngineBackend(model, [], batch=8, max_len=400, max_new_tokens=12, dec=Decoding(), check_every=4,
+                           reuse_history=reuse)
+        states = [_Conv(i, t) for i, t in enumerate(convs)]
+        ready = [TurnRequest(s, s.turns[0], key=s.i, order=s.i) for s in states]
+        got, pending = {}, []
+        while ready or be.busy() or pending:
+            be.launch(ready)
+            for c in pending:                               # recorded after the next launch, as the driver does
+                s = c.request.state
+                got[(s.i, s.k)] = c.tokens
+                s.k += 1
+                if s.k < len(s.turns):
+                    ready.append(TurnRequest(s, c.request.prompt + c.tokens + [1] + s.turns[s.k], key=s.i, order=s.i))
+                else:
+                    s.done = True
+            pending = be.collect()
+        runs[reuse] = got
+        if reuse:
+            delta_calls = be.delta_prefills
+            assert be.engine.prefill_graph_count > 0
+    assert runs[True] == runs[False] and len(runs[True]) == 3 * len(LENS)
+    assert delta_calls > 0

@@ -174,7 +174,7 @@ def _queue(ready: list[TurnRequest], req: TurnRequest | None) -> None:
 
 
 def make_backend(bundle, eos: list[int], pad: int, batch: int, max_len: int, max_new: int, dec: Decoding,
-                 engine: str, attention: str = "auto"):
+                 engine: str, attention: str = "auto", reuse_history: bool = False):
     """The engine backend where the target allows it (halving `batch` on OOM), else HF generate."""
     if engine not in ENGINES:
         raise UsageError(f"--engine must be one of {', '.join(ENGINES)}, got {engine!r}")
@@ -193,7 +193,8 @@ def make_backend(bundle, eos: list[int], pad: int, batch: int, max_len: int, max
     batch = batch or auto_batch_size(bundle.model, max_len)
     while True:
         try:
-            return EngineBackend(bundle.model, eos, batch, max_len, max_new, dec, attention=attention)
+            return EngineBackend(bundle.model, eos, batch, max_len, max_new, dec, attention=attention,
+                                 reuse_history=reuse_history)
         except torch.OutOfMemoryError:
             batch = _halve(batch)
 
@@ -233,11 +234,13 @@ def _validate(cfg: RunConfig, max_new_tokens: int, batch_size: int, dec: Decodin
 def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batch_size: int = 0,
                    device: str = "auto", *, bundle=None, max_turns: int = 0, samples: int = 1,
                    temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, engine: str = "auto",
-                   attention: str = "auto", greedy_after: int = 0) -> dict:
+                   attention: str = "auto", greedy_after: int = 0, reuse_history: bool = False) -> dict:
     """Regenerate cfg.data's conversations into `output` (JSONL); returns the final sidecar dict.
 
     batch_size 0 = auto (16 on the CPU, up to 1024 on CUDA as memory allows).
     bundle: an already loaded TargetBundle to use instead of loading cfg.target (tests, notebooks).
+    reuse_history: later turns prefill only their new tokens into the row that generated the previous answer
+    (engine backend; pointless with one turn: max_turns 1 turns it off).
     """
     output = Path(output)
     dec = Decoding(samples, temperature, top_p, seed, greedy_after)
@@ -259,8 +262,9 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
     skip = done | set(state["skipped"])
     atomic_write_json(sidecar_path(output), state)
     regen = Regenerator(bundle.tokenizer, eos, max_new_tokens, cfg.extract.max_length, max_turns, dec)
+    reuse_history = reuse_history and max_turns != 1
     backend = make_backend(bundle, eos, pad, batch_size, cfg.extract.max_length, max_new_tokens, dec, engine,
-                           attention)
+                           attention, reuse_history)
     print(f"regenerate: decode path: {backend.describe}", flush=True)
     state["decode_path"] = backend.describe          # informational (not a pinned setting)
     stats = DataStats()
@@ -334,7 +338,7 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
                 smaller = backend.B
                 backend = None               # free its cache before allocating the smaller one
                 backend = make_backend(bundle, eos, pad, _halve(smaller), cfg.extract.max_length,
-                                       max_new_tokens, dec, engine, attention)
+                                       max_new_tokens, dec, engine, attention, reuse_history)
                 state["decode_path"] = backend.describe
             # host work while the device decodes: the last answers, the next turns, new prompts, the output
             going = [st for st in (regen.record(c) for c in completions) if st is not None]   # detokenizes

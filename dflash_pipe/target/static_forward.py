@@ -66,7 +66,7 @@ import torch.nn.functional as F
 
 from ..errors import UsageError
 from .decode_attention import decode_attention as row_length_attention
-from .prefill_shapes import PrefillShapes
+from .prefill_shapes import PrefillShapes, next_pow2
 from .runner_utils import decoder_layers, final_norm, text_backbone
 from .small_batch_ops import LayerOps, few_query_attention, few_query_bias, rope, signed_sin
 
@@ -160,6 +160,7 @@ class StaticKVEngine:
             self.lengths = torch.zeros(n_rows, dtype=torch.long, device=self.device)
         self._bound = [0] * n_rows                       # host upper bound of each row's length
         self.prefill_min_rows, self.max_prefill_graphs = max(1, prefill_min_rows), max_prefill_graphs
+        self._append_warm: set = set()       # graph keys of appending prefills that ran eagerly once
         self.prefill_graph_count = 0
         if use_graphs not in ("auto", "on", "off"):
             raise UsageError(f"use_graphs must be auto, on or off, got {use_graphs!r}")
@@ -272,6 +273,8 @@ class StaticKVEngine:
         ids, num, row_t = packed[:Rb * Tb].view(Rb, Tb), packed[Rb * Tb:Rb * Tb + Rb], packed[Rb * Tb + Rb:]
         kv_len = self.attended_length(host_rows, Tb)
         fresh = all(self._bound[r] == 0 for r in host_rows)     # empty rows: the prompts attend only to themselves
+        if not fresh:   # appending (regenerate's history reuse): few attended lengths, so few graphs
+            kv_len = min(self.size, self.kv_bucket * next_pow2(-(-kv_len // self.kv_bucket)))
         for r, n in zip(host_rows, lens):
             self._bound[r] = min(self._bound[r] + n, self.max_len)
         uses = self.prefill_shapes.use((Rb, Tb))
@@ -279,7 +282,10 @@ class StaticKVEngine:
         if self.use_graphs:
             key = ("prefill", Rb, Tb, kv_len, fresh)
             entry = self._graphs.get(key)
-            if entry is None and uses >= 2 and self.prefill_graph_count < self.max_prefill_graphs:
+            # an appending call's kernels differ from a fresh one's (masked SDPA over the cache): its own eager call
+            # is its warm-up
+            warm = fresh or key in self._append_warm
+            if entry is None and uses >= 2 and warm and self.prefill_graph_count < self.max_prefill_graphs:
                 # the shape's first (eager) call was its warm-up: capture without another (~ one eager call's host time)
                 entry = self._graphs[key] = self._capture(ids, num, kv_len, True, row_t, warmups=0, fresh=fresh)
                 self.prefill_graph_count += 1
@@ -292,6 +298,8 @@ class StaticKVEngine:
                 s_rows.copy_(row_t)
                 graph.replay()
                 return out.logits[:R]
+            if not fresh:
+                self._append_warm.add(key)
         return self._compute(ids, num, row_t, kv_len, True, fresh=fresh).logits[:R]
 
     def _compute(self, ids, num_new, row_t, kv_len: int, last_only: bool, fresh: bool = False) -> EngineOutput:
