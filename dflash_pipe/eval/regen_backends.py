@@ -260,6 +260,7 @@ class EngineBackend:
                 "occupancy": round(live / (steps * self.B), 3),
                 "mean_decode_width": round(self.width_row_steps / steps, 1),
                 "prefill_calls": self.prefill_calls, "prefill_rows": self.prefill_rows,
+                "prefill_tokens": self.prefill_real,
                 "prefill_pad_share": round(1 - self.prefill_real / max(1, self.prefill_padded), 3),
                 "prefill_graphs": self.engine.prefill_graph_count,
                 "history_reused_tokens": self.reused_tokens, "history_prefills": self.delta_prefills,
