@@ -21,7 +21,7 @@ History reuse (`reuse_history`, multi-turn): a finished row's slot is held with 
 answer tokens fed so far) until the driver has turned the answer into the conversation's next request. If
 that prompt starts with exactly those tokens (the chat template re-renders the history; a re-tokenization
 that differs falls back), only the new tokens (the end-of-turn token, the next user message, the assistant
-header) are prefilled into the held row, one call for all such rows of a launch; otherwise, or when no next
+header) are prefilled into the held row, one call per length bucket of them; otherwise, or when no next
 request comes within two launches, the slot is freed. Later turns then cost their new tokens instead of
 their whole history (session 14's every-turn data: 19 % of the prefilled tokens). The held history's K/V were
 written by decode steps instead of one prefill: the same values up to rounding.
@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import UsageError
+from ..target.prefill_shapes import rows_per_call
 from ..target.static_forward import StaticKVEngine, to_device
 from .regen_refill import RefillPolicy, plan_refill
 from .regen_sampling import Decoding, next_tokens
@@ -212,13 +213,19 @@ class EngineBackend:
             self._release(drop)
         if not rows:
             return
-        deltas = [req.prompt[len(self.held[r][1]):] for r, req in zip(rows, reqs)]
+        groups: dict[int, list] = {}        # one call per length bucket, as a refill groups fresh prompts
         for r, req in zip(rows, reqs):
+            delta = req.prompt[len(self.held[r][1]):]
+            groups.setdefault(self.policy.bucket(len(delta)), []).append((r, req, delta))
             self.reused_tokens += len(self.held.pop(r)[1])
             self.slots[r] = req
         ready[:] = [r for i, r in enumerate(ready) if i not in taken]
-        self.delta_prefills += 1
-        self._prefill(rows, reqs, deltas)
+        for b, group in sorted(groups.items()):
+            cap = rows_per_call(b, self.policy.budget, self.policy.min_rows)
+            for i in range(0, len(group), cap):
+                part = group[i:i + cap]
+                self.delta_prefills += 1
+                self._prefill([g[0] for g in part], [g[1] for g in part], [g[2] for g in part])
 
     def _shrink(self) -> None:
         """Halve the decode width while the live rows fit in half of it (min batch / 8), moving rows down."""
