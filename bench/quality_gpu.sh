@@ -13,6 +13,8 @@
 #   call B (within 30 s of T returning; reassembles + sha256-checks the GGUF, installs the wheels, runs stages):
 #     carry   [".gpucarry/p2", ".gpucarry/p3"]                                          (61.8 MiB with the tree)
 #     command bash bench/quality_gpu.sh run
+#   (once the tree has grown past 64 MiB for call B, scripts/prepare_gpu_carry.sh says so: then a call U carries
+#   .gpucarry/p2 with the command `bash bench/quality_gpu.sh stash`, and call B carries .gpucarry/p3 alone)
 #   call C (within 30 s of B returning, only if B exited 75 = stopped at the deadline with work left):
 #     carry   []
 #     command bash bench/quality_gpu.sh run
