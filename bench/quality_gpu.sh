@@ -10,6 +10,8 @@
 #   call T (within 30 s; GGUF part 1 and the ShareGPT prompt files, first turns and every turn, decompressed):
 #     carry   [".gpucarry/turns", ".gpucarry/p1"]                                       (54.1 MiB with the tree)
 #     command bash bench/quality_gpu.sh stash
+#     (`bash bench/quality_gpu.sh precheck` in call T's place stashes too, then runs the GPU tests of history reuse
+#     and replay and times the drafter's step at two sizes: bench/quality19d.env's header)
 #   call B (within 30 s of T returning; reassembles + sha256-checks the GGUF, installs the wheels, runs stages):
 #     carry   [".gpucarry/p2", ".gpucarry/p3"]                                          (61.8 MiB with the tree)
 #     command bash bench/quality_gpu.sh run
@@ -192,12 +194,22 @@ setup() {
             say "setup: GGUF reassembled and sha256-checked ($(du -m "$Q/smollm2.gguf" | cut -f1) MB)"
         fi
     fi
-    # wheels only for modules this python lacks (the GPU image has neither zstandard nor gguf)
+    install_wheels
+    seed_regenerated
+    export DFLASH_PROMPTS_DIR=$CARRY/data/prompts
+    export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 MPLBACKEND=Agg TOKENIZERS_PARALLELISM=false
+    export DFLASH_LOG=${DFLASH_LOG:-WARNING}
+    echo "$CALL" > "$Q/calls"
+}
+
+# wheels only for modules this python lacks (the GPU image has neither zstandard nor gguf)
+install_wheels() {
     mkdir -p "$Q/site"
     export PYTHONPATH=$Q/site:$REPO${PYTHONPATH:+:$PYTHONPATH}
+    local mod whl
     for mod in zstandard gguf; do
         "$PY" -c "import $mod" 2>/dev/null && continue
-        local whl; whl=$(ls "$SRC/whl/$mod"-*.whl "$CARRY/whl/$mod"-*.whl 2>/dev/null | head -1)
+        whl=$(ls "$SRC/whl/$mod"-*.whl "$CARRY/whl/$mod"-*.whl 2>/dev/null | head -1)
         [ -n "$whl" ] || { say "no wheel for $mod in $SRC/whl (call A stashes .gpucarry/whl)"; finish 3; }
         "$PY" -m pip install -q --no-index --no-deps --target "$Q/site" "$whl" >> "$Q/logs/setup.log" 2>&1 ||
             "$PY" -m zipfile -e "$whl" "$Q/site" >> "$Q/logs/setup.log" 2>&1 ||    # no pip: a wheel is a zip
@@ -206,11 +218,26 @@ setup() {
         mkdir -p "$CARRY/whl" && cp -n "$whl" "$CARRY/whl/" 2>/dev/null
         say "setup: installed $(basename "$whl")"
     done
-    seed_regenerated
-    export DFLASH_PROMPTS_DIR=$CARRY/data/prompts
-    export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 MPLBACKEND=Agg TOKENIZERS_PARALLELISM=false
-    export DFLASH_LOG=${DFLASH_LOG:-WARNING}
-    echo "$CALL" > "$Q/calls"
+}
+
+# call T's checks (`precheck`, after its stash; no GGUF needed): the GPU tests of what the run uses
+# (PRECHECK_TESTS, pytest -k expression) and the quality drafter's training step at PRECHECK_CONTEXTS tokens;
+# results in $OUT (precheck_tests.txt, step_<tokens>.json / .log) and a summary on stdout
+precheck() {
+    stash >/dev/null
+    install_wheels
+    local rc
+    timeout 150 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_static_forward_gpu.py tests/test_eval_replay_gpu.py \
+        -k "${PRECHECK_TESTS:-history or replay}" > "$OUT/precheck_tests.txt" 2>&1
+    rc=$?
+    say "precheck: GPU tests rc $rc: $(tail -n 1 "$OUT/precheck_tests.txt")"
+    local c
+    for c in ${PRECHECK_CONTEXTS:-8192 16384}; do
+        timeout 80 "$PY" bench/train_step.py --shape smollm2 --variants eager-sdpa --context "$c" --anchors $((c / 16)) \
+            --steps 20 --warmup 3 --lock-steps 0 --no-loader --json "$OUT/step_$c.json" > "$OUT/step_$c.log" 2>&1
+        say "precheck: step at $c context tokens: $(grep '^eager-sdpa ' "$OUT/step_$c.log" | tail -n 1 || echo failed)"
+    done
+    return "$rc"
 }
 
 # A regenerated file kept from an earlier run (bench/data/, with its progress sidecar) seeds regen: the regen
@@ -336,6 +363,7 @@ trap 'say "interrupted"; finish 130' INT TERM
 
 case $MODE in
     stash) stash; exit 0 ;;
+    precheck) precheck; exit $? ;;
     status) snapshot; cat "$OUT/status.txt"; exit 0 ;;
     setup) setup; say "setup: done (GGUF $DFLASH_SMOLLM2_GGUF, site $Q/site, prompts $DFLASH_PROMPTS_DIR)"; exit 0 ;;
     window)  # issue 16: bench/window_stream.py on the one GPU (after call A's stash; GGUF + wheels as for run)
@@ -344,7 +372,7 @@ case $MODE in
             --json "$OUT/window_stream.json" ${WINDOW_FLAGS:-} > "$OUT/window_stream.log" 2>&1
         rc=$?; tail -n 40 "$OUT/window_stream.log"; cp "$Q/window/"{extract,train}.log "$OUT/" 2>/dev/null; exit $rc ;;
     run) ;;
-    *) echo "usage: bench/quality_gpu.sh stash|setup|run|status|window" >&2; exit 2 ;;
+    *) echo "usage: bench/quality_gpu.sh stash|precheck|setup|run|status|window" >&2; exit 2 ;;
 esac
 
 setup
