@@ -260,7 +260,7 @@ def test_history_reuse_falls_back_when_the_new_prompt_does_not_extend_the_row(re
     def corrupt(self):
         comps = real(self)
         for h in self.held.values():
-            h[1] = h[1][:-1] + [h[1][-1] + 1]          # the row's last token no longer matches the re-rendered prompt
+            h.fed = h.fed[:-1] + [h.fed[-1] + 1]          # the row's last token no longer matches the re-rendered prompt
         return comps
 
     monkeypatch.setattr(EngineBackend, "collect", corrupt)

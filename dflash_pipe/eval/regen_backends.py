@@ -21,7 +21,7 @@ History reuse (`reuse_history`, multi-turn): a finished row's slot is held with 
 answer tokens fed so far) until the driver has turned the answer into the conversation's next request. If
 that prompt starts with exactly those tokens (the chat template re-renders the history; a re-tokenization
 that differs falls back), only the new tokens (the end-of-turn token, the next user message, the assistant
-header) are prefilled into the held row, one call per length bucket of them; otherwise, or when no next
+header) are prefilled into the held row, grouped into calls as a refill groups fresh prompts; otherwise, or when no next
 request comes within two launches, the slot is freed. Later turns then cost their new tokens instead of
 their whole history (session 14's every-turn data: 19 % of the prefilled tokens). The held history's K/V were
 written by decode steps instead of one prefill: the same values up to rounding.
@@ -43,7 +43,6 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import UsageError
-from ..target.prefill_shapes import rows_per_call
 from ..target.static_forward import StaticKVEngine, to_device
 from .regen_refill import RefillPolicy, plan_refill
 from .regen_sampling import Decoding, next_tokens
@@ -58,6 +57,14 @@ class TurnRequest:
     prompt: list[int]
     key: int               # sampling key (regen_sampling.answer_key)
     order: int             # the conversation's input position: the ready list's sort key
+
+
+@dataclass
+class _Held:
+    """A finished row kept for its conversation's next turn (history reuse)."""
+    state: object          # the conversation (regenerate._ConvState)
+    fed: list[int]         # the tokens whose K/V the row holds: the prompt and the answer but its last token
+    launches: int = 0      # launches since the answer finished
 
 
 @dataclass
@@ -99,11 +106,11 @@ class EngineBackend:
         self.policy = RefillPolicy.for_batch(batch, dev.type == "cuda", max_len, budget=prefill_tokens,
                                              min_free=min_free, min_rows=self.engine.prefill_min_rows)
         self.slots: list[TurnRequest | None] = [None] * batch
-        # history reuse (module docstring): row -> [conversation state, tokens in its K/V, launches waited]
+        # history reuse (module docstring): the rows kept for their conversations' next turns
         if reuse_history and compact:
             raise UsageError("history reuse keeps finished rows in place; tail compaction moves rows")
         self.reuse_history = reuse_history
-        self.held: dict[int, list] = {}
+        self.held: dict[int, _Held] = {}
         self.reused_tokens = self.delta_prefills = 0
         # tail compaction: with nothing waiting, live rows move down and steps run on the first `width` rows.
         # Off by default: the one H200 run with it on (session 7) regenerated at 18.8 k tok/s against 42.8 k
@@ -190,15 +197,16 @@ class EngineBackend:
 
     def _continue_held(self, ready: list[TurnRequest]) -> None:
         """History reuse: the next requests of held rows' conversations go back into their rows, prefilling only
-        what follows the tokens already there (one call); held rows whose conversation has no such request are
-        freed (after two launches without one, or at once when the request's prompt does not extend them)."""
-        by_state = {id(h[0]): r for r, h in self.held.items()}
+        what follows the tokens already there (grouped into calls as a refill groups fresh prompts); held rows
+        whose conversation has no such request are freed (after two launches without one, or at once when the
+        request's prompt does not extend them)."""
+        by_state = {id(h.state): r for r, h in self.held.items()}
         rows, reqs, taken, drop = [], [], set(), []
         for i, req in enumerate(ready):
             r = by_state.get(id(req.state))
             if r is None:
                 continue
-            fed = self.held[r][1]
+            fed = self.held[r].fed
             if len(req.prompt) > len(fed) and req.prompt[:len(fed)] == fed:
                 rows.append(r)
                 reqs.append(req)
@@ -206,26 +214,24 @@ class EngineBackend:
             else:
                 drop.append(r)              # the re-rendered history differs: a fresh prefill, elsewhere
         for r, h in self.held.items():
-            h[2] += 1
-            if r not in rows and r not in drop and (h[0].done or h[2] > 2):
+            h.launches += 1
+            if r not in rows and r not in drop and (h.state.done or h.launches > 2):
                 drop.append(r)
         if drop:
             self._release(drop)
         if not rows:
             return
-        groups: dict[int, list] = {}        # one call per length bucket, as a refill groups fresh prompts
+        deltas = []
         for r, req in zip(rows, reqs):
-            delta = req.prompt[len(self.held[r][1]):]
-            groups.setdefault(self.policy.bucket(len(delta)), []).append((r, req, delta))
-            self.reused_tokens += len(self.held.pop(r)[1])
+            fed = self.held.pop(r).fed
+            deltas.append(req.prompt[len(fed):])
+            self.reused_tokens += len(fed)
             self.slots[r] = req
         ready[:] = [r for i, r in enumerate(ready) if i not in taken]
-        for b, group in sorted(groups.items()):
-            cap = rows_per_call(b, self.policy.budget, self.policy.min_rows)
-            for i in range(0, len(group), cap):
-                part = group[i:i + cap]
-                self.delta_prefills += 1
-                self._prefill([g[0] for g in part], [g[1] for g in part], [g[2] for g in part])
+        n = len(rows)
+        for call in plan_refill(n, [len(d) for d in deltas], n, self.B - n, self.policy):
+            self.delta_prefills += 1
+            self._prefill([rows[i] for i in call], [reqs[i] for i in call], [deltas[i] for i in call])
 
     def _shrink(self) -> None:
         """Halve the decode width while the live rows fit in half of it (min batch / 8), moving rows down."""
@@ -344,7 +350,7 @@ class EngineBackend:
             comps.append(Completion(req, toks[:-1] if ended else toks, ended, toks[-1] if ended else None))
             self.slots[r] = None
             if self.reuse_history:         # the last token chosen is never fed: the K/V hold the prompt + the rest
-                self.held[r] = [req.state, req.prompt + toks[:-1], 0]
+                self.held[r] = _Held(req.state, req.prompt + toks[:-1])
         gone = [r for r in done if r not in self.held]
         self.engine.reset(gone)            # idle rows then attend over nothing until refilled
         return comps

@@ -66,9 +66,7 @@ def replay_generate(verifier, proposer, prompt_ids: Sequence[int], ref: Sequence
         t_draft = time.perf_counter()
         drafts = list(proposer.propose(prompt + out, feats, limit))[:limit] if limit else []
         res.draft_s += time.perf_counter() - t_draft
-        accepted = 0
-        while accepted < len(drafts) and n + accepted < len(ref) and drafts[accepted] == ref[n + accepted]:
-            accepted += 1
+        accepted = _matching(drafts, ref, n)
         new = drafts[:accepted] + ref[n + accepted:n + accepted + 1]    # no bonus token past the reference's end
         res.record_step(drafts, accepted, new, limit, eos)
     sync_fn(verifier.device)()
@@ -92,13 +90,18 @@ def teacher_forced_scan(proposer, prompt: list[int], ref: list[int], feats, bloc
         proposer.reset()
     for n in range(1, len(ref), every):
         limit = min(block_size - 1, len(ref) - n)
-        drafts = list(proposer.propose(prompt + ref[:n], feats, limit))[:limit]
-        matched = 0
-        while matched < len(drafts) and drafts[matched] == ref[n + matched]:
-            matched += 1
+        matched = _matching(list(proposer.propose(prompt + ref[:n], feats, limit))[:limit], ref, n)
         res.scan_blocks += 1
         res.scan_tau_sum += 1 + matched
         res.scan_inv_tau_sum += 1 / (1 + matched)
+
+
+def _matching(drafts: list[int], ref: list[int], n: int) -> int:
+    """How many leading drafts equal the reference from token n on (what a verify would accept)."""
+    k = 0
+    while k < len(drafts) and n + k < len(ref) and drafts[k] == ref[n + k]:
+        k += 1
+    return k
 
 
 def replay_methods(methods, ids, ref, block_size, max_new_tokens, eos, scan_every: int = 0) -> dict[str, SpecResult]:
@@ -108,10 +111,13 @@ def replay_methods(methods, ids, ref, block_size, max_new_tokens, eos, scan_ever
             for name, verifier, proposer in methods}
 
 
+SCAN_FIELDS = ("scan_blocks", "scan_tau_sum", "scan_inv_tau_sum", "scan_s")
+
+
 def copy_scan(dst: SpecResult, src: SpecResult) -> None:
     """A decoded generation takes the teacher-forced scan of its check replay (the scan needs the replay's features)."""
-    dst.scan_blocks, dst.scan_tau_sum = src.scan_blocks, src.scan_tau_sum
-    dst.scan_inv_tau_sum, dst.scan_s = src.scan_inv_tau_sum, src.scan_s
+    for f in SCAN_FIELDS:
+        setattr(dst, f, getattr(src, f))
 
 
 def same_steps(a: SpecResult, b: SpecResult) -> bool:
