@@ -268,3 +268,14 @@ def test_history_reuse_falls_back_when_the_new_prompt_does_not_extend_the_row(re
     state = _regen(cfg, llama, out, reuse_history=True)
     assert _rows(out) == reference
     assert state["timing"]["history_prefills"] == 0 and state["timing"]["history_reused_tokens"] == 0
+
+
+def test_history_reuse_with_tail_compaction_is_refused(llama):
+    """Compaction moves live rows; a held row must stay where its K/V are: the two are refused together."""
+    from dflash_pipe.errors import UsageError
+    from dflash_pipe.eval.regen_backends import EngineBackend
+    from dflash_pipe.eval.regen_sampling import Decoding
+
+    with pytest.raises(UsageError, match="tail compaction"):
+        EngineBackend(llama.model, [2], batch=2, max_len=64, max_new_tokens=4, dec=Decoding(), compact=True,
+                      reuse_history=True)
