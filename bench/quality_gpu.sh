@@ -227,8 +227,8 @@ precheck() {
     stash >/dev/null
     install_wheels
     local rc
-    timeout 150 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_static_forward_gpu.py tests/test_eval_replay_gpu.py \
-        -k "${PRECHECK_TESTS:-history or replay}" > "$OUT/precheck_tests.txt" 2>&1
+    timeout 150 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_static_forward_gpu.py tests/test_eval_replay_gpu.py tests/test_train_feature_codec.py \
+        -k "${PRECHECK_TESTS:-history or replay or feature_codec}" > "$OUT/precheck_tests.txt" 2>&1
     rc=$?
     say "precheck: GPU tests rc $rc: $(tail -n 1 "$OUT/precheck_tests.txt")"
     local c

@@ -86,6 +86,12 @@ def markdown(summary: dict) -> str:
         L += [f"Issue 19: DFlash ({REFERENCE}) vs prompt lookup: {sets19}. Unique supervised training tokens "
               f"(cache-{REFERENCE}): {_tokens(g19['supervised_tokens']) if g19['supervised_tokens'] else '-'} "
               f"(goal >= 30M: {met[g19['tokens_met']]}).", ""]
+        f8 = g19.get("fp8")
+        if f8:
+            per = "; ".join(f"{s} {v['diff']:+.2%} [{v['ci95'][0]:+.2%}, {v['ci95'][1]:+.2%}]"
+                            for s, v in f8["sets"].items())
+            L += [f"Issue 19: fp8 ({f8['run']}) vs {REFERENCE}, paired: {per or '-'} (goal: every interval within "
+                  f"+-1.5 %: {met[f8['met']]}).", ""]
     others = [n for n in R if n != REFERENCE]
     if others:
         L += [f"Every drafter against the {REFERENCE} one, tau(drafter) / tau({REFERENCE}) - 1: decoded on the same "

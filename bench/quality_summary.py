@@ -326,4 +326,39 @@ def issue19_goals(summary: dict) -> dict:
     sup = (summary["caches"].get(REFERENCE) or {}).get("supervised_tokens")
     out["supervised_tokens"] = sup
     out["tokens_met"] = None if sup is None else sup >= ISSUE19_TOKENS
+    out["fp8"] = fp8_goal(summary)
+    return out
+
+
+ISSUE19_FP8_HALF_WIDTH = 0.015   # fp8 vs lossless: the paired 95 % interval no wider than +-1.5 %
+
+
+def fp8_run(summary: dict) -> str | None:
+    """The drafter trained on fp8 features of the reference's data: the fp8 cache's run, or a var-<name> run
+    whose only recipe change is train.feature_codec -> fp8 (one extraction, quantised on the device)."""
+    runs = summary.get("runs") or {}
+    if "fp8" in runs:
+        return "fp8"
+    for name, run in runs.items():
+        if run.get("recipe_vs_reference") == {"train.feature_codec": ["stored", "fp8"]}:
+            return name
+    return None
+
+
+def fp8_goal(summary: dict) -> dict | None:
+    """Issue 19: fp8 against lossless, per set: the paired difference, its 95 % interval and whether the
+    interval's half-width is within ISSUE19_FP8_HALF_WIDTH."""
+    name = fp8_run(summary)
+    if name is None:
+        return None
+    out: dict = {"run": name, "sets": {}}
+    for s in ISSUE19_RATIO:
+        p = (summary["sets"].get(s) or {}).get("vs_reference", {}).get(name)
+        if p:
+            half = (p["ci95"][1] - p["ci95"][0]) / 2
+            out["sets"][s] = {"diff": p["diff"], "ci95": p["ci95"], "half_width": half,
+                              "met": half <= ISSUE19_FP8_HALF_WIDTH}
+    done = len(out["sets"]) == len(ISSUE19_RATIO) and not any((summary["sets"].get(s) or {}).get("partial")
+                                                               for s in ISSUE19_RATIO)
+    out["met"] = all(v["met"] for v in out["sets"].values()) if done else None
     return out

@@ -113,6 +113,27 @@ def test_issue19_goals_use_each_sets_bar_and_the_supervised_tokens():
                                                                   "met": None}
 
 
+def test_issue19_fp8_goal_finds_the_feature_codec_variant_and_judges_each_interval():
+    def vs(diff, lo, hi):
+        return {"prompts": 10, "diff": diff, "ci95": [lo, hi]}
+
+    summary = {"runs": {"lossless": {}, "var-l5": {"recipe_vs_reference": {"drafter.num_layers": [3, 5]}},
+                        "var-fp8": {"recipe_vs_reference": {"train.feature_codec": ["stored", "fp8"]}}},
+               "sets": {s: {"prompts": 10, "drafters": {}, "vs_reference": {"var-fp8": vs(0.004, -0.01, 0.018)}}
+                        for s in ("heldout", "mtbench", "humaneval")},
+               "caches": {}}
+    g = qr.issue19_goals(summary)["fp8"]
+    assert g["run"] == "var-fp8" and g["met"] is True
+    assert g["sets"]["heldout"]["half_width"] == pytest.approx(0.014)
+    summary["sets"]["humaneval"]["vs_reference"]["var-fp8"] = vs(0.0, -0.02, 0.011)   # half-width 1.55 %
+    g = qr.issue19_goals(summary)["fp8"]
+    assert g["met"] is False and g["sets"]["humaneval"]["met"] is False and g["sets"]["mtbench"]["met"] is True
+    summary["sets"]["mtbench"]["partial"] = True
+    assert qr.issue19_goals(summary)["fp8"]["met"] is None
+    summary["runs"].pop("var-fp8")
+    assert qr.issue19_goals(summary)["fp8"] is None
+
+
 def test_the_report_sets_teacher_forced_tau_beside_the_decoded_one():
     """eval --teacher-forced-every: bench/quality_report.py tabulates each method's scan beside its decoded tau (and
     leaves the table out when no eval scanned)."""

@@ -192,12 +192,21 @@ def decode_split(buf, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tenso
     return planes.t().contiguous().view(dtype).view(shape)
 
 
+def fp8_roundtrip(hidden_TD: torch.Tensor, num_layers: int) -> torch.Tensor:
+    """[T, D] features -> bf16 [T, D], the values an fp8 cache gives back for them (`encode_hidden`'s
+    quantisation, then `planes_to_hidden`'s dequantisation), on the tensor's device. Quantisation is per
+    (token, layer), so rows of a packed batch come out as they would document by document. For bf16
+    features (a bf16 target: what a lossless cache holds exactly) this is what training on an fp8 cache
+    of the same extraction reads, to the bit."""
+    T, D = hidden_TD.shape
+    q, scale = _fp8_quantize(hidden_TD.float().view(T, num_layers, D // num_layers))
+    return (q.float() * scale.unsqueeze(-1)).view(T, D).to(torch.bfloat16)
+
+
 def fp8_error_terms(hidden_TD: torch.Tensor, doc_lens: list[int], num_layers: int) -> torch.Tensor:
     """fp8 round-trip error of a batch, on its device (no sync): [sum of per-token relative L2,
     max relative L2, min cosine, tokens]. Quantised exactly as `encode_hidden` does per document."""
-    T, D = hidden_TD.shape
-    q, scale = _fp8_quantize(hidden_TD.float().view(T, num_layers, D // num_layers))
-    rec = (q.float() * scale.unsqueeze(-1)).view(T, D).to(torch.bfloat16).float()
+    rec = fp8_roundtrip(hidden_TD, num_layers).float()
     ref = hidden_TD.float()
     rel = (rec - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-30)
     cos = torch.nn.functional.cosine_similarity(rec, ref, dim=-1)

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..cache.codec import FP8
 from ..config import RunConfig, write_resolved
 from ..dist import DistInfo, barrier, destroy, init_process_group, pick_device, set_rank_cache_dirs
 from ..drafter.attention import compilation_locked
@@ -149,12 +150,16 @@ def run_train(cfg: RunConfig) -> dict:
     logger.truncate_history(step - 1)
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16" else nullcontext())
     codec, n_layers = spec["features"]["codec"], spec["features"]["num_layers"]
+    if tr.feature_codec == FP8 and codec == FP8:
+        raise UsageError(f"--feature-codec fp8: the cache {tr.cache_dir} already holds fp8 features",
+                         "drop --feature-codec (it quantises a lossless cache as the fp8 codec would)")
     validator = (Validator(cfg, spec, dcfg, head, device, info.rank, info.world, autocast, gamma)
                  if tr.val_cache_dir else None)
     if info.is_main:
         print(f"train: drafter {dcfg.num_layers} layers, {trainable / 1e6:.1f}M trainable params, attention "
               f"{dcfg.attention}, {precision}, compile={compile_layers}, world {info.world}, {total} steps "
-              f"({epoch_steps} per epoch), mask token {dcfg.mask_token_id}", flush=True)
+              f"({epoch_steps} per epoch), mask token {dcfg.mask_token_id}"
+              + (f", {codec} features quantised to fp8 on the device" if tr.feature_codec == FP8 else ""), flush=True)
     last = {}
     # window mode: round-boundary checkpoints written off the step loop; the shards a boundary retired are
     # deleted (coord.collect) only once its checkpoint is COMPLETE, seen by `settle` between steps
@@ -360,7 +365,7 @@ def _train_step(ddp, weights: MasterWeights, head, opt, sched, batch, dcfg, devi
     t = on_device if on_device is not None else {k: v.to(device, non_blocking=True)
                                                  for k, v in batch.tensors().items()}
     kd = kd_targets(t, dcfg, tr.kd_weight)
-    inputs = draft_inputs(t, batch, head, dcfg, codec, n_layers)  # planes -> bf16 features, mask, embeddings
+    inputs = draft_inputs(t, batch, head, dcfg, codec, n_layers, tr.feature_codec)  # planes -> bf16, mask, embeds
     with autocast:
         out = ddp(*inputs)
         loss, metrics = draft_loss(out, head.lm_head_VH, t["labels_NB"], dcfg.block_size, gamma,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..cache.codec import planes_to_hidden
+from ..cache.codec import FP8, fp8_roundtrip, planes_to_hidden
 from ..drafter import AttentionMask, block_positions, draft_loss, gather_kd_targets, summarize_metrics
 from ..drafter.attention import compilation_unlocked, flex_tuning
 from ..errors import ValidationError
@@ -23,10 +23,13 @@ from .cache_index import CacheIndex
 from .loader import BatchLoader
 
 
-def draft_inputs(t: dict, batch, head, dcfg, codec: str, n_layers: int):
+def draft_inputs(t: dict, batch, head, dcfg, codec: str, n_layers: int, feature_codec: str = "stored"):
     """Device tensors of one batch -> (features, block embeddings, ctx positions, block positions, mask).
-    Pops the planes so their memory can go as soon as the bf16 features exist."""
+    Pops the planes so their memory can go as soon as the bf16 features exist. feature_codec 'fp8' turns
+    lossless features into an fp8 cache's values (train.feature_codec)."""
     hidden = planes_to_hidden(codec, t.pop("planes"), t.pop("scale", None), n_layers)
+    if feature_codec == FP8 and codec != FP8:
+        hidden = fp8_roundtrip(hidden, n_layers)
     mask = AttentionMask(t["ctx_doc_S"], t["anchor_index_N"], t["block_doc_N"], t["block_valid_N"], dcfg.block_size)
     if dcfg.attention == "flex":
         mask.block_mask(flex_block=flex_tuning()["block"])  # built outside the compiled layers, cached
