@@ -7,7 +7,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${DFLASH_PYTHON:-python}
 M=manifests/quality-smollm2.toml
-T=(--epochs "${EPOCHS:-5}" --keep-checkpoints 20 --checkpoint-every 100)
+# the manifest's 5-layer recipe is GPU-sized: the CPU run trains CPU_DRAFTER_LAYERS (1)
+T=(--epochs "${EPOCHS:-5}" --keep-checkpoints 20 --checkpoint-every 100 --drafter-num-layers "${CPU_DRAFTER_LAYERS:-1}")
 $PY -m dflash_pipe extract -m "$M" --device cpu
 $PY -m dflash_pipe extract -m "$M" --device cpu --codec fp8 --cache-dir runs/quality/cache-fp8
 $PY -m dflash_pipe train -m "$M" --device cpu "${T[@]}"

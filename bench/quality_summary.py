@@ -293,8 +293,9 @@ def build(d: Path) -> dict:
     summary["data_scaling"] = data_scaling(d, summary["sets"])
     goal_rows = [summary["sets"].get(s, {}).get("drafters", {}) for s in GOAL_SETS]
     ratios = [r[c]["ratio_vs_lookup"] for r in goal_rows for c in CODECS if r.get(c, {}).get("ratio_vs_lookup")]
-    diffs = [summary["sets"][s]["vs_reference"]["fp8"]["diff"] for s in GOAL_SETS
-             if (summary["sets"].get(s, {}).get("vs_reference", {}).get("fp8") or {}).get("diff") is not None]
+    f8 = fp8_run(summary) or "fp8"                               # the fp8 cache's run or the feature-codec variant
+    diffs = [summary["sets"][s]["vs_reference"][f8]["diff"] for s in GOAL_SETS
+             if (summary["sets"].get(s, {}).get("vs_reference", {}).get(f8) or {}).get("diff") is not None]
     trained = [c for c in CODECS if c in all_runs]                # QUALITY_CODECS may leave fp8 out
     complete = (bool(trained) and len(ratios) == len(trained) * len(GOAL_SETS)
                 and not any(summary["sets"][s].get("partial") for s in GOAL_SETS))

@@ -129,8 +129,9 @@ class TrainConfig:
     kd_weight: float = opt(0.0, "Weight of KD against the cached top-k (+ tail bucket); CE gets 1 - kd_weight.")
     feature_codec: str = opt("stored", "The features training sees: 'stored' (as the cache holds them) or 'fp8' "
                              "(a lossless cache quantised on the device as the fp8 codec's writer does, so one "
-                             "extraction trains a lossless and an fp8 drafter; with a bf16 target the values are "
-                             "an fp8 cache's to the bit). Validation reads its cache as stored.",
+                             "extraction trains a lossless and an fp8 drafter; with a bf16 target, quantised on the "
+                             "same kind of device as extraction's, the values are an fp8 cache's to the bit). "
+                             "Validation reads its cache as stored.",
                              ("stored", "fp8"))
     loss_chunk_tokens: int = opt(512, "Query tokens per lm_head chunk in the loss (bounds the fp32 logits "
                                  "memory to about 10 bytes x chunk x vocab).")

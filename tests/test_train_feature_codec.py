@@ -71,9 +71,10 @@ def test_unknown_feature_codec_is_a_usage_error():
 
 
 @pytest.mark.gpu
-def test_roundtrip_on_the_gpu_equals_the_fp8_codec_there_and_on_the_cpu():
-    """Extraction quantises on the GPU, the trainer's --feature-codec fp8 too: the same values, and the
-    CPU's (division and the e4m3 cast round the same way)."""
+def test_roundtrip_on_the_gpu_equals_the_fp8_codec_there():
+    """Extraction quantises on the GPU, the trainer's --feature-codec fp8 too: the same values. (Not the
+    CPU's: on the H200, session 15, the CPU's round trip of the same features differed in some elements,
+    so an fp8 cache extracted on one kind of device and a lossless one quantised on another can differ.)"""
     device = torch.device("cuda")
     docs = [heavy_tailed(T, 5 * 64, seed) for seed, T in enumerate((300, 1024, 77))]
     packed = torch.cat(docs).to(device)
@@ -81,4 +82,3 @@ def test_roundtrip_on_the_gpu_equals_the_fp8_codec_there_and_on_the_cpu():
                            for e in (encode_hidden(d.to(device), FP8, 5) for d in docs)])
     on_gpu = fp8_roundtrip(packed, 5)
     assert torch.equal(on_gpu.view(torch.int16), via_cache.view(torch.int16))
-    assert torch.equal(on_gpu.cpu().view(torch.int16), fp8_roundtrip(packed.cpu(), 5).view(torch.int16))

@@ -5,8 +5,8 @@ A tau table alone invites the wrong reading. The main job (manifests/default.tom
 shows the pipeline working end to end on real weights and prompts. It does not show what a
 trained drafter accepts. So the report says how big the run was (drafter layers, training steps,
 device), whether the outputs stayed lossless, and, for the SmolLM2 target, what the GPU recipe
-reaches and how to run it. The recipe numbers are quoted from BENCHMARKS.md (session 14, H200,
-2026-12-04: `bench/quality_gpu.sh` with `bench/quality19c.env`), which holds the full table and its provenance.
+reaches and how to run it. The recipe numbers are quoted from BENCHMARKS.md (session 15, H200,
+2026-12-04: `bench/quality_gpu.sh` with `bench/quality19e.env`), which holds the full table and its provenance.
 """
 
 from __future__ import annotations
@@ -18,17 +18,17 @@ from .report import methods_of
 # measures the run's size, not the method.
 SMALL_RUN_STEPS = 1000
 
-# BENCHMARKS.md, "Session 14 on the H200", the KD drafter (var-kd), every prompt of each set.
+# BENCHMARKS.md, "Session 15 on the H200", the 5-layer KD drafter (var-l5), every prompt of each set.
 GPU_RECIPE = {
     "target": "smollm2",
-    "what": "a 3-layer drafter trained one pass (KD 0.5) over 20.8 M supervised tokens of SmolLM2's own answers to "
+    "what": "a 5-layer drafter trained one pass (KD 0.5) over 25.2 M supervised tokens of SmolLM2's own answers to "
             "every ShareGPT turn, evaluated on every prompt",
-    "dflash_tau": {"MT-Bench": 1.87, "HumanEval": 1.64, "held-out ShareGPT": 1.93},
+    "dflash_tau": {"MT-Bench": 2.14, "HumanEval": 1.85, "held-out ShareGPT": 2.20},
     "lookup_tau": {"MT-Bench": 2.62, "HumanEval": 2.32, "held-out ShareGPT": 2.23},
     "command": "scripts/prepare_gpu_carry.sh, then on the H200 the calls in the header of bench/quality_gpu.sh "
-               "with `source bench/quality19c.env && bash bench/quality_gpu.sh run` (BENCHMARKS.md, "
-               "\"Session 14 on the H200\")",
-    "source": "BENCHMARKS.md, session 14, H200, 2026-12-04",
+               "with `source bench/quality19e.env && bash bench/quality_gpu.sh run` (BENCHMARKS.md, "
+               "\"Session 15 on the H200\")",
+    "source": "BENCHMARKS.md, session 15, H200, 2026-12-04",
 }
 
 
