@@ -74,7 +74,8 @@
 # QUALITY_SEEDS / QUALITY_VARIANTS trainers stream cache-lossless with it as one --window-group),
 # QUALITY_EXTRACT_JOBS (1; J = J extract processes per cache over disjoint shards, bench/extract_parallel.py),
 # QUALITY_REGEN_MAX_S (empty; S = regen stops after S s of wall time summed over calls and the rows it wrote are the
-# data: the file is prefix-stable, so a later run with a larger cap or none continues it).
+# data: the file is prefix-stable, so a later run with a larger cap or none continues it; when the cap is what ends a
+# call's regen, it stops admitting QUALITY_REGEN_DRAIN_S (45) s before it and finishes the conversations in flight).
 #
 # Issue 19 (every ShareGPT turn x 4 sampled answers, conversations up to 1,280 tokens, streamed through a
 # disk window): bench/quality19.env holds session 13's settings, bench/quality19b.env the next run's. Calls A, T,
@@ -114,6 +115,7 @@ EVAL_STEP_S=${QUALITY_EVAL_STEP_S:-0.015}
 EVAL_CONC=${QUALITY_EVAL_CONC:-1.3}
 MODELS=${QUALITY_MODEL_CACHE:-$Q/models}
 REGEN_MAX_S=${QUALITY_REGEN_MAX_S:-}   # empty: regen runs until every prompt is answered
+REGEN_DRAIN_S=${QUALITY_REGEN_DRAIN_S:-45}   # with the cap: regen stops admitting this long before it
 # what regen answers: ShareGPT first turns (one turn each), or every user turn of the same conversations
 # (all_turns: stashed from .gpucarry/turns; pass --max-turns 0 in QUALITY_REGEN_FLAGS)
 REGEN_SOURCE=$CARRY/data/sharegpt_${QUALITY_REGEN_SOURCE:-first_turns}.jsonl
@@ -271,8 +273,14 @@ declare -A PID STARTED RC
 RUNNING=()
 launch() {   # job budget_s
     local j=$1 budget=$2
-    [ "$j" = regen ] && [ -n "$REGEN_MAX_S" ] && budget=$(( budget < $(regen_left) ? budget : $(regen_left) ))
+    local capped=""
+    if [ "$j" = regen ] && [ -n "$REGEN_MAX_S" ] && [ "$(regen_left)" -le "$budget" ]; then
+        budget=$(regen_left); capped=1
+    fi
     job_cmd "$j"
+    # the cap binds: regen stops admitting conversations REGEN_DRAIN_S before it and finishes the ones in flight
+    # (a kill would lose them, and every finished one behind the oldest unfinished); the timeout stays a backstop
+    [ -n "$capped" ] && JOB_CMD+=(--max-seconds "$(( budget > 2 * REGEN_DRAIN_S ? budget - REGEN_DRAIN_S : budget / 2 ))")
     echo "=== call $CALL $(date -u +%FT%TZ) budget ${budget}s: ${JOB_CMD[*]}" >> "$Q/logs/$j.log"
     timeout --signal=INT --kill-after=20 "$budget" "${JOB_CMD[@]}" >> "$Q/logs/$j.log" 2>&1 &
     PID[$j]=$!; STARTED[$j]=$(date +%s); RUNNING+=("$j")
@@ -290,7 +298,9 @@ reap() {   # collect finished jobs; sets RC[job]
         if [ "$j" != regen ] || [[ " 0 124 130 137 " == *" $rc "* ]]; then
             echo "$(( $(cat "$Q/done/$j.seconds" 2>/dev/null || echo 0) + dt ))" > "$Q/done/$j.seconds"
         fi
-        if [ "$rc" = 0 ] && job_ok "$j"; then
+        if [ "$rc" = 0 ] && [ "$j" = regen ] && regen_stopped_early && job_ok regen; then
+            regen_cap_done "stopped admitting at its time cap (--max-seconds), finished in ${dt}s"
+        elif [ "$rc" = 0 ] && job_ok "$j"; then
             date -u +%FT%TZ > "$Q/done/$j"; say "done  $j in ${dt}s"
             [ "$j" = regen ] && gzip -c "$Q/regenerated.jsonl" > "$Q/regenerated.jsonl.gz"
         elif [ "$j" = regen ] && { [ "$rc" = 124 ] || [ "$rc" = 130 ] || [ "$rc" = 137 ]; } && regen_capped && job_ok regen; then
@@ -330,6 +340,10 @@ snapshot() {   # small files to $OUT (called every 30 s in the background and at
 # of the prompts, complete rows only) is the data, and the stages after it start
 regen_left() { echo $(( REGEN_MAX_S - $(cat "$Q/done/regen.seconds" 2>/dev/null || echo 0) )); }
 regen_capped() { [ -n "$REGEN_MAX_S" ] && [ "$(regen_left)" -lt "${MIN_S[regen]}" ]; }
+regen_stopped_early() {   # the last regen stopped admitting at --max-seconds (its sidecar says so)
+    "$PY" -c 'import json, sys; sys.exit(0 if "stopped_early" in json.load(open(sys.argv[1])) else 1)' \
+        "$Q/regenerated.jsonl.progress.json" 2>/dev/null
+}
 regen_cap_done() {   # why
     date -u +%FT%TZ > "$Q/done/regen"; echo "$REGEN_MAX_S" > "$Q/done/regen.capped"
     gzip -c "$Q/regenerated.jsonl" > "$Q/regenerated.jsonl.gz"

@@ -104,7 +104,11 @@ def regenerate_cmd(cfg: RunConfig, output: Path = typer.Option(..., "--output", 
                    reuse_history: bool = typer.Option(False, help="Static-KV engine, several turns: a finished "
                                                       "answer's row keeps its K/V and the conversation's next turn "
                                                       "prefills only its new tokens (the same answers up to "
-                                                      "rounding; eval/regen_backends.py).")):
+                                                      "rounding; eval/regen_backends.py)."),
+                   max_seconds: float = typer.Option(0.0, help="Stop admitting conversations this many seconds "
+                                                     "after the start and finish the ones in flight (0 = no "
+                                                     "limit): the output is a prefix of the input, none of its "
+                                                     "work lost as a kill loses it; a rerun continues it.")):
     """Regenerate the assistant turns with the target itself (drafters must learn the target's outputs)."""
     from .errors import UsageError
     from .eval.regenerate import run_regenerate
@@ -115,7 +119,8 @@ def regenerate_cmd(cfg: RunConfig, output: Path = typer.Option(..., "--output", 
         cfg.extract.max_length = max_length
     run_regenerate(cfg, output, max_new_tokens=max_new_tokens, batch_size=batch_size, device=device,
                    max_turns=max_turns, samples=samples, temperature=temperature, top_p=top_p, seed=seed,
-                   engine=engine, attention=engine_attention, greedy_after=greedy_after, reuse_history=reuse_history)
+                   engine=engine, attention=engine_attention, greedy_after=greedy_after, reuse_history=reuse_history,
+                   max_seconds=max_seconds)
 
 
 @app.command("export")

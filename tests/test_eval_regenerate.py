@@ -8,7 +8,7 @@ import pytest
 
 from dflash_pipe.config import RunConfig
 from dflash_pipe.data import iter_conversations
-from dflash_pipe.errors import ValidationError
+from dflash_pipe.errors import UsageError, ValidationError
 from dflash_pipe.eval import eos_token_ids, greedy_generate
 from dflash_pipe.eval import regenerate as regen_mod
 from dflash_pipe.eval.regenerate import run_regenerate, sidecar_path
@@ -279,3 +279,25 @@ def test_history_reuse_with_tail_compaction_is_refused(llama):
     with pytest.raises(UsageError, match="tail compaction"):
         EngineBackend(llama.model, [2], batch=2, max_len=64, max_new_tokens=4, dec=Decoding(), compact=True,
                       reuse_history=True)
+
+
+def test_max_seconds_stops_admitting_finishes_the_flight_and_a_rerun_completes_it(reference, cfg, llama, tmp_path,
+                                                                                    monkeypatch):
+    """The clock passes the limit after the first round: the conversations admitted by then are finished and
+    written (a prefix of the direct run, identical content), the sidecar says so, and a rerun without the
+    limit gives the direct run's file."""
+    ticks = iter([0.0, 0.0])                    # the start, round 1; every later look is past the limit
+    monkeypatch.setattr(regen_mod, "_now", lambda: next(ticks, 1e9))
+    out = tmp_path / "capped.jsonl"
+    state = _regen(cfg, llama, out, max_seconds=5.0)
+    by_id, order = _rows(out)
+    ref_by_id, ref_order = reference
+    assert 0 < len(order) < len(ref_order) and order == ref_order[:len(order)]
+    assert all(by_id[i] == ref_by_id[i] for i in order)
+    assert state["stopped_early"]["max_seconds"] == 5.0
+    assert json.loads(sidecar_path(out).read_text())["stopped_early"]["max_seconds"] == 5.0
+    monkeypatch.setattr(regen_mod, "_now", lambda: 0.0)
+    state = _regen(cfg, llama, out)
+    assert _rows(out) == reference and "stopped_early" not in state
+    with pytest.raises(UsageError, match="--max-seconds must be >= 0"):
+        _regen(cfg, llama, tmp_path / "x.jsonl", max_seconds=-1)

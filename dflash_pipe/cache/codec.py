@@ -212,4 +212,5 @@ def fp8_error_terms(hidden_TD: torch.Tensor, doc_lens: list[int], num_layers: in
     cos = torch.nn.functional.cosine_similarity(rec, ref, dim=-1)
     # torch.full, not torch.tensor(T, device=...): a host->device copy of a Python scalar would
     # synchronise the stream, i.e. wait for the forward
-    return torch.stack([rel.sum(), rel.max(), cos.min(), torch.full((), float(T), device=rel.device)])
+    return torch.stack([rel.sum(), rel.max(), cos.min(),
+                        torch.full((), float(hidden_TD.shape[0]), device=rel.device)])

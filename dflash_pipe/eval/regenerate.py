@@ -43,6 +43,12 @@ written last line (a killed writer) is detected and cut off first. The sidecar a
 settings (target weights, data selection, max_new_tokens, max_length, decoding): resuming with
 different ones is refused instead of mixing two datasets in one file. Out of GPU memory, the
 batch is halved (logged) and the answers in flight are rerun; they come out the same.
+
+Time caps: a kill loses the conversations in flight (up to 4 x batch_size, and every finished one
+behind the oldest unfinished, since rows go out in input order). ``--max-seconds S`` stops
+admitting conversations S seconds after the command started and finishes the ones in flight, so
+the output is a prefix of the input with nothing generated in vain; the sidecar records
+``stopped_early`` and a rerun continues after it.
 """
 
 from __future__ import annotations
@@ -75,6 +81,7 @@ log = logging.getLogger("dflash_pipe.eval")
 ENGINES = ("auto", "static", "hf")
 ENGINE_ATTENTION = ("auto", "rows", "sdpa")
 FLUSH_SECONDS = 10.0
+_now = time.monotonic        # the --max-seconds clock (a seam for tests)
 COUNTERS = ("generated_tokens", "truncated_responses", "prompts_too_long", "empty_answers")
 
 
@@ -234,17 +241,23 @@ def _validate(cfg: RunConfig, max_new_tokens: int, batch_size: int, dec: Decodin
 def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batch_size: int = 0,
                    device: str = "auto", *, bundle=None, max_turns: int = 0, samples: int = 1,
                    temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, engine: str = "auto",
-                   attention: str = "auto", greedy_after: int = 0, reuse_history: bool = False) -> dict:
+                   attention: str = "auto", greedy_after: int = 0, reuse_history: bool = False,
+                   max_seconds: float = 0.0) -> dict:
     """Regenerate cfg.data's conversations into `output` (JSONL); returns the final sidecar dict.
 
     batch_size 0 = auto (16 on the CPU, up to 1024 on CUDA as memory allows).
     bundle: an already loaded TargetBundle to use instead of loading cfg.target (tests, notebooks).
     reuse_history: later turns prefill only their new tokens into the row that generated the previous answer
     (engine backend; pointless with one turn: max_turns 1 turns it off).
+    max_seconds: stop admitting conversations this long after the call (0 = no limit) and finish the ones in
+    flight; the sidecar then says ``stopped_early``.
     """
+    started = _now() if max_seconds else 0.0
     output = Path(output)
     dec = Decoding(samples, temperature, top_p, seed, greedy_after)
     _validate(cfg, max_new_tokens, batch_size, dec)
+    if max_seconds < 0:
+        raise UsageError(f"--max-seconds must be >= 0 (0 = no limit), got {max_seconds}")
     if bundle is None:
         t = cfg.target
         bundle = load_target(t.model, device=resolve_device(device), dtype=t.dtype, revision=t.revision,
@@ -257,6 +270,7 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
     pad = getattr(bundle.tokenizer, "pad_token_id", None)
     pad = int(pad) if isinstance(pad, int) else eos[0]
     state = load_sidecar(output, settings_of(cfg, bundle, max_new_tokens, max_turns, dec.settings()))
+    state.pop("stopped_early", None)         # this run's own stop, if any, is recorded below
     done = scan_output(output)
     state["rows_written"] = len(done)       # the output is the truth (a crash may precede a sidecar update)
     skip = done | set(state["skipped"])
@@ -348,6 +362,11 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
                 _queue(ready, req)
             admitted, fresh = 0, []
             cap = backend.B if cap is None else max(16, backend.B // 16)
+            if max_seconds and not exhausted and _now() - started >= max_seconds:
+                exhausted = True             # no new conversations; the ones in flight finish and are written
+                state["stopped_early"] = {"max_seconds": max_seconds, "in_flight": len(inflight)}
+                print(f"regenerate: --max-seconds {max_seconds:g} reached: finishing the {len(inflight)} "
+                      f"conversations in flight", flush=True)
             while (not exhausted and admitted < cap and len(ready) < backend.B
                    and len(inflight) < 4 * backend.B):
                 conv = next(convs, None)
