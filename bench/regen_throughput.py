@@ -12,6 +12,12 @@ Three measurements, same target, same prompts (ShareGPT first turns), same --new
           prompts at --hf-batch, the old path, as a baseline.
 --max-turns / --samples / --temperature / --top-p / --greedy-after set regen's decoding (e.g. issue 19's
 workload: every turn, 4 samples, on the all-turns prompt file at --max-length 1280); the bare loop stays greedy.
+--reuse-history-ab times regen a second time on the same prompts with --reuse-history flipped (`reuse_ab`: both
+rates, their ratio, the prefilled tokens, identical rows), the A/B that issue 18's history reuse still lacks
+(CPU smoke, random tiny-llama, every turn: 1.21x, prefilled tokens 1,618 vs 4,428, rows identical 10/10):
+    python bench/regen_throughput.py --data /tmp/quality/carry/data/sharegpt_all_turns.jsonl --max-turns 0 \
+        --samples 4 --temperature 1.0 --top-p 0.95 --greedy-after 4 --max-length 1280 --prompts 4000 \
+        --batch 1024 --hf-prompts 0 --reuse-history --reuse-history-ab --json ab.json          # H200
 Two ratios: `ratio_regen_to_bare` is regen / the bare loop's decode-only rate (the issue's goal >= 0.9; it
 pays for prefills, EOS-idle slots until the next check, the tail where slots run empty, and host work);
 `ratio_regen_to_bare_with_prefill` is regen / the bare loop's rate with its own prefill (eager, 64 prompts a
@@ -141,6 +147,27 @@ def _split_line(t: dict) -> str:
     return ", ".join(f"{k} {t[k]}" for k in keys if k in t)
 
 
+def reuse_ab(args, bundle, tmp: Path, batch: int, attention: str, timed: dict) -> dict:
+    """The timed regen run again on the same prompts with --reuse-history flipped (after its own warm-up):
+    both rates, their ratio, the prefilled tokens and whether the rows are the same (bf16 rounding may flip some)."""
+    flip = not args.reuse_history
+    run_regen(args, bundle, tmp / f"warm{batch}-{attention}-ab.jsonl", min(args.prompts, max(8, batch // 4)),
+              skip=args.prompts, batch_size=batch, attention=attention, reuse_history=flip)
+    other = run_regen(args, bundle, tmp / f"regen{batch}-{attention}-ab.jsonl", args.prompts, batch_size=batch,
+                      attention=attention, reuse_history=flip)
+    on, off = (other, timed) if flip else (timed, other)
+    a = (tmp / f"regen{batch}-{attention}.jsonl").read_text().splitlines()
+    b = (tmp / f"regen{batch}-{attention}-ab.jsonl").read_text().splitlines()
+    out = {"with_reuse": on, "without_reuse": off, "ratio_with_to_without": round(on["tok_s"] / off["tok_s"], 3),
+           "prefill_tokens_with": on["split"].get("prefill_tokens"),
+           "prefill_tokens_without": off["split"].get("prefill_tokens"),
+           "rows_identical": f"{sum(x == y for x, y in zip(a, b))}/{max(len(a), len(b))}"}
+    print(f"SUMMARY --reuse-history A/B, batch {batch}: with {on['tok_s']:,.0f} tok/s, without {off['tok_s']:,.0f} "
+          f"(ratio {out['ratio_with_to_without']}); prefilled tokens {out['prefill_tokens_with']} vs "
+          f"{out['prefill_tokens_without']}; identical rows {out['rows_identical']}", flush=True)
+    return out
+
+
 def one_batch(args, bundle, tmp: Path, batch_arg: int, attention: str) -> dict:
     """regen (after an untimed warm-up run) and the bare loop at one batch and engine attention; ratios; one
     SUMMARY line."""
@@ -154,6 +181,8 @@ def one_batch(args, bundle, tmp: Path, batch_arg: int, attention: str) -> dict:
     print("regen", res["regen"], flush=True)
     res["bare"] = bare_loop(args, bundle, batch, attention)
     print("bare", res["bare"], flush=True)
+    if args.reuse_history_ab:
+        res["reuse_ab"] = reuse_ab(args, bundle, tmp, batch, attention, res["regen"])
     res["ratio_regen_to_bare"] = round(res["regen"]["tok_s"] / res["bare"]["tok_s"], 3)
     res["ratio_regen_to_bare_with_prefill"] = round(res["regen"]["tok_s"] / res["bare"]["tok_s_with_prefill"], 3)
     print(f"SUMMARY batch {batch}, attention {attention}: regenerate {res['regen']['tok_s']:,.0f} tok/s "
@@ -189,6 +218,8 @@ def main() -> None:
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--greedy-after", type=int, default=0)
     ap.add_argument("--reuse-history", action="store_true", help="regenerate --reuse-history (with --max-turns 0)")
+    ap.add_argument("--reuse-history-ab", action="store_true",
+                    help="also time regen with --reuse-history flipped on the same prompts (an A/B in one run)")
     ap.add_argument("--hf-prompts", type=int, default=256)
     ap.add_argument("--hf-batch", type=int, default=256)
     ap.add_argument("--smoke", action="store_true", help="CPU, random tiny-llama, toy sizes")
