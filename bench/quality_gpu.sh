@@ -223,8 +223,10 @@ install_wheels() {
 }
 
 # call T's checks (`precheck`, after its stash; no GGUF needed): the GPU tests of what the run uses
-# (PRECHECK_TESTS, pytest -k expression) and the quality drafter's training step at PRECHECK_CONTEXTS tokens;
-# results in $OUT (precheck_tests.txt, step_<tokens>.json / .log) and a summary on stdout
+# (PRECHECK_TESTS, pytest -k expression) and the quality drafter's training step at PRECHECK_CONTEXTS tokens
+# (bench/train_step.py --variants PRECHECK_VARIANTS, default eager-sdpa, the quality runs' setting; e.g.
+# "eager-sdpa,compiled-fused" also times the compiled flex step and its first-step compile, each context within
+# PRECHECK_STEP_S, 80; PRECHECK_LAYERS drafter layers, 5 = the recipe's); results in $OUT (precheck_tests.txt, step_<tokens>.json / .log) and a summary on stdout
 precheck() {
     stash >/dev/null
     install_wheels
@@ -235,9 +237,10 @@ precheck() {
     say "precheck: GPU tests rc $rc: $(tail -n 1 "$OUT/precheck_tests.txt")"
     local c
     for c in ${PRECHECK_CONTEXTS:-8192 16384}; do
-        timeout 80 "$PY" bench/train_step.py --shape smollm2 --variants eager-sdpa --context "$c" --anchors $((c / 16)) \
+        timeout "${PRECHECK_STEP_S:-80}" "$PY" bench/train_step.py --shape smollm2 --layers "${PRECHECK_LAYERS:-5}" \
+            --variants "${PRECHECK_VARIANTS:-eager-sdpa}" --context "$c" --anchors $((c / 16)) \
             --steps 20 --warmup 3 --lock-steps 0 --no-loader --json "$OUT/step_$c.json" > "$OUT/step_$c.log" 2>&1
-        say "precheck: step at $c context tokens: $(grep '^eager-sdpa ' "$OUT/step_$c.log" | tail -n 1 || echo failed)"
+        say "precheck: step at $c context tokens: $(grep -E '^(eager|compiled)' "$OUT/step_$c.log" | tr '\n' ';' || echo failed)"
     done
     return "$rc"
 }

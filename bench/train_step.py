@@ -293,6 +293,7 @@ def main() -> None:
                     help="seed: the 27B-shaped drafter; smollm2: the quality runs' 3-layer drafter at width 576")
     ap.add_argument("--context", type=int, default=0, help="context tokens per step (default: the shape's)")
     ap.add_argument("--anchors", type=int, default=0, help="anchors per step (default: the shape's)")
+    ap.add_argument("--layers", type=int, default=0, help="drafter layers (default: the shape's)")
     ap.add_argument("--in-process", action="store_true",
                     help="run all variants in this process (default: one child process per variant when there are "
                          "several, so no variant's memory or compiled code leaks into the next one's numbers)")
@@ -332,13 +333,14 @@ def main() -> None:
 
 def bench_shape(args) -> SeedShape:
     """The seed's or the quality drafter's shape (--shape), or a tiny one for --cpu-smoke (checks the script, no
-    numbers); --context / --anchors override the step's size."""
+    numbers); --context / --anchors override the step's size, --layers the drafter's depth."""
     if args.cpu_smoke:
         shape = SeedShape(context=512, anchors=16, block=8, hidden=64, layers=1, heads=4, kv_heads=2, head_dim=16,
                           intermediate=128, vocab=49152 + 16, target_layers=2, mask_token_id=49152 + 3)
     else:
         shape = SeedShape(**SMOLLM2) if args.shape == "smollm2" else SeedShape()
-    return dataclasses.replace(shape, context=args.context or shape.context, anchors=args.anchors or shape.anchors)
+    return dataclasses.replace(shape, context=args.context or shape.context, anchors=args.anchors or shape.anchors,
+                               layers=args.layers or shape.layers)
 
 
 def run_isolated(args, names: list[str]) -> None:
