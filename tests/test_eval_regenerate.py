@@ -295,6 +295,7 @@ def test_max_seconds_stops_admitting_finishes_the_flight_and_a_rerun_completes_i
     assert 0 < len(order) < len(ref_order) and order == ref_order[:len(order)]
     assert all(by_id[i] == ref_by_id[i] for i in order)
     assert state["stopped_early"]["max_seconds"] == 5.0
+    assert state["timing"]["setup_s"] >= 0 and state["timing"]["wall_s"] > 0   # set-up timed apart from the loop
     assert json.loads(sidecar_path(out).read_text())["stopped_early"]["max_seconds"] == 5.0
     monkeypatch.setattr(regen_mod, "_now", lambda: 0.0)
     state = _regen(cfg, llama, out)

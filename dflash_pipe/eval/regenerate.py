@@ -207,7 +207,8 @@ def make_backend(bundle, eos: list[int], pad: int, batch: int, max_len: int, max
 
 
 def _timing(split: dict, backend, wall: float) -> dict:
-    """Where the run's wall time went (host phases of the driver loop, plus the backend's own counters)."""
+    """Where the run's wall time went: set-up before the loop (setup_s, not in wall_s), host phases of the driver
+    loop, plus the backend's own counters."""
     out = {"wall_s": round(wall, 3), **{k: round(v, 3) for k, v in split.items()}}
     out.update(backend.stats() if hasattr(backend, "stats") else {"decode_steps": backend.decode_steps})
     return out
@@ -253,6 +254,7 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
     flight; the sidecar then says ``stopped_early``.
     """
     started = _now() if max_seconds else 0.0
+    entered = time.perf_counter()            # the set-up before the loop (target load, engine) is timed too
     output = Path(output)
     dec = Decoding(samples, temperature, top_p, seed, greedy_after)
     _validate(cfg, max_new_tokens, batch_size, dec)
@@ -289,6 +291,7 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
         print(f"regenerate: resuming {output}: {len(done)} conversations already written", flush=True)
     writer = JsonlAppender(output)
     t0, seconds0 = time.perf_counter(), float(state["seconds"])
+    split = {"setup_s": t0 - entered}
     inflight: list[_ConvState] = []          # admitted, not yet written, in input order
     ready: list[TurnRequest] = []
     pending_rows: list[_ConvState] = []
@@ -333,7 +336,7 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
 
     try:
         completions: list[Completion] = []
-        split = dict.fromkeys(("launch_s", "detokenize_s", "tokenize_s", "write_s", "collect_s"), 0.0)
+        split.update(dict.fromkeys(("launch_s", "detokenize_s", "tokenize_s", "write_s", "collect_s"), 0.0))
         cap = None                           # conversations admitted per round: all at first, then a trickle
         while True:
             launched = oom = False
