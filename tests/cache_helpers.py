@@ -99,3 +99,23 @@ def write_train_cache(cache_dir: Path, num_docs: int = 24, hidden: int = 32, num
     from dflash_pipe.cache import try_finalize
     try_finalize(cache_dir, spec)
     return spec
+
+
+def fp8_reference(hidden_TD: torch.Tensor, num_layers: int) -> tuple[np.ndarray, np.ndarray]:
+    """The fp8 codec's quantisation computed independently: float64 arithmetic rounded once to float32 (exact for
+    a single division of float32 operands), then e4m3 round-to-nearest-even by search over the 254 finite codes.
+    Returns (quantised values as float64 [T, L, H], scale float32 [T, L])."""
+    T, D = hidden_TD.shape
+    x = hidden_TD.float().cpu().numpy().astype(np.float64).reshape(T, num_layers, D // num_layers)
+    amax = np.abs(x).max(-1)
+    scale = np.where(amax > 0, (amax / 448.0).astype(np.float32), np.float32(1))
+    y = (x / scale.astype(np.float64)[..., None]).astype(np.float32).astype(np.float64).reshape(-1)
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy().astype(np.float64)
+    keep = np.isfinite(codes)
+    vals, idx = codes[keep], np.arange(256)[keep]
+    order = np.argsort(vals, kind="stable")
+    vals, idx = vals[order], idx[order]
+    pos = np.searchsorted(vals, y).clip(1, len(vals) - 1)
+    lo, hi = vals[pos - 1], vals[pos]
+    up = (hi - y < y - lo) | ((hi - y == y - lo) & ((idx[pos] & 1) == 0))    # ties to the even code
+    return np.where(up, hi, lo).reshape(T, num_layers, D // num_layers), scale

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -13,7 +14,7 @@ from dflash_pipe.cache.codec import FP8, LOSSLESS, encode_hidden, fp8_roundtrip,
 from dflash_pipe.config import RunConfig, apply_overrides, normalize
 from dflash_pipe.errors import UsageError
 from dflash_pipe.train.trainer import run_train
-from tests.cache_helpers import heavy_tailed, write_train_cache
+from tests.cache_helpers import fp8_reference, heavy_tailed, write_train_cache
 
 
 def _cfg(cache, out, feature_codec="stored") -> RunConfig:
@@ -40,6 +41,19 @@ def test_roundtrip_equals_the_fp8_codec_per_document_and_packed():
     lossless = torch.cat([planes_to_hidden(LOSSLESS, encode_hidden(d, LOSSLESS, 3).planes) for d in docs])
     assert torch.equal(lossless.view(torch.int16), packed.view(torch.int16))
     assert not torch.equal(via_cache, packed)  # fp8 does change the features
+
+
+def test_fp8_quantisation_is_one_ieee_division_and_round_to_nearest_even():
+    """The CPU's quantisation equals an independent reference (float64 math, e4m3 code search): so where a
+    device's round trip differs from the CPU's (the H200 in session 15), that device is the one that rounds
+    otherwise."""
+    from dflash_pipe.cache.codec import _fp8_quantize
+
+    x = torch.cat([heavy_tailed(T, 5 * 64, seed) for seed, T in enumerate((300, 1024, 77))])
+    q, scale = _fp8_quantize(x.float().view(x.shape[0], 5, 64))
+    ref_q, ref_scale = fp8_reference(x, 5)
+    assert np.array_equal(scale.numpy(), ref_scale)
+    assert np.array_equal(q.float().numpy().astype(np.float64), ref_q)
 
 
 def test_lossless_cache_with_feature_codec_fp8_trains_as_an_fp8_cache(tmp_path):
@@ -82,3 +96,24 @@ def test_roundtrip_on_the_gpu_equals_the_fp8_codec_there():
                            for e in (encode_hidden(d.to(device), FP8, 5) for d in docs)])
     on_gpu = fp8_roundtrip(packed, 5)
     assert torch.equal(on_gpu.view(torch.int16), via_cache.view(torch.int16))
+
+
+@pytest.mark.gpu
+def test_gpu_quantisation_against_the_reference():
+    """Where the GPU's e4m3 quantisation leaves the IEEE / round-to-nearest-even reference (the CPU equals it):
+    the scales must agree, and a differing value must be a neighbouring code (one rounding step). The count goes
+    to the test's output (pytest -s / -rP)."""
+    from dflash_pipe.cache.codec import _fp8_quantize
+
+    x = torch.cat([heavy_tailed(T, 5 * 64, seed) for seed, T in enumerate((300, 1024, 77))])
+    q, scale = _fp8_quantize(x.cuda().float().view(x.shape[0], 5, 64))
+    ref_q, ref_scale = fp8_reference(x, 5)
+    got = q.float().cpu().numpy().astype(np.float64)
+    differ = got != ref_q
+    print(f"GPU e4m3 quantisation: {int(differ.sum())} of {differ.size} values differ from the reference; "
+          f"scales equal: {np.array_equal(scale.cpu().numpy(), ref_scale)}")
+    assert np.array_equal(scale.cpu().numpy(), ref_scale)
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy().astype(np.float64)
+    codes = np.unique(codes[np.isfinite(codes)])    # every finite e4m3 value, sorted (+0 and -0 as one)
+    steps = np.abs(np.searchsorted(codes, got[differ]) - np.searchsorted(codes, ref_q[differ]))
+    assert (steps <= 1).all()
