@@ -82,9 +82,12 @@ eval_drafters() {   # set -> the --drafter list of its eval job
 }
 
 eval_estimate() {   # seconds one eval job needs: target-only + lookup (~0.45 T forwards) + ~0.6 T per drafter
+    # (a model of decoding every prompt in full; with QUALITY_EVAL_PROMPTS=0, every prompt, there is no count
+    # to multiply: session 15 took 318-438 s a set with three drafters and --replay)
+    [ "$EVAL_PROMPTS" = 0 ] && { echo "none for every prompt (session 15: 318-438 s a set, 3 drafters, --replay)"; return; }
     local n; n=$(eval_drafters "${1#eval-}" | tr ',' '\n' | wc -l)
     awk -v p="$EVAL_PROMPTS" -v t="$EVAL_TOKENS" -v n="$n" -v st="$EVAL_STEP_S" -v c="$EVAL_CONC" \
-        'BEGIN { printf "%d", 30 + p * t * (1.45 + 0.6 * n) * st * c }'
+        'BEGIN { printf "%d s for all", 30 + p * t * (1.45 + 0.6 * n) * st * c }'
 }
 
 job_cmd() {   # the command of a job (array JOB_CMD)
@@ -154,6 +157,6 @@ PY
         train-*|scale-*|var-*) local d last; d=$(train_dir "$j")
                  last=$(tail -n 1 "$d/metrics.jsonl" 2>/dev/null | sed -n 's/.*"step": \([0-9]*\).*/\1/p')
                  echo "step $(( ${last:--1} + 1 ))/$TRAIN_STEPS logged, checkpoints: $(cd "$d" 2>/dev/null && ls -d ckpt-* 2>/dev/null | tr '\n' ' ')" ;;
-        eval-*) echo "$(wc -l < "$Q/$j/eval_progress.jsonl" 2>/dev/null || echo 0) prompts done (estimate $(eval_estimate "$j") s for all)" ;;
+        eval-*) echo "$(wc -l < "$Q/$j/eval_progress.jsonl" 2>/dev/null || echo 0) prompts done (estimate: $(eval_estimate "$j"))" ;;
     esac
 }
