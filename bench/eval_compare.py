@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from quality_summary import _counts, paired  # noqa: E402
+from quality_summary import _counts, lookup_split, paired, pooled_tau  # noqa: E402
 
 
 def rows(path: str) -> list[dict]:
@@ -30,10 +30,6 @@ def rows(path: str) -> list[dict]:
     for r in out:
         r["id"] = re.sub(r"#\d+$", "", r["id"])
     return out
-
-
-def tau(counts: dict[str, tuple[int, int]], ids) -> float:
-    return sum(counts[i][0] for i in ids) / sum(counts[i][1] for i in ids)
 
 
 def main() -> None:
@@ -53,15 +49,14 @@ def main() -> None:
         ca, cb = {k: v for k, v in ca.items() if k in keep}, {k: v for k, v in cb.items() if k in keep}
     ids = sorted(set(ca) & set(cb))
     p = paired(ca, cb)
-    out = {"prompts": len(ids), "tau_a": tau(ca, ids), "tau_b": tau(cb, ids), "b_vs_a": p["diff"], "ci95": p["ci95"]}
+    out = {"prompts": len(ids), "tau_a": pooled_tau(ca, ids), "tau_b": pooled_tau(cb, ids), "b_vs_a": p["diff"],
+           "ci95": p["ci95"]}
     if "ngram" in b:
-        out["lookup_tau_b"] = tau(b["ngram"], [i for i in ids if i in b["ngram"]])
+        out["lookup_tau_b"] = pooled_tau(b["ngram"], [i for i in ids if i in b["ngram"]])
     if args.split_lookup:
-        look = b["ngram"]
-        for side, sel in (("below", lambda t: t < args.split_lookup), ("at_or_above", lambda t: t >= args.split_lookup)):
-            part = [i for i in cb if i in look and sel(look[i][0] / look[i][1])]
-            out[f"lookup_{side}_{args.split_lookup}"] = {"prompts": len(part), "method_tau": tau(cb, part),
-                                                         "lookup_tau": tau(look, part)}
+        split = lookup_split({"ngram": b["ngram"], args.b_method: cb}, args.b_method, args.split_lookup)
+        for side in ("below", "at_or_above"):
+            out[f"lookup_{side}_{args.split_lookup}"] = split[side]
     print(json.dumps(out, indent=1))
 
 

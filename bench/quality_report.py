@@ -47,6 +47,27 @@ def _teacher_forced_table(summary: dict) -> list[str]:
             "| method | set | decoded tau | teacher-forced tau | harmonic mean (walk) |", "|---|---|---:|---:|---:|",
             *rows]
 
+def _lookup_split_table(summary: dict) -> list[str]:
+    """Each drafter against prompt lookup on the prompts where lookup's own tau is low (little to copy) and on
+    the rest (repeated text: lookup proposes whole blocks)."""
+    rows, at = [], None
+    for s, row in summary["sets"].items():
+        for name, r in row.get("drafters", {}).items():
+            sp = r.get("lookup_split")
+            if not sp:
+                continue
+            at = sp["at"]
+            lo, hi = sp["below"], sp["at_or_above"]
+            rows.append(f"| {name} | {s} | {lo['prompts']} | {_f(lo['method_tau'])} | {_f(lo['lookup_tau'])} | "
+                        f"{hi['prompts']} | {_f(hi['method_tau'])} | {_f(hi['lookup_tau'])} |")
+    if not rows:
+        return []
+    return ["", f"DFlash and prompt lookup split by lookup's own tau per prompt (below {at}: little repeated text to "
+                "copy; at or above: lookup copies whole blocks):", "",
+            f"| drafter | set | prompts, lookup < {at} | DFlash tau | lookup tau | prompts, lookup >= {at} | "
+            "DFlash tau | lookup tau |", "|---|---|---:|---:|---:|---:|---:|---:|", *rows]
+
+
 def _pct(p: dict | None) -> str:
     return "-" if not p else f"{p['diff']:+.2%} [{p['ci95'][0]:+.2%}, {p['ci95'][1]:+.2%}]"
 
@@ -76,6 +97,7 @@ def markdown(summary: dict) -> str:
     L += ["", "The 'heldout' set decodes the first data.skip_samples regenerated conversations (never trained on); "
               "the held-out simulated tau is measured on the same documents' cached features (cache-val)."]
     L += _teacher_forced_table(summary)
+    L += _lookup_split_table(summary)
     met = {True: "**met**", False: "**not met**", None: "not yet measured"}
     L += ["", f"DFlash vs prompt lookup, goal >= 2x on MT-Bench and HumanEval: {met[g['dflash_vs_lookup_2x_met']]} "
               f"(lowest ratio {_f(g['dflash_vs_lookup_min_ratio'], '.2f', 'x')}).", ""]

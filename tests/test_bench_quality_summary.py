@@ -134,6 +134,17 @@ def test_issue19_fp8_goal_finds_the_feature_codec_variant_and_judges_each_interv
     assert qr.issue19_goals(summary)["fp8"] is None
 
 
+def test_lookup_split_pools_each_side_by_lookups_own_tau():
+    counts = {"ngram": {"a": (10, 10), "b": (30, 10), "c": (15, 10), "d": (16, 10)},      # lookup tau 1, 3, 1.5, 1.6
+              "dflash:x": {"a": (20, 10), "b": (20, 10), "c": (18, 9), "d": (10, 10), "e": (50, 10)}}
+    sp = qr.lookup_split(counts, "dflash:x")
+    assert sp["at"] == 1.6
+    assert sp["below"] == {"prompts": 2, "method_tau": pytest.approx(38 / 19), "lookup_tau": pytest.approx(25 / 20)}
+    assert sp["at_or_above"] == {"prompts": 2, "method_tau": pytest.approx(30 / 20), "lookup_tau": pytest.approx(46 / 20)}
+    assert qr.lookup_split({"dflash:x": counts["dflash:x"]}, "dflash:x") is None       # no lookup records
+    assert qr.pooled_tau(counts["ngram"], []) is None
+
+
 def test_the_report_sets_teacher_forced_tau_beside_the_decoded_one():
     """eval --teacher-forced-every: bench/quality_report.py tabulates each method's scan beside its decoded tau (and
     leaves the table out when no eval scanned)."""
