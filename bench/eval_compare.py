@@ -21,7 +21,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from quality_summary import _counts, lookup_split, paired, pooled_tau  # noqa: E402
+from lookup_compare import lookup_split, pooled_tau  # noqa: E402
+from quality_summary import _counts, paired  # noqa: E402
 
 
 def rows(path: str) -> list[dict]:

@@ -68,6 +68,24 @@ def _lookup_split_table(summary: dict) -> list[str]:
             "DFlash tau | lookup tau |", "|---|---|---:|---:|---:|---:|---:|---:|", *rows]
 
 
+def _copy_table(summary: dict) -> list[str]:
+    """Teacher-forced blocks grouped by how much prompt lookup copied at the same anchor: the drafter's tau there."""
+    rows = []
+    for s, row in summary["sets"].items():
+        for name, r in row.get("drafters", {}).items():
+            for b in r.get("copy_bins") or []:
+                lo, hi = b["lookup_matched"]
+                rows.append(f"| {name} | {s} | {lo if lo == hi else f'{lo}-{hi}'} | {b['blocks']} | "
+                            f"{_f(b['lookup_tau'], '.2f')} | {_f(b['method_tau'], '.2f')} | "
+                            f"{_f(b['method_whole'], '.1%')} |")
+    if not rows:
+        return []
+    return ["", "Teacher-forced blocks by the drafts prompt lookup matched at the same anchor (15 = a whole block "
+                "copied): does the drafter copy there too?", "",
+            "| drafter | set | lookup matched | blocks | lookup tau | DFlash tau | DFlash whole blocks |",
+            "|---|---|---:|---:|---:|---:|---:|", *rows]
+
+
 def _pct(p: dict | None) -> str:
     return "-" if not p else f"{p['diff']:+.2%} [{p['ci95'][0]:+.2%}, {p['ci95'][1]:+.2%}]"
 
@@ -98,6 +116,7 @@ def markdown(summary: dict) -> str:
               "the held-out simulated tau is measured on the same documents' cached features (cache-val)."]
     L += _teacher_forced_table(summary)
     L += _lookup_split_table(summary)
+    L += _copy_table(summary)
     met = {True: "**met**", False: "**not met**", None: "not yet measured"}
     L += ["", f"DFlash vs prompt lookup, goal >= 2x on MT-Bench and HumanEval: {met[g['dflash_vs_lookup_2x_met']]} "
               f"(lowest ratio {_f(g['dflash_vs_lookup_min_ratio'], '.2f', 'x')}).", ""]

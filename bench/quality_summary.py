@@ -24,6 +24,9 @@ from dflash_pipe.eval.report import method_summary  # noqa: E402
 from dflash_pipe.eval.specdecode import SpecResult  # noqa: E402
 from dflash_pipe.io_utils import read_jsonl  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lookup_compare import _scans, copy_bins, lookup_split  # noqa: E402
+
 CODECS = ("lossless", "fp8")
 GOAL_SETS = ("mtbench", "humaneval")          # the sets issue 5's goals are stated on
 SETS = GOAL_SETS + ("heldout",)               # + the held-out slice of the training source (its first
@@ -107,28 +110,6 @@ def paired(a: dict[str, tuple[int, int]], b: dict[str, tuple[int, int]], seed: i
     return {"prompts": len(ids), "diff": diff(ids), "ci95": [boot[int(0.025 * BOOTSTRAP)], boot[int(0.975 * BOOTSTRAP) - 1]]}
 
 
-LOOKUP_SPLIT = 1.6   # prompts where prompt lookup's own tau is below this have little repeated text to copy
-
-
-def pooled_tau(counts: dict[str, tuple[int, int]], ids) -> float | None:
-    """Pooled tau (committed tokens / verify steps) of `counts` over the prompt ids `ids`; None for no prompt."""
-    ids = list(ids)
-    return sum(counts[i][0] for i in ids) / sum(counts[i][1] for i in ids) if ids else None
-
-
-def lookup_split(counts: dict[str, dict[str, tuple[int, int]]], method: str, at: float = LOOKUP_SPLIT) -> dict | None:
-    """The method's and prompt lookup's pooled tau on the prompts where lookup's own tau is below `at`, and on
-    the rest: where the output repeats, lookup copies whole blocks (issue 19, session 15)."""
-    look, mine = counts.get("ngram"), counts.get(method)
-    if not look or not mine:
-        return None
-    out = {"at": at}
-    for side, sel in (("below", lambda t: t < at), ("at_or_above", lambda t: t >= at)):
-        part = [i for i in mine if i in look and sel(look[i][0] / look[i][1])]
-        out[side] = {"prompts": len(part), "method_tau": pooled_tau(mine, part), "lookup_tau": pooled_tau(look, part)}
-    return out
-
-
 def partial_report(eval_dir: Path) -> tuple[dict, list[dict]] | None:
     """An unfinished eval's report rebuilt from its eval_progress.jsonl (the prompts finished so far), with
     the eval's own arithmetic and marked "partial", and its per-prompt rows (as in eval_prompts.jsonl)."""
@@ -163,7 +144,8 @@ def eval_sets(d: Path) -> dict:
             rep, rows = partial_report(sub) or (None, [])
         for name, s in (rep or {}).get("sets", {}).items():
             out[name] = {"set": s, "dir": sub.name, "max_new_tokens": rep.get("max_new_tokens"),
-                         "device": rep.get("device"), "prompts": _counts(rows, name), "partial": rep.get("partial", False)}
+                         "device": rep.get("device"), "prompts": _counts(rows, name), "scans": _scans(rows, name),
+                         "partial": rep.get("partial", False)}
     return out
 
 
@@ -302,6 +284,7 @@ def build(d: Path) -> dict:
                                      "acceptance": r["acceptance"], "tok_s": r["tokens_per_s"],
                                      "teacher_forced": r.get("teacher_forced"),   # eval --teacher-forced-every
                                      "lookup_split": lookup_split(e["prompts"], m),
+                                     "copy_bins": copy_bins(e["scans"], m),
                                      "ratio_vs_lookup": r["tau"] / row["ngram_tau"] if r["tau"] and row["ngram_tau"]
                                      else None}
             ref = e["prompts"].get(f"dflash:{REFERENCE}")

@@ -13,6 +13,7 @@ import pytest
 _spec = importlib.util.spec_from_file_location("quality_summary", Path(__file__).parents[1] / "bench" / "quality_summary.py")
 qr = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(qr)
+import lookup_compare as lc  # noqa: E402 - bench/ is on the path once quality_summary is loaded
 
 
 def test_paired_difference_is_the_ratio_of_pooled_taus_and_its_interval_brackets_it():
@@ -137,12 +138,28 @@ def test_issue19_fp8_goal_finds_the_feature_codec_variant_and_judges_each_interv
 def test_lookup_split_pools_each_side_by_lookups_own_tau():
     counts = {"ngram": {"a": (10, 10), "b": (30, 10), "c": (15, 10), "d": (16, 10)},      # lookup tau 1, 3, 1.5, 1.6
               "dflash:x": {"a": (20, 10), "b": (20, 10), "c": (18, 9), "d": (10, 10), "e": (50, 10)}}
-    sp = qr.lookup_split(counts, "dflash:x")
+    sp = lc.lookup_split(counts, "dflash:x")
     assert sp["at"] == 1.6
     assert sp["below"] == {"prompts": 2, "method_tau": pytest.approx(38 / 19), "lookup_tau": pytest.approx(25 / 20)}
     assert sp["at_or_above"] == {"prompts": 2, "method_tau": pytest.approx(30 / 20), "lookup_tau": pytest.approx(46 / 20)}
-    assert qr.lookup_split({"dflash:x": counts["dflash:x"]}, "dflash:x") is None       # no lookup records
-    assert qr.pooled_tau(counts["ngram"], []) is None
+    assert lc.lookup_split({"dflash:x": counts["dflash:x"]}, "dflash:x") is None       # no lookup records
+    assert lc.pooled_tau(counts["ngram"], []) is None
+
+
+def test_copy_bins_pair_each_block_with_lookups_at_the_same_anchor():
+    rows = [{"set": "s", "id": "g1", "method": "ngram", "scan_matched": [0, 15, 3, 15]},
+            {"set": "s", "id": "g1", "method": "dflash:x", "scan_matched": [2, 15, 1, 4]},
+            {"set": "s", "id": "g2", "method": "ngram", "scan_matched": [10]},
+            {"set": "s", "id": "g2", "method": "dflash:x", "scan_matched": [0]},
+            {"set": "s", "id": "g3", "method": "dflash:x", "scan_matched": [9]},          # no lookup record: out
+            {"set": "t", "id": "g1", "method": "ngram", "scan_matched": [15]}]           # another set
+    bins = lc.copy_bins(lc._scans(rows, "s"), "dflash:x")
+    by = {tuple(b["lookup_matched"]): b for b in bins}
+    assert [b["blocks"] for b in bins] == [1, 1, 1, 2]
+    assert by[(0, 0)]["method_tau"] == 3 and by[(1, 7)]["method_tau"] == 2 and by[(8, 14)]["lookup_tau"] == 11
+    assert by[(15, 15)] == {"lookup_matched": [15, 15], "blocks": 2, "lookup_tau": 16, "method_tau": (16 + 5) / 2,
+                            "method_whole": 0.5}
+    assert lc.copy_bins(lc._scans(rows, "t"), "dflash:x") is None
 
 
 def test_the_report_sets_teacher_forced_tau_beside_the_decoded_one():

@@ -275,6 +275,11 @@ def test_replay_eval_gives_the_decoded_tau_and_acceptance_on_every_generation(ll
     by = lambda rows: {(x["id"], x["method"]): (x.get("tau"), x.get("steps"), x.get("accepted"))  # noqa: E731
                        for x in rows if x["method"] != "target"}
     assert by(_rows(tmp / "replay")) == by(_rows(tmp / "oracle-seq"))
+    # each generation's record keeps its blocks' matched drafts; with --teacher-forced-every 1, one per reference
+    # token but the last, and the methods' lists pair block by block
+    scanned = [x for x in _rows(tmp / "replay") if x["method"] != "target"]
+    assert scanned and all(len(x["scan_matched"]) == x["generated"] - 1 for x in scanned)
+    assert all(0 <= k <= 15 for x in scanned for k in x["scan_matched"])
     with pytest.raises(UsageError, match="--replay"):
         run_eval(_cfg(tmp, reference="sequential", replay=True, output_dir=str(tmp / "bad"), **kw), bundle=llama)
     with pytest.raises(UsageError, match="add --replay"):

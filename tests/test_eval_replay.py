@@ -153,9 +153,11 @@ def test_teacher_forced_scan_drafts_the_training_layout_blocks_and_sums_their_ta
         taus = [1 + next((k for k, t in enumerate(d) if t != ref[p - len(ids) + 1 + k]), len(d)) for p, d in want]
         assert r.scan_blocks == len(want) == len(range(1, len(ref), every))
         assert r.scan_tau_sum == sum(taus) and abs(r.scan_inv_tau_sum - sum(1 / t for t in taus)) < 1e-9
+        assert r.scan_matched == [t - 1 for t in taus]             # per block, in anchor order
     oracle = CorruptingOracle(ids + ref, lambda s: s % B, VOCAB)    # wrong at slot 0, 1, .. B-1 (= none), ..
     res = SpecResult([], B)
     teacher_forced_scan(oracle, ids, ref, None, B, every, res)
     taus = [1 + e for e in oracle.expected]
     assert len(set(taus)) > 2 and res.scan_blocks == len(taus)
     assert res.scan_tau_sum == sum(taus) and abs(res.scan_inv_tau_sum - sum(1 / t for t in taus)) < 1e-9
+    assert res.scan_matched == oracle.expected

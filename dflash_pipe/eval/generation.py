@@ -17,6 +17,8 @@ def record(set_name: str, gen_id: str, method: str, r: SpecResult | None, tokens
         rec.update(tau=r.tau, steps=r.steps, target_forwards=r.target_forwards, accepted=r.accepted,
                    accepted_per_slot=acc, eligible_per_slot=elig, draft_s=r.draft_s,
                    verify_s=r.verify_s, prefill_s=r.prefill_s, refeeds=r.refeeds)
+        if r.scan_blocks:
+            rec["scan_matched"] = r.scan_matched      # per teacher-forced block (eval --teacher-forced-every)
     return rec
 
 

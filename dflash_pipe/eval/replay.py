@@ -82,7 +82,9 @@ def teacher_forced_scan(proposer, prompt: list[int], ref: list[int], feats, bloc
                         res: SpecResult) -> None:
     """Blocks anchored at reference tokens 0, every, 2 * every, ...: the block at token n - 1 drafts
     ref[n : n + B - 1] (fewer at the end) from prompt + ref[:n] and the features; its tau is 1 + the drafts
-    that match the reference before the first miss. Adds to res.scan_blocks / scan_tau_sum / scan_inv_tau_sum.
+    that match the reference before the first miss. Adds to res.scan_blocks / scan_tau_sum / scan_inv_tau_sum and
+    appends the block's matched drafts to res.scan_matched (every method scans the same anchors, so the lists of
+    two methods pair block by block).
     Anchors advance by at most the block size, as a decoding step does (the buffered proposer's update needs it)."""
     if not 0 < every <= block_size:
         raise ValueError(f"scan_every must be in 1..{block_size}, got {every}")
@@ -94,6 +96,7 @@ def teacher_forced_scan(proposer, prompt: list[int], ref: list[int], feats, bloc
         res.scan_blocks += 1
         res.scan_tau_sum += 1 + matched
         res.scan_inv_tau_sum += 1 / (1 + matched)
+        res.scan_matched.append(matched)
 
 
 def _matching(drafts: list[int], ref: list[int], n: int) -> int:
@@ -111,7 +114,7 @@ def replay_methods(methods, ids, ref, block_size, max_new_tokens, eos, scan_ever
             for name, verifier, proposer in methods}
 
 
-SCAN_FIELDS = ("scan_blocks", "scan_tau_sum", "scan_inv_tau_sum", "scan_s")
+SCAN_FIELDS = ("scan_blocks", "scan_tau_sum", "scan_inv_tau_sum", "scan_s", "scan_matched")
 
 
 def copy_scan(dst: SpecResult, src: SpecResult) -> None:

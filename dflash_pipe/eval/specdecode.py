@@ -72,6 +72,7 @@ class SpecResult:
     scan_tau_sum: float = 0.0
     scan_inv_tau_sum: float = 0.0
     scan_s: float = 0.0
+    scan_matched: list[int] = field(default_factory=list)   # drafts matched per scanned block, in anchor order
 
     @property
     def steps(self) -> int:
