@@ -147,14 +147,19 @@ def _split_line(t: dict) -> str:
     return ", ".join(f"{k} {t[k]}" for k in keys if k in t)
 
 
+def warm_then_time(args, bundle, out: Path, batch: int, attention: str, **kw) -> dict:
+    """An untimed warm-up regen on prompts past the timed ones (kernels, graphs), then the timed run into `out`."""
+    run_regen(args, bundle, out.with_name(f"warm-{out.name}"), min(args.prompts, max(8, batch // 4)),
+              skip=args.prompts, batch_size=batch, attention=attention, **kw)
+    return run_regen(args, bundle, out, args.prompts, batch_size=batch, attention=attention, **kw)
+
+
 def reuse_ab(args, bundle, tmp: Path, batch: int, attention: str, timed: dict) -> dict:
     """The timed regen run again on the same prompts with --reuse-history flipped (after its own warm-up):
     both rates, their ratio, the prefilled tokens and whether the rows are the same (bf16 rounding may flip some)."""
     flip = not args.reuse_history
-    run_regen(args, bundle, tmp / f"warm{batch}-{attention}-ab.jsonl", min(args.prompts, max(8, batch // 4)),
-              skip=args.prompts, batch_size=batch, attention=attention, reuse_history=flip)
-    other = run_regen(args, bundle, tmp / f"regen{batch}-{attention}-ab.jsonl", args.prompts, batch_size=batch,
-                      attention=attention, reuse_history=flip)
+    other = warm_then_time(args, bundle, tmp / f"regen{batch}-{attention}-ab.jsonl", batch, attention,
+                           reuse_history=flip)
     on, off = (other, timed) if flip else (timed, other)
     a = (tmp / f"regen{batch}-{attention}.jsonl").read_text().splitlines()
     b = (tmp / f"regen{batch}-{attention}-ab.jsonl").read_text().splitlines()
@@ -172,12 +177,8 @@ def one_batch(args, bundle, tmp: Path, batch_arg: int, attention: str) -> dict:
     """regen (after an untimed warm-up run) and the bare loop at one batch and engine attention; ratios; one
     SUMMARY line."""
     batch = batch_arg or auto_batch_size(bundle.model, args.max_length)
-    warm = min(args.prompts, max(8, batch // 4))
-    run_regen(args, bundle, tmp / f"warm{batch}-{attention}.jsonl", warm, skip=args.prompts, batch_size=batch,
-              attention=attention)
     res = {"batch": batch, "attention": attention,
-           "regen": run_regen(args, bundle, tmp / f"regen{batch}-{attention}.jsonl", args.prompts, batch_size=batch,
-                              attention=attention)}
+           "regen": warm_then_time(args, bundle, tmp / f"regen{batch}-{attention}.jsonl", batch, attention)}
     print("regen", res["regen"], flush=True)
     res["bare"] = bare_loop(args, bundle, batch, attention)
     print("bare", res["bare"], flush=True)

@@ -82,9 +82,8 @@ def teacher_forced_scan(proposer, prompt: list[int], ref: list[int], feats, bloc
                         res: SpecResult) -> None:
     """Blocks anchored at reference tokens 0, every, 2 * every, ...: the block at token n - 1 drafts
     ref[n : n + B - 1] (fewer at the end) from prompt + ref[:n] and the features; its tau is 1 + the drafts
-    that match the reference before the first miss. Adds to res.scan_blocks / scan_tau_sum / scan_inv_tau_sum and
-    appends the block's matched drafts to res.scan_matched (every method scans the same anchors, so the lists of
-    two methods pair block by block).
+    that match the reference before the first miss. Appends those matched drafts to res.scan_matched (every method
+    scans the same anchors, so the lists of two methods pair block by block; the sums are SpecResult properties).
     Anchors advance by at most the block size, as a decoding step does (the buffered proposer's update needs it)."""
     if not 0 < every <= block_size:
         raise ValueError(f"scan_every must be in 1..{block_size}, got {every}")
@@ -92,11 +91,7 @@ def teacher_forced_scan(proposer, prompt: list[int], ref: list[int], feats, bloc
         proposer.reset()
     for n in range(1, len(ref), every):
         limit = min(block_size - 1, len(ref) - n)
-        matched = _matching(list(proposer.propose(prompt + ref[:n], feats, limit))[:limit], ref, n)
-        res.scan_blocks += 1
-        res.scan_tau_sum += 1 + matched
-        res.scan_inv_tau_sum += 1 / (1 + matched)
-        res.scan_matched.append(matched)
+        res.scan_matched.append(_matching(list(proposer.propose(prompt + ref[:n], feats, limit))[:limit], ref, n))
 
 
 def _matching(drafts: list[int], ref: list[int], n: int) -> int:
@@ -114,7 +109,7 @@ def replay_methods(methods, ids, ref, block_size, max_new_tokens, eos, scan_ever
             for name, verifier, proposer in methods}
 
 
-SCAN_FIELDS = ("scan_blocks", "scan_tau_sum", "scan_inv_tau_sum", "scan_s", "scan_matched")
+SCAN_FIELDS = ("scan_matched", "scan_s")
 
 
 def copy_scan(dst: SpecResult, src: SpecResult) -> None:

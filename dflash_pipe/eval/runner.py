@@ -205,7 +205,8 @@ def run_eval(cfg: RunConfig, *, bundle: TargetBundle | None = None) -> dict:
                                              ev.max_new_tokens, B, f"{ev.prompts}|{cache_mode}"
                                              + (f"|batched:{ev.baseline_every}" if batcher else "")
                                              + ("|replay" if ev.replay else "")
-                                             + (f"|tf{ev.teacher_forced_every}" if ev.teacher_forced_every else "")))
+                                             # (records with the scan's per-block list; older ones do not resume)
+                                             + (f"|scan{ev.teacher_forced_every}" if ev.teacher_forced_every else "")))
     if progress.done:
         print(f"eval: resuming, {len(progress.done)} generations already done ({progress.path})", flush=True)
     run = _SetRun(greedy, tok, methods, B, ev.max_new_tokens, eos, max_prompt, progress, sync_fn(device),

@@ -66,17 +66,26 @@ class SpecResult:
     refeeds: int = 0                                     # rollback re-feed forwards (recurrent targets)
     replayed: bool = False                               # steps walked against the reference (replay.py), not decoded
     replay_agrees: bool | None = None                    # decoded and also replayed: the same steps? (None: not checked)
-    # --teacher-forced-every (replay.teacher_forced_scan): blocks anchored along the reference, sum of their tau,
-    # sum of 1/tau, and the scan's time
-    scan_blocks: int = 0
-    scan_tau_sum: float = 0.0
-    scan_inv_tau_sum: float = 0.0
+    # --teacher-forced-every (replay.teacher_forced_scan): the drafts matched per block anchored along the
+    # reference (in anchor order; a block's tau is 1 + its matched drafts), and the scan's time
+    scan_matched: list[int] = field(default_factory=list)
     scan_s: float = 0.0
-    scan_matched: list[int] = field(default_factory=list)   # drafts matched per scanned block, in anchor order
 
     @property
     def steps(self) -> int:
         return len(self.accepted)
+
+    @property
+    def scan_blocks(self) -> int:
+        return len(self.scan_matched)
+
+    @property
+    def scan_tau_sum(self) -> int:
+        return sum(1 + m for m in self.scan_matched)
+
+    @property
+    def scan_inv_tau_sum(self) -> float:
+        return sum(1 / (1 + m) for m in self.scan_matched)
 
     def record_step(self, drafts: list[int], accepted: int, new: list[int], limit: int, eos: set[int]) -> None:
         """Commit `new` (the accepted drafts + the target's own token) up to and including an EOS; log the step."""

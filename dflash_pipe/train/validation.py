@@ -28,7 +28,7 @@ def draft_inputs(t: dict, batch, head, dcfg, codec: str, n_layers: int, feature_
     Pops the planes so their memory can go as soon as the bf16 features exist. feature_codec 'fp8' turns
     lossless features into an fp8 cache's values (train.feature_codec)."""
     hidden = planes_to_hidden(codec, t.pop("planes"), t.pop("scale", None), n_layers)
-    if feature_codec == FP8 and codec != FP8:
+    if feature_codec == FP8:                  # (run_train refuses it on an fp8 cache)
         hidden = fp8_roundtrip(hidden, n_layers)
     mask = AttentionMask(t["ctx_doc_S"], t["anchor_index_N"], t["block_doc_N"], t["block_valid_N"], dcfg.block_size)
     if dcfg.attention == "flex":
