@@ -105,6 +105,9 @@ def regenerate_cmd(cfg: RunConfig, output: Path = typer.Option(..., "--output", 
                                                       "answer's row keeps its K/V and the conversation's next turn "
                                                       "prefills only its new tokens (the same answers up to "
                                                       "rounding; eval/regen_backends.py)."),
+                   first_sample: int = typer.Option(0, help="Number the samples from K (ids <id>#K..): more "
+                                                       "answers per prompt in a new file, each equal to what a "
+                                                       "run with more --samples writes for that id."),
                    max_seconds: float = typer.Option(0.0, help="Stop admitting conversations this many seconds "
                                                      "after the start and finish the ones in flight (0 = no "
                                                      "limit): the output is a prefix of the input, none of its "
@@ -120,7 +123,7 @@ def regenerate_cmd(cfg: RunConfig, output: Path = typer.Option(..., "--output", 
     run_regenerate(cfg, output, max_new_tokens=max_new_tokens, batch_size=batch_size, device=device,
                    max_turns=max_turns, samples=samples, temperature=temperature, top_p=top_p, seed=seed,
                    engine=engine, attention=engine_attention, greedy_after=greedy_after, reuse_history=reuse_history,
-                   max_seconds=max_seconds)
+                   max_seconds=max_seconds, first_sample=first_sample)
 
 
 @app.command("export")

@@ -43,6 +43,13 @@ def test_sampled_answers_do_not_depend_on_the_batch_and_differ_per_sample_and_se
     assert _rows(tmp_path / "s8.jsonl")[0] != by_id
     with pytest.raises(ValidationError, match="seed: 7 in the file vs 8 now"):
         _run(cfg, llama, tmp_path / "b1.jsonl", **other)
+    # --first-sample 1: a second file's sample #1 of each conversation is the same row as the first file's
+    more = _run(cfg, llama, tmp_path / "more.jsonl", batch_size=2, **dict(SAMPLING, samples=1), first_sample=1)
+    more_by_id, more_order = _rows(tmp_path / "more.jsonl")
+    assert more_order == ["a#1", "src:2#1", "c#1"] and more["settings"]["first_sample"] == 1
+    assert more_by_id == {k: by_id[k] for k in more_order}
+    with pytest.raises(ValidationError, match="first_sample: 1 in the file vs 0 now"):   # the files stay apart
+        _run(cfg, llama, tmp_path / "more.jsonl", **dict(SAMPLING, samples=1))
 
 
 def test_inverse_cdf_sampling_follows_the_distribution_and_the_top_p_cut():
@@ -69,6 +76,8 @@ def test_inverse_cdf_sampling_follows_the_distribution_and_the_top_p_cut():
                                       (dict(attention="flash"), "--engine-attention"),
                                       (dict(greedy_after=-1, temperature=1.0), "--greedy-after"),
                                       (dict(greedy_after=4), "--greedy-after 4 .* needs --temperature"),
+                                      (dict(first_sample=-1, temperature=1.0), "--first-sample"),
+                                      (dict(first_sample=2), "--first-sample 2 .* --temperature 0"),
                                       (dict(attention="rows"), "attention 'rows' needs CUDA")])
 def test_bad_decoding_flags_are_usage_errors_naming_the_flag(cfg, llama, tmp_path, kw, flag):
     with pytest.raises(UsageError, match=flag) as err:

@@ -18,6 +18,8 @@ log = logging.getLogger("dflash_pipe.eval")
 SIDECAR_FORMAT = 1
 # Decoding settings a sidecar written before they existed implicitly had (greedy, one answer).
 DECODING_DEFAULTS = {"samples": 1, "temperature": 0.0, "top_p": 1.0, "seed": 0}
+# Settings written only when not 0 (Decoding.settings): absent means 0, in the file and now.
+OPTIONAL_ZERO = {"greedy_after": 0, "first_sample": 0}
 
 
 def sidecar_path(output: Path) -> Path:
@@ -101,13 +103,14 @@ def load_sidecar(output: Path, settings: dict) -> dict:
                               "it was not written by `dflash-pipe regenerate`; pass a new --output") from None
     except (OSError, json.JSONDecodeError) as exc:
         raise ValidationError(f"{side}: unreadable progress sidecar ({exc})", "pass a new --output") from None
-    old = {**DECODING_DEFAULTS, **state.get("settings", {})}
+    old = {**DECODING_DEFAULTS, **OPTIONAL_ZERO, **state.get("settings", {})}
+    now = {**OPTIONAL_ZERO, **settings}
     # Conversations are answered in input order, so a file made with max_samples = N is the prefix of one
     # made with more: a larger (or unlimited, 0) max_samples extends it instead of being refused.
     grows = old.get("max_samples", 0) != 0 and (settings["max_samples"] == 0 or
                                                  settings["max_samples"] > old.get("max_samples", 0))
-    diff = {k: (old.get(k), v) for k, v in settings.items()
-            if old.get(k) != v and not (k == "max_samples" and grows)}
+    diff = {k: (old.get(k), now.get(k)) for k in {**old, **now}    # keys on either side: one the file has and
+            if old.get(k) != now.get(k) and not (k == "max_samples" and grows)}   # this run lacks counts too
     if diff:
         lines = "; ".join(f"{k}: {a!r} in the file vs {b!r} now" for k, (a, b) in diff.items())
         raise ValidationError(f"{output} was generated with other settings ({lines})",

@@ -35,10 +35,16 @@ class Decoding:
     top_p: float = 1.0
     seed: int = 0
     greedy_after: int = 0   # > 0: only an answer's first `greedy_after` tokens are sampled, the rest are greedy
+    first_sample: int = 0   # sample ids first_sample .. first_sample + samples - 1 (more answers in another file)
 
     def validate(self) -> "Decoding":
         if self.samples < 1:
             raise UsageError(f"--samples must be >= 1, got {self.samples}")
+        if self.first_sample < 0:
+            raise UsageError(f"--first-sample must be >= 0, got {self.first_sample}")
+        if self.first_sample and self.temperature == 0:
+            raise UsageError(f"--first-sample {self.first_sample} asks for more sampled answers, but --temperature 0 "
+                             "would repeat the greedy answer", "pass --temperature > 0 (the first file's settings)")
         if not self.temperature >= 0:
             raise UsageError(f"--temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -57,11 +63,19 @@ class Decoding:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    def sample_ids(self, base: str) -> list[str]:
+        """The row ids of one conversation: `base` alone for one greedy-style answer, else `base#k`."""
+        if self.samples == 1 and not self.first_sample:
+            return [base]
+        return [f"{base}#{k}" for k in range(self.first_sample, self.first_sample + self.samples)]
+
     def settings(self) -> dict:
         out = {"samples": self.samples, "temperature": float(self.temperature), "top_p": float(self.top_p),
                "seed": self.seed}
         if self.greedy_after:               # absent when 0: sidecars from before the flag resume unchanged
             out["greedy_after"] = self.greedy_after
+        if self.first_sample:               # likewise
+            out["first_sample"] = self.first_sample
         return out
 
 

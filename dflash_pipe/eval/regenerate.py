@@ -20,7 +20,11 @@ system turns are kept verbatim. Details:
 Decoding is greedy by default; ``--temperature T --top-p P --seed S`` samples instead, and
 ``--samples N`` writes N answers per conversation with ids ``<id>#0 .. <id>#N-1`` (N = 1 keeps
 the id); a sample equal to an earlier one of its conversation is written but counted
-(``duplicate_rows`` / ``duplicate_tokens`` in the sidecar). ``--greedy-after K`` samples only the
+(``duplicate_rows`` / ``duplicate_tokens`` in the sidecar). ``--first-sample K`` numbers them from K
+instead (ids ``<id>#K ..``): a second file with more answers per prompt whose rows equal what a run
+with K + N samples would write for those ids, since an answer depends on its id, not on the run; an
+output file stays in input order, so more samples cannot be appended to a finished one
+(bench/quality19g.env adds them in a second file beside the first). ``--greedy-after K`` samples only the
 first K tokens of each answer and continues greedily. A sampled answer is a function of (seed,
 sample id, turn) and the target only (regen_sampling): not of the batch size or of which
 conversations share a batch.
@@ -243,7 +247,7 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
                    device: str = "auto", *, bundle=None, max_turns: int = 0, samples: int = 1,
                    temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, engine: str = "auto",
                    attention: str = "auto", greedy_after: int = 0, reuse_history: bool = False,
-                   max_seconds: float = 0.0) -> dict:
+                   max_seconds: float = 0.0, first_sample: int = 0) -> dict:
     """Regenerate cfg.data's conversations into `output` (JSONL); returns the final sidecar dict.
 
     batch_size 0 = auto (16 on the CPU, up to 1024 on CUDA as memory allows).
@@ -252,11 +256,12 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
     (engine backend; pointless with one turn: max_turns 1 turns it off).
     max_seconds: stop admitting conversations this long after the call (0 = no limit) and finish the ones in
     flight; the sidecar then says ``stopped_early``.
+    first_sample: the first sample index (ids <id>#first_sample ..): more answers per prompt in another file.
     """
     started = _now() if max_seconds else 0.0
     entered = time.perf_counter()            # the set-up before the loop (target load, engine) is timed too
     output = Path(output)
-    dec = Decoding(samples, temperature, top_p, seed, greedy_after)
+    dec = Decoding(samples, temperature, top_p, seed, greedy_after, first_sample)
     _validate(cfg, max_new_tokens, batch_size, dec)
     if max_seconds < 0:
         raise UsageError(f"--max-seconds must be >= 0 (0 = no limit), got {max_seconds}")
@@ -376,7 +381,7 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
                 if conv is None:
                     exhausted = True
                     break
-                ids = [conv.sample_id] if dec.samples == 1 else [f"{conv.sample_id}#{k}" for k in range(dec.samples)]
+                ids = dec.sample_ids(conv.sample_id)
                 todo = [] if conv.is_text else [sid for sid in ids if sid not in skip]
                 bar.update(len(ids) - len(todo))
                 for sid in todo:
