@@ -23,6 +23,9 @@
 #   (repeat C while it exits 75; `bash bench/quality_gpu.sh status` prints what is done without running anything;
 #   `bash bench/quality_gpu.sh setup` in call B's place only reassembles the GGUF and installs the wheels, for
 #   bench/gpu_bench.sh's `smollm2` step)
+#   issue 18 after a run (or after call U): `REGEN_AB_PROMPTS=2000 bash bench/quality_gpu.sh regen-ab` times regen
+#   on every turn of the first N conversations (issue 19's decoding) with and without --reuse-history
+#   (bench/regen_throughput.py --reuse-history-ab; $OUT/regen_ab.json, .log; REGEN_AB_S caps it, 420 s)
 #   issue 16 instead of call B: same carry, command `bash bench/quality_gpu.sh window` runs bench/window_stream.py
 #   (extract + train --follow on the one GPU within a 0.6 GiB budget; $OUT/window_stream.json; WINDOW_FLAGS adds flags)
 #
@@ -264,6 +267,11 @@ with (lzma.open if sys.argv[1].endswith(".xz") else gzip.open)(sys.argv[1]) as f
     shutil.copyfileobj(f, o)' "$seed" "$Q/regenerated.jsonl.tmp" && cp "$side" "$Q/regenerated.jsonl.progress.json" &&
             mv "$Q/regenerated.jsonl.tmp" "$Q/regenerated.jsonl" &&
             say "setup: regen seeded with $(wc -l < "$Q/regenerated.jsonl") conversations from ${seed#$REPO/}"
+        # the held-out rows are the seed's first $HELDOUT: in a file of their own, extract-val needs no regen and
+        # runs beside it (the file only grows at its end, so they are the same rows regen's output starts with)
+        if [ "$(wc -l < "$Q/regenerated.jsonl")" -gt "$HELDOUT" ]; then
+            head -n "$HELDOUT" "$Q/regenerated.jsonl" > "$Q/heldout.jsonl.tmp" && mv "$Q/heldout.jsonl.tmp" "$Q/heldout.jsonl"
+        fi
     else
         say "setup: not seeding regen from ${seed#$REPO/} (made from another source path)"
     fi
@@ -388,8 +396,15 @@ case $MODE in
         "$PY" bench/window_stream.py --model-cache-dir "$MODELS" --work "$Q/window" --limit-s "${WINDOW_LIMIT_S:-420}" \
             --json "$OUT/window_stream.json" ${WINDOW_FLAGS:-} > "$OUT/window_stream.log" 2>&1
         rc=$?; tail -n 40 "$OUT/window_stream.log"; cp "$Q/window/"{extract,train}.log "$OUT/" 2>/dev/null; exit $rc ;;
+    regen-ab)  # issue 18: regen with and without --reuse-history on the same all-turns prompts (after call A-U's stashes)
+        setup
+        timeout "${REGEN_AB_S:-420}" "$PY" bench/regen_throughput.py --data "$CARRY/data/sharegpt_all_turns.jsonl" \
+            --model-cache "$MODELS" --device "$DEVICE" --max-turns 0 --samples 4 --temperature 1.0 --top-p 0.95 --greedy-after 4 \
+            --max-length 1280 --prompts "${REGEN_AB_PROMPTS:-2000}" --batch "${REGEN_AB_BATCH:-1024}" --hf-prompts 0 --reuse-history \
+            --reuse-history-ab --json "$OUT/regen_ab.json" > "$OUT/regen_ab.log" 2>&1
+        rc=$?; say "regen-ab: rc $rc"; tail -n 30 "$OUT/regen_ab.log"; exit $rc ;;
     run) ;;
-    *) echo "usage: bench/quality_gpu.sh stash|precheck|setup|run|status|window" >&2; exit 2 ;;
+    *) echo "usage: bench/quality_gpu.sh stash|precheck|setup|run|status|window|regen-ab" >&2; exit 2 ;;
 esac
 
 setup

@@ -42,6 +42,7 @@ for s in "${SETS[@]}"; do JOBS+=("eval-$s"); done
 deps() {   # job -> jobs it needs
     case $1 in
         regen) ;;
+        extract-val) [ -f "$Q/heldout.jsonl" ] || echo regen ;;   # a seed's held-out rows: beside regen
         extract-*) echo regen ;;
         scale-*) echo "extract-lossless extract-val" ;;
         train-seed*|var-*) if [ -n "$WINDOW_GIB" ]; then echo extract-val; else echo "extract-lossless extract-val"; fi ;;
@@ -102,7 +103,8 @@ job_cmd() {   # the command of a job (array JOB_CMD)
                      --skip-samples 0 --max-samples "$N_PROMPTS" -o "$Q/regenerated.jsonl" --max-turns 1
                      --max-new-tokens "$GEN_TOKENS" --batch-size "$GEN_BATCH" --device "$DEVICE" "${REGEN_FLAGS[@]}") ;;
         extract-val)
-            JOB_CMD=("$PY" -m dflash_pipe extract "${common[@]}" --data-source "$Q/regenerated.jsonl"
+            local held=$Q/regenerated.jsonl; [ -f "$Q/heldout.jsonl" ] && held=$Q/heldout.jsonl
+            JOB_CMD=("$PY" -m dflash_pipe extract "${common[@]}" --data-source "$held"
                      --data-skip-samples 0 --data-max-samples "$HELDOUT" --codec lossless --cache-dir "$Q/cache-val"
                      --device "$DEVICE" "${EXTRACT_FLAGS[@]}" --num-shards 2) ;;
         extract-*)
