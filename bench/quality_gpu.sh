@@ -54,7 +54,8 @@
 # least its minimum useful time left and runs under `timeout -s INT` until the deadline minus a reserve. Every
 # job is resumable: eval keeps its finished prompts in <eval dir>/eval_progress.jsonl until its report exists.
 # $OUT (at most 8 files) is refreshed every 30 s and at the end: status.txt, logs_tail.txt, summary.json,
-# summary.md, quality.png, results.tar.gz (eval reports + PNGs, metrics.jsonl, configs, full logs).
+# summary.md, quality.png, results.tar.gz (eval reports + PNGs, metrics.jsonl, configs, full logs); in the call that
+# finishes regen also regen_rows_{0,1}.jsonl.xz, its rows beyond the seed (`bench/regen_seed.py merge` at home).
 #
 # Measured in session 3 (H200, driver.log in bench/results/2026-12-01-h200-quality-session3/): regen of 8,000
 # prompts 239 s; the three extracts at once 69 s (1.7 M tokens); two 5,000-step trainers at once 223 s
@@ -266,7 +267,8 @@ PY
 with (lzma.open if sys.argv[1].endswith(".xz") else gzip.open)(sys.argv[1]) as f, open(sys.argv[2], "wb") as o:
     shutil.copyfileobj(f, o)' "$seed" "$Q/regenerated.jsonl.tmp" && cp "$side" "$Q/regenerated.jsonl.progress.json" &&
             mv "$Q/regenerated.jsonl.tmp" "$Q/regenerated.jsonl" &&
-            say "setup: regen seeded with $(wc -l < "$Q/regenerated.jsonl") conversations from ${seed#$REPO/}"
+            say "setup: regen seeded with $(wc -l < "$Q/regenerated.jsonl") conversations from ${seed#$REPO/}" &&
+            wc -l < "$Q/regenerated.jsonl" > "$Q/seed.rows"
         # the held-out rows are the seed's first $HELDOUT: in a file of their own, extract-val needs no regen and
         # runs beside it (the file only grows at its end, so they are the same rows regen's output starts with)
         if [ "$(wc -l < "$Q/regenerated.jsonl")" -gt "$HELDOUT" ]; then
@@ -313,7 +315,7 @@ reap() {   # collect finished jobs; sets RC[job]
             regen_cap_done "stopped admitting at its time cap (--max-seconds), finished in ${dt}s"
         elif [ "$rc" = 0 ] && job_ok "$j"; then
             date -u +%FT%TZ > "$Q/done/$j"; say "done  $j in ${dt}s"
-            [ "$j" = regen ] && gzip -c "$Q/regenerated.jsonl" > "$Q/regenerated.jsonl.gz"
+            [ "$j" = regen ] && regen_rows_out
         elif [ "$j" = regen ] && { [ "$rc" = 124 ] || [ "$rc" = 130 ] || [ "$rc" = 137 ]; } && regen_capped && job_ok regen; then
             regen_cap_done "stopped at its time cap after ${dt}s (rc $rc)"
         elif [ "$rc" = 124 ] || [ "$rc" = 130 ] || [ "$rc" = 137 ]; then
@@ -357,8 +359,16 @@ regen_stopped_early() {   # the last regen stopped admitting at --max-seconds (i
 }
 regen_cap_done() {   # why
     date -u +%FT%TZ > "$Q/done/regen"; echo "$REGEN_MAX_S" > "$Q/done/regen.capped"
-    gzip -c "$Q/regenerated.jsonl" > "$Q/regenerated.jsonl.gz"
+    regen_rows_out
     say "done  regen: $1, QUALITY_REGEN_MAX_S=$REGEN_MAX_S reached; the data is what it wrote: $(job_progress regen)"
+}
+
+# The rows regen wrote beyond its seed leave in this call's $OUT (the machine's disk goes when it is given back or
+# goes cold: session 16 lost a run's 10.7 M new tokens so); results.tar.gz brings the sidecar. At home,
+# bench/regen_seed.py merge makes them the next seed.
+regen_rows_out() {
+    "$PY" bench/regen_seed.py out --file "$Q/regenerated.jsonl" --skip "$(cat "$Q/seed.rows" 2>/dev/null || echo 0)" \
+        --out "$OUT" 2>&1 | while read -r line; do say "$line"; done
 }
 
 SNAP=""

@@ -268,7 +268,9 @@ def plot(summary: dict, d: Path, out_png: Path) -> None:
 
 
 def pack(d: Path, out_tar: Path) -> None:
-    names = ["regenerated.jsonl.progress.json", "regenerated.jsonl.gz", "cache-val/manifest.json"]
+    # the regenerated rows themselves leave as $OUT/regen_rows_*.jsonl.xz (bench/regen_seed.py): at tens of M
+    # tokens they would push this archive past what a call brings back (16 MiB a file)
+    names = ["regenerated.jsonl.progress.json", "cache-val/manifest.json"]
     for c in CODECS:
         names += [f"cache-{c}/manifest.json", f"cache-{c}/resolved_config.toml"]
     for run in runs(d).values():
@@ -276,7 +278,8 @@ def pack(d: Path, out_tar: Path) -> None:
                                              "export/config.json", "latest.json")]
     for sub in sorted(d.glob("eval-*")):
         names += [f"{sub.name}/{n}" for n in ("eval_report.json", "eval_report.md", "eval_prompts.jsonl",
-                                              "acceptance.png", "resolved_config.toml")]
+                                              "acceptance.png", "resolved_config.toml",
+                                              "eval_progress.jsonl")]   # an unfinished eval's prompts so far
     tmp = out_tar.with_name(out_tar.name + ".tmp")
     with tarfile.open(tmp, "w:gz") as tar:
         for n in names:
