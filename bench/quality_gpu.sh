@@ -55,7 +55,8 @@
 # job is resumable: eval keeps its finished prompts in <eval dir>/eval_progress.jsonl until its report exists.
 # $OUT (at most 8 files) is refreshed every 30 s and at the end: status.txt, logs_tail.txt, summary.json,
 # summary.md, quality.png, results.tar.gz (eval reports + PNGs, metrics.jsonl, configs, full logs); in the call that
-# finishes regen also regen_rows_{0,1}.jsonl.xz, its rows beyond the seed (`bench/regen_seed.py merge` at home).
+# finishes regen also regen_rows_0.jsonl.xz, its rows beyond the seed (`bench/regen_seed.py merge` at home), and
+# regen_more_rows_0.jsonl.xz in the call that finishes regen-more.
 #
 # Measured in session 3 (H200, driver.log in bench/results/2026-12-01-h200-quality-session3/): regen of 8,000
 # prompts 239 s; the three extracts at once 69 s (1.7 M tokens); two 5,000-step trainers at once 223 s
@@ -124,6 +125,10 @@ REGEN_DRAIN_S=${QUALITY_REGEN_DRAIN_S:-45}   # with the cap: regen stops admitti
 # (all_turns: stashed from .gpucarry/turns; pass --max-turns 0 in QUALITY_REGEN_FLAGS)
 REGEN_SOURCE=$CARRY/data/sharegpt_${QUALITY_REGEN_SOURCE:-first_turns}.jsonl
 read -r -a REGEN_FLAGS <<< "${QUALITY_REGEN_FLAGS:-}"
+# more answers per prompt once the source's prompts are all answered: a second regen job (regen-more) writes
+# regenerated-more.jsonl with these flags added (e.g. "--samples 1 --first-sample 4": every conversation's answer
+# #4), skipping the held-out conversations; extraction and eval then read both files ($Q/data). Empty = off.
+read -r -a REGEN_MORE_FLAGS <<< "${QUALITY_REGEN_MORE_FLAGS:-}"
 read -r -a EXTRACT_FLAGS <<< "${QUALITY_EXTRACT_FLAGS:-}"
 read -r -a TRAIN_FLAGS <<< "${QUALITY_TRAIN_FLAGS:-}"
 # fp32 target in eval: bf16 verification of a 16-token block rounds differently from one-token decoding, so
@@ -202,6 +207,11 @@ setup() {
     fi
     install_wheels
     seed_regenerated
+    if [ ${#REGEN_MORE_FLAGS[@]} -gt 0 ]; then   # both regen files, in this order, as one data source
+        mkdir -p "$Q/data" && touch "$Q/regenerated-more.jsonl" &&
+            ln -sfn ../regenerated.jsonl "$Q/data/0-regenerated.jsonl" &&
+            ln -sfn ../regenerated-more.jsonl "$Q/data/1-regenerated-more.jsonl"
+    fi
     export DFLASH_PROMPTS_DIR=$CARRY/data/prompts
     export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 MPLBACKEND=Agg TOKENIZERS_PARALLELISM=false
     export DFLASH_LOG=${DFLASH_LOG:-WARNING}
@@ -287,7 +297,7 @@ RUNNING=()
 launch() {   # job budget_s
     local j=$1 budget=$2
     local capped=""
-    if [ "$j" = regen ] && [ -n "$REGEN_MAX_S" ] && [ "$(regen_left)" -le "$budget" ]; then
+    if is_regen "$j" && [ -n "$REGEN_MAX_S" ] && [ "$(regen_left)" -le "$budget" ]; then
         budget=$(regen_left); capped=1
     fi
     job_cmd "$j"
@@ -308,16 +318,16 @@ reap() {   # collect finished jobs; sets RC[job]
         RC[$j]=$rc
         local dt=$(( $(date +%s) - STARTED[$j] ))
         # (a failed regen's time does not count towards QUALITY_REGEN_MAX_S: after the fix, it starts afresh)
-        if [ "$j" != regen ] || [[ " 0 124 130 137 " == *" $rc "* ]]; then
+        if ! is_regen "$j" || [[ " 0 124 130 137 " == *" $rc "* ]]; then
             echo "$(( $(cat "$Q/done/$j.seconds" 2>/dev/null || echo 0) + dt ))" > "$Q/done/$j.seconds"
         fi
-        if [ "$rc" = 0 ] && [ "$j" = regen ] && regen_stopped_early && job_ok regen; then
-            regen_cap_done "stopped admitting at its time cap (--max-seconds), finished in ${dt}s"
+        if [ "$rc" = 0 ] && is_regen "$j" && regen_stopped_early "$j" && job_ok "$j"; then
+            regen_cap_done "$j" "stopped admitting at its time cap (--max-seconds), finished in ${dt}s"
         elif [ "$rc" = 0 ] && job_ok "$j"; then
             date -u +%FT%TZ > "$Q/done/$j"; say "done  $j in ${dt}s"
-            [ "$j" = regen ] && regen_rows_out
-        elif [ "$j" = regen ] && { [ "$rc" = 124 ] || [ "$rc" = 130 ] || [ "$rc" = 137 ]; } && regen_capped && job_ok regen; then
-            regen_cap_done "stopped at its time cap after ${dt}s (rc $rc)"
+            is_regen "$j" && regen_rows_out "$j"
+        elif is_regen "$j" && { [ "$rc" = 124 ] || [ "$rc" = 130 ] || [ "$rc" = 137 ]; } && regen_capped && job_ok "$j"; then
+            regen_cap_done "$j" "stopped at its time cap after ${dt}s (rc $rc)"
         elif [ "$rc" = 124 ] || [ "$rc" = 130 ] || [ "$rc" = 137 ]; then
             say "stopped $j at the deadline after ${dt}s (rc $rc): $(job_progress "$j")"
         else
@@ -351,24 +361,28 @@ snapshot() {   # small files to $OUT (called every 30 s in the background and at
 
 # QUALITY_REGEN_MAX_S caps regen's wall time summed over calls: at the cap, what regenerated.jsonl holds (a prefix
 # of the prompts, complete rows only) is the data, and the stages after it start
-regen_left() { echo $(( REGEN_MAX_S - $(cat "$Q/done/regen.seconds" 2>/dev/null || echo 0) )); }
-regen_capped() { [ -n "$REGEN_MAX_S" ] && [ "$(regen_left)" -lt "${MIN_S[regen]}" ]; }
-regen_stopped_early() {   # the last regen stopped admitting at --max-seconds (its sidecar says so)
-    "$PY" -c 'import json, sys; sys.exit(0 if "stopped_early" in json.load(open(sys.argv[1])) else 1)' \
-        "$Q/regenerated.jsonl.progress.json" 2>/dev/null
+regen_left() {   # the cap covers regen and regen-more together
+    echo $(( REGEN_MAX_S - $(cat "$Q/done/regen.seconds" 2>/dev/null || echo 0)
+                         - $(cat "$Q/done/regen-more.seconds" 2>/dev/null || echo 0) ))
 }
-regen_cap_done() {   # why
-    date -u +%FT%TZ > "$Q/done/regen"; echo "$REGEN_MAX_S" > "$Q/done/regen.capped"
-    regen_rows_out
-    say "done  regen: $1, QUALITY_REGEN_MAX_S=$REGEN_MAX_S reached; the data is what it wrote: $(job_progress regen)"
+regen_capped() { [ -n "$REGEN_MAX_S" ] && [ "$(regen_left)" -lt "${MIN_S[regen]}" ]; }
+regen_stopped_early() {   # job: its last run stopped admitting at --max-seconds (its sidecar says so)
+    "$PY" -c 'import json, sys; sys.exit(0 if "stopped_early" in json.load(open(sys.argv[1])) else 1)' \
+        "$(regen_file "$1").progress.json" 2>/dev/null
+}
+regen_cap_done() {   # job why
+    date -u +%FT%TZ > "$Q/done/$1"; echo "$REGEN_MAX_S" > "$Q/done/$1.capped"
+    regen_rows_out "$1"
+    say "done  $1: $2, QUALITY_REGEN_MAX_S=$REGEN_MAX_S reached; the data is what it wrote: $(job_progress "$1")"
 }
 
 # The rows regen wrote beyond its seed leave in this call's $OUT (the machine's disk goes when it is given back or
 # goes cold: session 16 lost a run's 10.7 M new tokens so); results.tar.gz brings the sidecar. At home,
 # bench/regen_seed.py merge makes them the next seed.
-regen_rows_out() {
-    "$PY" bench/regen_seed.py out --file "$Q/regenerated.jsonl" --skip "$(cat "$Q/seed.rows" 2>/dev/null || echo 0)" \
-        --out "$OUT" 2>&1 | while read -r line; do say "$line"; done
+regen_rows_out() {   # job (regen: the rows after the seed's; regen-more: all, it has no seed)
+    local skip=0; [ "$1" = regen ] && skip=$(cat "$Q/seed.rows" 2>/dev/null || echo 0)
+    "$PY" bench/regen_seed.py out --file "$(regen_file "$1")" --skip "$skip" --out "$OUT" --name "${1//-/_}_rows" \
+        2>&1 | while read -r line; do say "$line"; done
 }
 
 SNAP=""
@@ -431,7 +445,7 @@ while :; do
     [ "$failed" = 1 ] && { say "a job failed: stopping"; finish 1; }
     started=0
     for j in "${JOBS[@]}"; do
-        [ "$j" = regen ] && ! is_done regen && regen_capped && job_ok regen && regen_cap_done "cap reached before this call"
+        is_regen "$j" && ! is_done "$j" && regen_capped && job_ok "$j" && regen_cap_done "$j" "cap reached before it ran on"
         is_done "$j" && continue
         [[ " ${RUNNING[*]} " == *" $j "* ]] && continue
         [ -n "${RC[$j]:-}" ] && continue                 # stopped at the deadline in this call

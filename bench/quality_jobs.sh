@@ -2,6 +2,7 @@
 # command, output check and progress line. A job name says what it is: regen, extract-<codec>, extract-val,
 # train-<codec>, train-seed<N>, scale-<subset>, var-<name>, eval-<set> (see the header of quality_gpu.sh).
 JOBS=(regen)
+[ ${#REGEN_MORE_FLAGS[@]} -gt 0 ] && JOBS+=(regen-more)
 for c in "${CODECS[@]}"; do JOBS+=("extract-$c"); done
 JOBS+=(extract-val)
 for c in "${CODECS[@]}"; do JOBS+=("train-$c"); done
@@ -42,8 +43,9 @@ for s in "${SETS[@]}"; do JOBS+=("eval-$s"); done
 deps() {   # job -> jobs it needs
     case $1 in
         regen) ;;
+        regen-more) echo regen ;;
         extract-val) [ -f "$Q/heldout.jsonl" ] || echo regen ;;   # a seed's held-out rows: beside regen
-        extract-*) echo regen ;;
+        extract-*) if [ ${#REGEN_MORE_FLAGS[@]} -gt 0 ]; then echo regen regen-more; else echo regen; fi ;;
         scale-*) echo "extract-lossless extract-val" ;;
         train-seed*|var-*) if [ -n "$WINDOW_GIB" ]; then echo extract-val; else echo "extract-lossless extract-val"; fi ;;
         train-*) if [ -n "$WINDOW_GIB" ]; then echo extract-val   # streams while extract-<codec> runs (ready)
@@ -69,7 +71,19 @@ window_group() {   # codec -> the output dirs of every trainer streaming cache-<
     done
     (IFS=,; echo "${list[*]}")
 }
-kind() { case $1 in regen) echo regen ;; extract-*) echo extract ;; train-*|scale-*|var-*) echo train ;; eval-*) echo eval ;; esac; }
+is_regen() { [ "$1" = regen ] || [ "$1" = regen-more ]; }
+regen_file() { case $1 in regen) echo "$Q/regenerated.jsonl" ;; regen-more) echo "$Q/regenerated-more.jsonl" ;; esac; }
+held_conversations() {   # source conversations up to the last held-out one (regen-more's --skip-samples)
+    "$PY" - "$REGEN_SOURCE" "$Q/regenerated.jsonl" "$HELDOUT" <<'PY'
+import itertools, json, sys
+with open(sys.argv[2]) as f:
+    held = {json.loads(line)["id"].rsplit("#", 1)[0] for line in itertools.islice(f, int(sys.argv[3]))}
+with open(sys.argv[1]) as f:
+    last = max(i for i, line in enumerate(f) if json.loads(line).get("id") in held)
+print(last + 1)
+PY
+}
+kind() { case $1 in regen|regen-more) echo regen ;; extract-*) echo extract ;; train-*|scale-*|var-*) echo train ;; eval-*) echo eval ;; esac; }
 train_dir() { case $1 in train-*|scale-*|var-*) echo "$Q/$1" ;; esac; }   # a train job's output dir
 drafter_name() { case $1 in train-*) echo "${1#train-}" ;; *) echo "$1" ;; esac; }   # its name in the eval
 
@@ -96,12 +110,18 @@ job_cmd() {   # the command of a job (array JOB_CMD)
     local common=(-m "$M" --target-model-cache-dir "$MODELS")
     # the first $HELDOUT regenerated conversations are held out: never trained on, extracted into cache-val
     # (training's --val-cache-dir) and decoded by the 'heldout' eval set
-    local data=(--data-source "$Q/regenerated.jsonl" --data-skip-samples "$HELDOUT")
+    local src=$Q/regenerated.jsonl; [ ${#REGEN_MORE_FLAGS[@]} -gt 0 ] && src=$Q/data   # both regen files
+    local data=(--data-source "$src" --data-skip-samples "$HELDOUT")
     case $j in
         regen)
             JOB_CMD=("$PY" -m dflash_pipe regenerate "${common[@]}" --source "$REGEN_SOURCE"
                      --skip-samples 0 --max-samples "$N_PROMPTS" -o "$Q/regenerated.jsonl" --max-turns 1
                      --max-new-tokens "$GEN_TOKENS" --batch-size "$GEN_BATCH" --device "$DEVICE" "${REGEN_FLAGS[@]}") ;;
+        regen-more)   # the same decoding, more samples, never the held-out conversations (flags: last one wins)
+            JOB_CMD=("$PY" -m dflash_pipe regenerate "${common[@]}" --source "$REGEN_SOURCE"
+                     --max-samples 0 -o "$(regen_file regen-more)" --max-turns 1
+                     --max-new-tokens "$GEN_TOKENS" --batch-size "$GEN_BATCH" --device "$DEVICE" "${REGEN_FLAGS[@]}"
+                     --skip-samples "$(held_conversations)" "${REGEN_MORE_FLAGS[@]}") ;;
         extract-val)
             local held=$Q/regenerated.jsonl; [ -f "$Q/heldout.jsonl" ] && held=$Q/heldout.jsonl
             JOB_CMD=("$PY" -m dflash_pipe extract "${common[@]}" --data-source "$held"
@@ -140,6 +160,7 @@ job_cmd() {   # the command of a job (array JOB_CMD)
 job_ok() {   # the job's output really exists
     case $1 in
         regen) [ -s "$Q/regenerated.jsonl" ] ;;
+        regen-more) [ -f "$Q/regenerated-more.jsonl" ] ;;   # may be empty: the cap came before it
         extract-*) [ -f "$Q/cache-${1#extract-}/manifest.json" ] ;;
         train-*|scale-*|var-*) [ -f "$(train_dir "$1")/export/config.json" ] ;;
         eval-*) [ -f "$Q/$1/eval_report.json" ] ;;
@@ -149,7 +170,7 @@ job_ok() {   # the job's output really exists
 job_progress() {   # one line: how far an unfinished job got
     local j=$1
     case $j in
-        regen) "$PY" - "$Q/regenerated.jsonl.progress.json" "$N_PROMPTS" <<'PY' 2>/dev/null || echo "not started" ;;
+        regen|regen-more) "$PY" - "$(regen_file "$j").progress.json" "$N_PROMPTS" <<'PY' 2>/dev/null || echo "not started" ;;
 import json, sys
 s = json.load(open(sys.argv[1]))
 print(f"{s['rows_written'] + len(s['skipped'])}/{sys.argv[2]} prompts done ({s['rows_written']} written, "

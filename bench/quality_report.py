@@ -270,7 +270,7 @@ def plot(summary: dict, d: Path, out_png: Path) -> None:
 def pack(d: Path, out_tar: Path) -> None:
     # the regenerated rows themselves leave as $OUT/regen_rows_*.jsonl.xz (bench/regen_seed.py): at tens of M
     # tokens they would push this archive past what a call brings back (16 MiB a file)
-    names = ["regenerated.jsonl.progress.json", "cache-val/manifest.json"]
+    names = ["regenerated.jsonl.progress.json", "regenerated-more.jsonl.progress.json", "cache-val/manifest.json"]
     for c in CODECS:
         names += [f"cache-{c}/manifest.json", f"cache-{c}/resolved_config.toml"]
     for run in runs(d).values():

@@ -4,7 +4,7 @@ The lent GPU machine's disk is gone once it is given back (or goes cold between 
 beyond its seed must leave in the call that wrote them, in that call's $OUT (at most 8 files of 16 MiB):
 
     python bench/regen_seed.py out --file /tmp/quality/regenerated.jsonl --skip 43948 --out "$OUT"
-        -> $OUT/regen_rows_0.jsonl.xz, regen_rows_1.jsonl.xz (rows after the first --skip, --rows-per-file each)
+        -> $OUT/regen_rows_0.jsonl.xz (the rows after the first --skip; one file of up to --rows-per-file rows)
 
 and here, with the sidecar that came back in results.tar.gz (quality/regenerated.jsonl.progress.json):
 
@@ -25,7 +25,8 @@ import sys
 from pathlib import Path
 
 
-def write_parts(file: Path, skip: int, out: Path, rows_per_file: int, max_files: int) -> list[Path]:
+def write_parts(file: Path, skip: int, out: Path, rows_per_file: int, max_files: int,
+                name: str = "regen_rows") -> list[Path]:
     """Rows of `file` after the first `skip`, xz-compressed in files of `rows_per_file` rows (at most max_files)."""
     out.mkdir(parents=True, exist_ok=True)
     with open(file, "rb") as f:
@@ -35,7 +36,7 @@ def write_parts(file: Path, skip: int, out: Path, rows_per_file: int, max_files:
         if i == max_files:
             print(f"regen_seed: {len(rows) - start} rows beyond {max_files} files stay behind", file=sys.stderr)
             break
-        p = out / f"regen_rows_{i}.jsonl.xz"
+        p = out / f"{name}_{i}.jsonl.xz"
         tmp = p.with_name(p.name + ".tmp")
         tmp.write_bytes(lzma.compress(b"".join(rows[start:start + rows_per_file]), preset=3))
         os.replace(tmp, p)
@@ -75,15 +76,16 @@ def main() -> None:
     o.add_argument("--file", type=Path, required=True)
     o.add_argument("--skip", type=int, required=True, help="rows the seed already had")
     o.add_argument("--out", type=Path, required=True)
-    o.add_argument("--rows-per-file", type=int, default=15000, help="~4 MiB of xz per 15,000 every-turn rows")
-    o.add_argument("--max-files", type=int, default=2)
+    o.add_argument("--rows-per-file", type=int, default=40000, help="~10 MiB of xz per 40,000 every-turn rows")
+    o.add_argument("--max-files", type=int, default=1, help="$OUT takes 8 files: the report's 6, one per regen job")
+    o.add_argument("--name", default="regen_rows", help="file names: <name>_<i>.jsonl.xz")
     m = sub.add_parser("merge", help="here: seed + parts -> the new seed")
     m.add_argument("--seed", type=Path, required=True)
     m.add_argument("--parts", type=Path, nargs="+", required=True)
     m.add_argument("--sidecar", type=Path, required=True)
     a = ap.parse_args()
     if a.cmd == "out":
-        write_parts(a.file, a.skip, a.out, a.rows_per_file, a.max_files)
+        write_parts(a.file, a.skip, a.out, a.rows_per_file, a.max_files, a.name)
     else:
         merge(a.seed, a.parts, a.sidecar)
 
