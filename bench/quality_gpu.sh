@@ -262,8 +262,8 @@ precheck() {
 # A regenerated file kept from an earlier run (bench/data/, with its progress sidecar) seeds regen: the regen
 # job then only answers the prompts beyond it (a larger QUALITY_N_PROMPTS extends it, `dflash-pipe regenerate`
 # resumes by id). Used only if it was made from this same source path; QUALITY_REGEN_SEED="" disables it.
-# bench/data/smollm2_all_turns_greedy4.jsonl.xz is the every-turn data of sessions 14 and 15 (bench/quality19c.env's
-# regen settings, 43,948 rows, 25.9 M generated tokens); bench/quality19f.env continues from it.
+# bench/data/smollm2_all_turns_greedy4.jsonl.xz is the every-turn data of sessions 14-16 (bench/quality19c.env's
+# regen settings; 61,320 rows, 35.9 M generated tokens after session 16); bench/quality19h.env continues from it.
 seed_regenerated() {
     local seed=${QUALITY_REGEN_SEED-$REPO/bench/data/smollm2_regenerated_sharegpt.jsonl.gz}
     local side=${seed%.jsonl.*}.progress.json     # .jsonl.gz or .jsonl.xz (python's lzma: the image has no xz)

@@ -197,6 +197,12 @@ def markdown(summary: dict) -> str:
                  f"{st.get('max_new_tokens')} tokens) in {rg['seconds']:.0f} s (summed over the runs that wrote it)"
                  + (f"; stopped at its {rg['capped_at_s']} s cap (QUALITY_REGEN_MAX_S), so the data are the rows "
                     "written by then, a prefix of the prompts." if rg.get("capped_at_s") else "."))
+        mo = summary.get("regenerate_more")
+        if mo:
+            first, n = int(mo.get("first_sample") or 0), int(mo.get("samples") or 1)
+            L.append(f"- More data (regen-more, regenerated-more.jsonl): answers #{first}-#{first + n - 1} of the "
+                     f"conversations after the held-out ones, {mo['rows_written']} rows, {mo['generated_tokens']:,} "
+                     f"tokens generated in {mo['seconds']:.0f} s.")
         tm = rg.get("timing") or {}
         if tm:
             L.append("- Regenerate time split (s): " + ", ".join(f"{k} {v:.1f}" if isinstance(v, (int, float))

@@ -252,6 +252,11 @@ def build(d: Path) -> dict:
         cap = d / "done" / "regen.capped"   # the driver stopped regen at QUALITY_REGEN_MAX_S and kept its rows
         if cap.is_file():
             summary["regenerate"]["capped_at_s"] = int(cap.read_text().strip() or 0)
+    more = _json(d / "regenerated-more.jsonl.progress.json")   # regen-more: answers #K.. in a second file
+    if more:
+        summary["regenerate_more"] = {k: more.get(k) for k in ("rows_written", "generated_tokens", "seconds")} | {
+            "first_sample": (more.get("settings") or {}).get("first_sample", 0),
+            "samples": (more.get("settings") or {}).get("samples", 1)}
     summary["stage_seconds"] = {p.name[:-len(".seconds")]: int(p.read_text().strip() or 0)
                                 for p in sorted((d / "done").glob("*.seconds"))}
     summary["stages_done"] = sorted(p.name for p in (d / "done").glob("*") if not p.name.endswith(".seconds"))
