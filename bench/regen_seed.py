@@ -47,10 +47,10 @@ def write_parts(file: Path, skip: int, out: Path, rows_per_file: int, max_files:
 
 
 def merge(seed: Path, parts: list[Path], sidecar: Path) -> None:
-    """seed rows + parts (in name order) -> the seed file, checked against the run's sidecar, which replaces the
-    seed's own progress file."""
+    """seed rows + parts (in the order given: a shell glob sorts them) -> the seed file, checked against the run's
+    sidecar, which replaces the seed's own progress file."""
     rows = lzma.open(seed, "rb").read().splitlines(keepends=True)
-    for p in sorted(parts, key=lambda p: p.name):
+    for p in parts:
         rows += lzma.open(p, "rb").read().splitlines(keepends=True)
     state = json.loads(sidecar.read_text(encoding="utf-8"))
     ids = [json.loads(r)["id"] for r in rows]
