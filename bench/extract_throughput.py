@@ -26,6 +26,12 @@ MFU counts 2 x params per token over 790 TFLOP/s. Host-side MB/s = raw bf16 feat
 bytes written / s (over the full wall).
 
     python bench/extract_throughput.py --batches 12 --json out.json
+    python bench/extract_throughput.py --model random:smollm2-135m-shape --layers 1,8,14,20,27 \
+        --layouts packed,padded --json out.json     # the quality runs' target: the two attention layouts
+
+--layouts times forward-only and gpu_side once per layout (`--attention-layout`: packed = one row with a
+block-diagonal document mask, padded = one right-padded row per document, plain causal attention), in order,
+on the same batches; the full path runs with the last one. `layouts` in the JSON holds each one's rates.
     python bench/extract_throughput.py --cpu-smoke --batches 4 --warmup 1 --token-budget 512 --json /tmp/x.json
 """
 
@@ -94,6 +100,7 @@ def main() -> None:
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="run N extra full-path batches under torch.profiler; tables go next to --json")
     ap.add_argument("--layers", default="1,16,31,46,61")
+    ap.add_argument("--layouts", default="packed", help="comma list of extract --attention-layout values")
     ap.add_argument("--out-dir", default="")
     ap.add_argument("--json", default="")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny model on the CPU (checks the script only)")
@@ -111,9 +118,7 @@ def main() -> None:
     layer_ids = [int(x) for x in args.layers.split(",")]
     if args.cpu_smoke:
         layer_ids = [i for i in layer_ids if i < bundle.num_layers] or [0, bundle.num_layers - 1]
-    runner = TargetRunner(bundle, layer_ids, topk=args.topk, linear_attn_kernels="torch" if args.cpu_smoke else "fla")
-    print(f"target {model}: {params / 1e9:.2f}B params, built in {build_s:.0f}s; kernels {runner.kernel_paths}",
-          flush=True)
+    kernels = "torch" if args.cpu_smoke else "fla"
     batches = packed_batches(args.token_budget, args.warmup + args.batches + args.profile)
     warm, timed, prof_batches = (batches[:args.warmup], batches[args.warmup:args.warmup + args.batches],
                                  batches[args.warmup + args.batches:])
@@ -129,28 +134,38 @@ def main() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    # ---------------------------------------------------------------- warm-up
-    # FLA autotunes per shape and every packed batch has its own length: run every batch through
-    # both paths once before timing anything, so no timed pass pays for tuning.
-    for b in batches:
-        runner.run(as_ids(b), [len(i) for i, _ in b], capture=False, logits="plain")
-        runner.run(as_ids(b), [len(i) for i, _ in b])
-    sync()
-    # ---------------------------------------------------------------- forward-only
-    t0 = time.perf_counter()
-    for b in timed:
-        runner.run(as_ids(b), [len(i) for i, _ in b], capture=False, logits="plain")
-    sync()
-    fwd_s = time.perf_counter() - t0
-    # ---------------------------------------------------------------- gpu side: forward + capture + encode/pack
-    t0 = time.perf_counter()
-    for b in timed:
-        lens = [len(i) for i, _ in b]
-        out = runner.run(as_ids(b), lens)
-        stats = feature_stats(out.hidden_TD, lens, n_layers)
-        pack_batch(out.hidden_TD, lens, LOSSLESS, n_layers, out.topk_ids_TK, out.topk_logprobs_TK, stats)
-    sync()
-    gpu_side_s = time.perf_counter() - t0
+    layouts, per_layout, runner = args.layouts.split(","), {}, None
+    for layout in layouts:
+        if runner is not None:
+            runner.close()                      # one runner (its hooks) per model at a time
+        runner = TargetRunner(bundle, layer_ids, topk=args.topk, linear_attn_kernels=kernels, layout=layout)
+        print(f"target {model}: {params / 1e9:.2f}B params, built in {build_s:.0f}s; layout {layout}; kernels "
+              f"{runner.kernel_paths}", flush=True)
+        # ------------------------------------------------------------ warm-up
+        # FLA autotunes per shape and every packed batch has its own length: run every batch through
+        # both paths once before timing anything, so no timed pass pays for tuning.
+        for b in batches:
+            runner.run(as_ids(b), [len(i) for i, _ in b], capture=False, logits="plain")
+            runner.run(as_ids(b), [len(i) for i, _ in b])
+        sync()
+        # ------------------------------------------------------------ forward-only
+        t0 = time.perf_counter()
+        for b in timed:
+            runner.run(as_ids(b), [len(i) for i, _ in b], capture=False, logits="plain")
+        sync()
+        fwd_s = time.perf_counter() - t0
+        # ------------------------------------------------------------ gpu side: forward + capture + encode/pack
+        t0 = time.perf_counter()
+        for b in timed:
+            lens = [len(i) for i, _ in b]
+            out = runner.run(as_ids(b), lens)
+            stats = feature_stats(out.hidden_TD, lens, n_layers)
+            pack_batch(out.hidden_TD, lens, LOSSLESS, n_layers, out.topk_ids_TK, out.topk_logprobs_TK, stats)
+        sync()
+        gpu_side_s = time.perf_counter() - t0
+        per_layout[layout] = {"forward_only_tok_s": timed_tokens / fwd_s, "gpu_side_tok_s": timed_tokens / gpu_side_s}
+        print(f"layout {layout}: forward-only {timed_tokens / fwd_s:,.0f} tok/s, gpu side "
+              f"{timed_tokens / gpu_side_s:,.0f} tok/s", flush=True)
 
     # ---------------------------------------------------------------- full path, one long-lived pipeline
     out_dir = Path(args.out_dir or tempfile.mkdtemp(prefix="dflash-extract-bench-"))
@@ -222,6 +237,7 @@ def main() -> None:
     full_tps, steady_tps = timed_tokens / full_s, timed_tokens / steady_s
     blocked = sum(t.gpu_blocked_s for t in timers)
     res = {"model": model, "params": params, "batches": len(timed), "tokens": timed_tokens,
+           "layout": layouts[-1], "layouts": per_layout,
            "token_budget": args.token_budget, "topk": args.topk, "layers": layer_ids, "workers": args.workers,
            "queue_batches": args.queue_batches, "shards_per_pass": len(handles),
            "forward_only_tok_s": fwd_tps, "gpu_side_tok_s": gpu_tps, "steady_tok_s": steady_tps,

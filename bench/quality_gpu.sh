@@ -130,6 +130,9 @@ read -r -a REGEN_FLAGS <<< "${QUALITY_REGEN_FLAGS:-}"
 # #4), skipping the held-out conversations; extraction and eval then read both files ($Q/data). Empty = off.
 read -r -a REGEN_MORE_FLAGS <<< "${QUALITY_REGEN_MORE_FLAGS:-}"
 read -r -a EXTRACT_FLAGS <<< "${QUALITY_EXTRACT_FLAGS:-}"
+# extraction's attention layout (packed / padded; extract --attention-layout); auto = what the precheck measured
+# faster (PRECHECK_EXTRACT_LAYOUTS=packed,padded writes $Q/extract_layout.choice), else the default
+EXTRACT_LAYOUT=${QUALITY_EXTRACT_LAYOUT:-}
 read -r -a TRAIN_FLAGS <<< "${QUALITY_TRAIN_FLAGS:-}"
 # fp32 target in eval: bf16 verification of a 16-token block rounds differently from one-token decoding, so
 # "identical to target-only" and lossless-vs-fp8 differences below ~1 % need the fp32 target (cheap at 135 M)
@@ -249,6 +252,19 @@ precheck() {
         -k "${PRECHECK_TESTS:-history or replay or feature_codec}" > "$OUT/precheck_tests.txt" 2>&1
     rc=$?
     say "precheck: GPU tests rc $rc: $(tail -n 1 "$OUT/precheck_tests.txt")"
+    if [ -n "${PRECHECK_EXTRACT_LAYOUTS:-}" ]; then   # e.g. packed,padded: extraction's two attention layouts
+        timeout "${PRECHECK_EXTRACT_S:-120}" "$PY" bench/extract_throughput.py --model random:smollm2-135m-shape \
+            --layers 1,8,14,20,27 --layouts "$PRECHECK_EXTRACT_LAYOUTS" --workers 4 \
+            --json "$OUT/extract_layouts.json" > "$OUT/extract_layouts.log" 2>&1
+        # the run's QUALITY_EXTRACT_LAYOUT=auto takes 'padded' only where its gpu-side rate is >= 1.2x packed's
+        "$PY" - "$OUT/extract_layouts.json" "$Q/extract_layout.choice" <<'PY' && say "precheck: extraction layouts: $(cat "$Q/extract_layout.choice.why" 2>/dev/null)"
+import json, sys
+r = json.load(open(sys.argv[1]))["layouts"]
+pick = "padded" if "padded" in r and "packed" in r and r["padded"]["gpu_side_tok_s"] >= 1.2 * r["packed"]["gpu_side_tok_s"] else "packed"
+open(sys.argv[2], "w").write(pick + "\n")
+open(sys.argv[2] + ".why", "w").write(", ".join(f"{k} {v['gpu_side_tok_s']:,.0f} tok/s" for k, v in r.items()) + f": {pick}")
+PY
+    fi
     local c
     for c in ${PRECHECK_CONTEXTS:-8192 16384}; do
         timeout "${PRECHECK_STEP_S:-80}" "$PY" bench/train_step.py --shape smollm2 --layers "${PRECHECK_LAYERS:-5}" \

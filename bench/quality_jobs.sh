@@ -112,6 +112,9 @@ job_cmd() {   # the command of a job (array JOB_CMD)
     # (training's --val-cache-dir) and decoded by the 'heldout' eval set
     local src=$Q/regenerated.jsonl; [ ${#REGEN_MORE_FLAGS[@]} -gt 0 ] && src=$Q/data   # both regen files
     local data=(--data-source "$src" --data-skip-samples "$HELDOUT")
+    local layout=$EXTRACT_LAYOUT
+    [ "$layout" = auto ] && layout=$(cat "$Q/extract_layout.choice" 2>/dev/null)
+    local xflags=("${EXTRACT_FLAGS[@]}"); [ -n "$layout" ] && [ "$layout" != auto ] && xflags+=(--attention-layout "$layout")
     case $j in
         regen)
             JOB_CMD=("$PY" -m dflash_pipe regenerate "${common[@]}" --source "$REGEN_SOURCE"
@@ -126,13 +129,13 @@ job_cmd() {   # the command of a job (array JOB_CMD)
             local held=$Q/regenerated.jsonl; [ -f "$Q/heldout.jsonl" ] && held=$Q/heldout.jsonl
             JOB_CMD=("$PY" -m dflash_pipe extract "${common[@]}" --data-source "$held"
                      --data-skip-samples 0 --data-max-samples "$HELDOUT" --codec lossless --cache-dir "$Q/cache-val"
-                     --device "$DEVICE" "${EXTRACT_FLAGS[@]}" --num-shards 2) ;;
+                     --device "$DEVICE" "${xflags[@]}" --num-shards 2) ;;
         extract-*)
             c=${j#extract-}
             local window=()
             [ -n "$WINDOW_GIB" ] && window=(--max-cache-gib "$WINDOW_GIB")
             JOB_CMD=("$PY" -m dflash_pipe extract "${common[@]}" "${data[@]}" --codec "$c"
-                     --cache-dir "$Q/cache-$c" --device "$DEVICE" "${window[@]}" "${EXTRACT_FLAGS[@]}")
+                     --cache-dir "$Q/cache-$c" --device "$DEVICE" "${window[@]}" "${xflags[@]}")
             # a 135 M target is host-bound (one writer thread per process): J processes over disjoint shards
             [ "$EXTRACT_JOBS" -gt 1 ] && JOB_CMD=("$PY" bench/extract_parallel.py --jobs "$EXTRACT_JOBS" -- "${JOB_CMD[@]}") ;;
         train-*|scale-*|var-*)

@@ -84,6 +84,12 @@ class ExtractConfig:
     row_group_mb: int = opt(64, "Target uncompressed size of one Parquet row group, in MiB.")
     compress_workers: int = opt(0, "Threads compressing features (0 = half the cores of this process).")
     queue_batches: int = opt(4, "Forward batches that may wait for compression before the GPU blocks.")
+    attention_layout: str = opt("packed", "How a batch's documents meet the target's attention: 'packed' (one row, "
+                                "a block-diagonal document mask: attention over all T x T pairs) or 'padded' (one "
+                                "right-padded row per document, plain causal attention: the flash kernel, only "
+                                "each document's own pairs). 'padded' needs an attention-only target (no "
+                                "Gated DeltaNet layers) and sdpa or eager attention. Same features up to rounding.",
+                                ("packed", "padded"))
     device: str = opt("auto", "'auto', 'cpu', 'cuda' or 'cuda:N' (under torchrun: the local rank's GPU).")
     overwrite: bool = opt(False, "Delete an existing cache whose fingerprint differs instead of refusing.")
     sanity_check: bool = opt(True, "Refuse non-finite, all-zero or collapsed features at write time.")

@@ -11,7 +11,7 @@ from dflash_pipe.cache import load_manifest, load_spec, verify_cache
 from dflash_pipe.cache.reader import ShardReader
 from dflash_pipe.config import load_manifest as load_run_manifest
 from dflash_pipe.config import normalize
-from dflash_pipe.errors import FingerprintMismatch
+from dflash_pipe.errors import FingerprintMismatch, UsageError
 from dflash_pipe.extract.pipeline import run_extract
 from dflash_pipe.extract.recompute import recompute_check
 from tests.fork_cli import run_cli
@@ -156,3 +156,17 @@ def test_tiny_manifest_runs_every_stage(reference, tmp_path):
     run_eval(cfg)
     report = json.loads((tmp_path / "train" / "eval" / "eval_report.json").read_text())
     assert list(report["sets"]) == ["heldout"] and report["sets"]["heldout"]["prompts"] == 1
+
+
+def test_padded_attention_layout_extracts_the_standalone_features(tmp_path):
+    """extract --attention-layout padded (attention-only target): every cached document equals a plain unpacked
+    forward of it, as the packed layout's do; on a Gated DeltaNet target the layout is a usage error."""
+    cfg = small_cfg(tmp_path / "cache", attention_layout="padded")
+    cfg.target.model = "random:tiny-llama"
+    summary = run_extract(cfg)
+    assert summary.complete
+    rows = load_manifest(tmp_path / "cache")["totals"]["rows"]
+    report = recompute_check(tmp_path / "cache", k=rows, device="cpu")
+    assert rows >= 5 and report["samples"] == rows and report["max_rel_l2"] < 1e-2
+    with pytest.raises(UsageError, match="Gated DeltaNet"):
+        run_extract(small_cfg(tmp_path / "hybrid", attention_layout="padded"))

@@ -220,3 +220,35 @@ def test_run_input_validation(bundle):
             runner.run(torch.arange(10)[None], [10])
     with pytest.raises(UsageError):
         TargetRunner(bundle, [bundle.num_layers], topk=0)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_padded_layout_equals_standalone_and_packed(bundle, docs_ids, attn, model_cache):
+    """--attention-layout padded: one right-padded row per document, plain causal attention; every document's
+    features and top-k equal its standalone forward's, as the packed row's do (and a GDN target is refused)."""
+    if bundle.identity["model"] != "random:tiny-llama":
+        with pytest.raises(UsageError, match="Gated DeltaNet") as err:
+            TargetRunner(bundle, LAYERS, topk=8, linear_attn_kernels="torch", layout="padded")
+        assert err.value.exit_code == 2
+        return
+    if attn != "sdpa":
+        bundle = load_target(bundle.identity["model"], dtype="float32", model_cache_dir=model_cache,
+                             attn_implementation=attn)
+    ids, lens = _packed(docs_ids)
+    with TargetRunner(bundle, LAYERS, topk=8, hidden_dtype=None, layout="padded") as runner:
+        out = runner.run(ids, lens)
+        one = runner.run(torch.tensor(docs_ids[1]), [len(docs_ids[1])])    # one document: the plain forward
+    with TargetRunner(bundle, LAYERS, topk=8, hidden_dtype=None) as runner:
+        packed = runner.run(ids, lens)
+    assert out.hidden_TD.shape == packed.hidden_TD.shape
+    assert _rel(out.hidden_TD, packed.hidden_TD) < 1e-5
+    assert torch.equal(out.topk_ids_TK, packed.topk_ids_TK)
+    start = 0
+    for doc in docs_ids:
+        ref = standalone_features(bundle, torch.tensor(doc), LAYERS, topk=8)
+        assert _rel(out.hidden_TD[start:start + len(doc)], ref.hidden_TD) < 1e-5
+        assert torch.equal(out.topk_ids_TK[start:start + len(doc)], ref.topk_ids_TK)
+        start += len(doc)
+    assert _rel(one.hidden_TD, standalone_features(bundle, torch.tensor(docs_ids[1]), LAYERS).hidden_TD) < 1e-5
+    with pytest.raises(UsageError, match="--attention-layout"):
+        TargetRunner(bundle, LAYERS, layout="ragged")

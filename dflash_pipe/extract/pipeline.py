@@ -181,7 +181,8 @@ def run_extract(cfg: RunConfig) -> ExtractSummary:
     todo = [s for s in mine if s not in committed]
     summary.shards_skipped = [s for s in mine if s in committed]
     if todo:
-        runner = TargetRunner(bundle, layer_ids, topk=ex.topk, linear_attn_kernels=t.linear_attn_kernels)
+        runner = TargetRunner(bundle, layer_ids, topk=ex.topk, linear_attn_kernels=t.linear_attn_kernels,
+                              layout=ex.attention_layout)
         summary.kernel_paths = getattr(runner, "kernel_paths", {})
         shard_docs = RankShardReader(cfg.data, ex.num_shards, todo)  # one pass over the source, not one per shard
         bar = progress_bar(shard_docs.total_docs, f"extract rank {info.rank}", unit="doc", enabled=info.is_main)

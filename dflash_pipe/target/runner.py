@@ -17,6 +17,11 @@ gets its chunk indices precomputed, and a row without a tensor mask hands the mo
 mask mapping where transformers accepts one (its own mask builder syncs). See
 tests/test_target_sync_gpu.py.
 
+Attention-only targets can instead run `layout="padded"`: one right-padded row per document, no mask, so the
+attention is plain causal (SDPA's flash kernel, GQA included) over each document's own pairs instead of a
+masked kernel over all T x T pairs of the packed row; padding sits after every real token, so causal attention
+never lets a real token see it, and its outputs are dropped. Same features up to rounding (tests).
+
 Layer outputs are captured by forward hooks writing straight into one preallocated
 [T, n_layers * H] buffer (no `output_hidden_states=True`, which keeps every layer alive), and
 the LM head runs on `logits_chunk` tokens at a time so full-vocab logits never exist for the
@@ -74,7 +79,7 @@ class TargetRunner:
 
     def __init__(self, bundle: TargetBundle, layer_ids: Sequence[int], topk: int = 32,
                  linear_attn_kernels: str = "auto", logits_chunk: int = 2048,
-                 hidden_dtype: torch.dtype | None = torch.bfloat16):
+                 hidden_dtype: torch.dtype | None = torch.bfloat16, layout: str = "packed"):
         self.bundle = bundle
         self.model = bundle.model
         self.layer_ids = validate_layer_ids(layer_ids, bundle.num_layers)
@@ -92,6 +97,14 @@ class TargetRunner:
                              "does not support", "load it with sdpa, eager or flash_attention_2")
         gdn = [m for _, m in find_gdn_modules(self.model)]
         self.linear_path = resolve_linear_attn_kernels(linear_attn_kernels, self.device, gdn)
+        if layout not in ("packed", "padded"):
+            raise UsageError(f"--attention-layout must be 'packed' or 'padded', got {layout!r}")
+        if layout == "padded" and (gdn or self.attn_impl == "flash_attention_2"):
+            why = ("has Gated DeltaNet layers, whose packed varlen path keeps documents apart already" if gdn else
+                   "runs flash_attention_2, whose cu_seqlens path keeps documents apart already")
+            raise UsageError(f"--attention-layout padded: the target {why}", "use --attention-layout packed")
+        self.layout = layout
+        self._valid: torch.Tensor | None = None   # padded layout: the real tokens' rows in the [n * L] batch
         self._gdn = None
         if self.linear_path != "none":
             self._gdn = PackedGDN(self.model, self.linear_path,
@@ -140,7 +153,8 @@ class TargetRunner:
                 if self._buffer is None:      # a forward outside run(): not ours to capture
                     return
                 h = out[0] if isinstance(out, (tuple, list)) else out
-                self._buffer[:, j * H:(j + 1) * H].copy_(h[0])
+                h = h[0] if self._valid is None else h.reshape(-1, H).index_select(0, self._valid)
+                self._buffer[:, j * H:(j + 1) * H].copy_(h)
 
             handles.append(module.register_forward_hook(hook))
         return handles
@@ -172,6 +186,8 @@ class TargetRunner:
             raise UsageError("this TargetRunner was closed")
         ids = _as_ids(input_ids_T, self.bundle.vocab_size, self.device)
         row = make_packed_row(doc_lens, ids.numel())
+        if self.layout == "padded" and row.num_docs > 1:
+            return self._run_padded(ids, row, capture, logits)
         T = row.total
         self._buffer = torch.empty((T, len(self.layer_ids) * self.bundle.hidden_size),
                                    dtype=self.hidden_dtype, device=self.device) if capture else None
@@ -197,12 +213,35 @@ class TargetRunner:
             hidden = self._buffer
         finally:
             self._buffer = None
+        return self._head(out.last_hidden_state[0], hidden, logits)
+
+    def _run_padded(self, ids: torch.Tensor, row, capture: bool, logits: str) -> TargetOutput:
+        """One right-padded row per document (attention-only targets): [n, L] ids, causal attention, no mask;
+        the real tokens' rows gathered back into packed order (module docstring)."""
+        n, L, H = row.num_docs, max(row.doc_lens), self.bundle.hidden_size
+        valid = torch.cat([torch.arange(n_i) + i * L for i, n_i in enumerate(row.doc_lens)])   # host: no sync
+        if self.device.type == "cuda":
+            valid = valid.pin_memory()
+        self._valid = valid.to(self.device, non_blocking=True)
+        padded = torch.zeros(n * L, dtype=ids.dtype, device=self.device)   # pad id 0: after every real token
+        padded[self._valid] = ids
+        self._buffer = torch.empty((row.total, len(self.layer_ids) * H), dtype=self.hidden_dtype,
+                                   device=self.device) if capture else None
+        try:
+            out = text_backbone(self.model)(input_ids=padded.view(n, L), use_cache=False)
+            hidden = self._buffer
+            last = out.last_hidden_state.reshape(n * L, H).index_select(0, self._valid)
+        finally:
+            self._buffer, self._valid = None, None
+        return self._head(last, hidden, logits)
+
+    def _head(self, last_TH: torch.Tensor, hidden: torch.Tensor | None, logits: str) -> TargetOutput:
         topk_ids = topk_lp = None
         if logits == "plain":
-            self.model.get_output_embeddings()(out.last_hidden_state)
+            self.model.get_output_embeddings()(last_TH)
         elif self.topk:
             softcap = getattr(self.bundle.config, "final_logit_softcapping", None)
-            topk_ids, topk_lp = chunked_topk_logprobs(out.last_hidden_state[0], self.model.get_output_embeddings(),
+            topk_ids, topk_lp = chunked_topk_logprobs(last_TH, self.model.get_output_embeddings(),
                                                       self.topk, self.logits_chunk, softcap)
         return TargetOutput(hidden, topk_ids, topk_lp)
 
