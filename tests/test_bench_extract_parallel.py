@@ -19,14 +19,16 @@ _spec.loader.exec_module(ep)
 
 # a stand-in for `dflash-pipe extract`: records its --shards and sleeps (or exits with a code)
 FAKE = r"""
-import json, signal, sys, time
+import json, os, signal, sys, time
 args = sys.argv[1:]
 out, mode = args[0], args[1]
 shards = args[args.index("--shards") + 1]
 stopped = []
 signal.signal(signal.SIGINT, lambda *a: stopped.append(1))
-with open(out + "." + shards.replace(",", "_"), "w") as f:
+path = out + "." + shards.replace(",", "_")
+with open(path + ".tmp", "w") as f:              # whole or absent: the test polls for these files
     json.dump({"shards": shards, "argv": args}, f)
+os.replace(path + ".tmp", path)
 if mode.startswith("exit"):
     sys.exit(int(mode[4:]))
 t0 = time.time()
@@ -55,7 +57,7 @@ def _run(tmp_path, mode, jobs=3, n=7):
 
 
 def _records(tmp_path):
-    return sorted(json.loads(p.read_text())["shards"] for p in tmp_path.glob("rec.*"))
+    return sorted(json.loads(p.read_text())["shards"] for p in tmp_path.glob("rec.*") if p.suffix != ".tmp")
 
 
 def test_every_job_gets_its_subset_and_a_failure_is_the_exit_status(tmp_path):
