@@ -228,7 +228,10 @@ class TargetRunner:
         self._buffer = torch.empty((row.total, len(self.layer_ids) * H), dtype=self.hidden_dtype,
                                    device=self.device) if capture else None
         try:
-            out = text_backbone(self.model)(input_ids=padded.view(n, L), use_cache=False)
+            # sdpa: {layer type: None} skips transformers' mask builder (a host sync); with no mask each layer
+            # attends causally (is_causal). eager builds its causal mask itself (_mask_mapping is None there).
+            mask = dict(self._mask_mapping) if self._mask_mapping is not None else None
+            out = text_backbone(self.model)(input_ids=padded.view(n, L), attention_mask=mask, use_cache=False)
             hidden = self._buffer
             last = out.last_hidden_state.reshape(n * L, H).index_select(0, self._valid)
         finally:
