@@ -24,7 +24,7 @@ the id); a sample equal to an earlier one of its conversation is written but cou
 instead (ids ``<id>#K ..``): a second file with more answers per prompt whose rows equal what a run
 with K + N samples would write for those ids, since an answer depends on its id, not on the run; an
 output file stays in input order, so more samples cannot be appended to a finished one
-(bench/quality19g.env adds them in a second file beside the first). ``--greedy-after K`` samples only the
+(bench/quality_gpu.sh's regen-more job adds them in a second file beside the first). ``--greedy-after K`` samples only the
 first K tokens of each answer and continues greedily. A sampled answer is a function of (seed,
 sample id, turn) and the target only (regen_sampling): not of the batch size or of which
 conversations share a batch.

@@ -125,7 +125,9 @@ class TargetRunner:
     def _describe_kernels(self) -> dict[str, str]:
         kinds = layer_kinds(self.model)
         out = {}
-        if "full_attention" in kinds:
+        if "full_attention" in kinds and self.layout == "padded":
+            out["full_attention"] = f"{self.attn_impl} (plain causal), one right-padded row per document"
+        elif "full_attention" in kinds:
             how = {"sdpa": "block-diagonal causal boolean mask", "eager": "block-diagonal causal additive mask",
                    "flash_attention_2": "cu_seqlens varlen"}[self.attn_impl]
             out["full_attention"] = f"{self.attn_impl} ({how}), per-document positions"
