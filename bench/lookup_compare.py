@@ -29,7 +29,7 @@ def lookup_split(counts: dict[str, dict[str, tuple[int, int]]], method: str, at:
 COPY_BINS = ((0, 0), (1, 7), (8, 14), (15, 15))   # drafts lookup matched in a teacher-forced block (of 15)
 
 
-def _scans(rows, set_name: str) -> dict[str, dict[str, list[int]]]:
+def teacher_forced_scans(rows, set_name: str) -> dict[str, dict[str, list[int]]]:
     """method -> {generation id: matched drafts per teacher-forced block} (eval --teacher-forced-every)."""
     out: dict[str, dict[str, list[int]]] = {}
     for r in rows:

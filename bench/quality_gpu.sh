@@ -292,12 +292,11 @@ PY
         "$PY" -c 'import gzip, lzma, shutil, sys
 with (lzma.open if sys.argv[1].endswith(".xz") else gzip.open)(sys.argv[1]) as f, open(sys.argv[2], "wb") as o:
     shutil.copyfileobj(f, o)' "$seed" "$Q/regenerated.jsonl.tmp" && cp "$side" "$Q/regenerated.jsonl.progress.json" &&
-            mv "$Q/regenerated.jsonl.tmp" "$Q/regenerated.jsonl" &&
-            say "setup: regen seeded with $(wc -l < "$Q/regenerated.jsonl") conversations from ${seed#$REPO/}" &&
-            wc -l < "$Q/regenerated.jsonl" > "$Q/seed.rows"
+            mv "$Q/regenerated.jsonl.tmp" "$Q/regenerated.jsonl" && wc -l < "$Q/regenerated.jsonl" > "$Q/seed.rows" &&
+            say "setup: regen seeded with $(cat "$Q/seed.rows") conversations from ${seed#$REPO/}"
         # the held-out rows are the seed's first $HELDOUT: in a file of their own, extract-val needs no regen and
         # runs beside it (the file only grows at its end, so they are the same rows regen's output starts with)
-        if [ "$(wc -l < "$Q/regenerated.jsonl")" -gt "$HELDOUT" ]; then
+        if [ "$(cat "$Q/seed.rows" 2>/dev/null || echo 0)" -gt "$HELDOUT" ]; then
             head -n "$HELDOUT" "$Q/regenerated.jsonl" > "$Q/heldout.jsonl.tmp" && mv "$Q/heldout.jsonl.tmp" "$Q/heldout.jsonl"
         fi
     else

@@ -47,6 +47,7 @@ def _teacher_forced_table(summary: dict) -> list[str]:
             "| method | set | decoded tau | teacher-forced tau | harmonic mean (walk) |", "|---|---|---:|---:|---:|",
             *rows]
 
+
 def _lookup_split_table(summary: dict) -> list[str]:
     """Each drafter against prompt lookup on the prompts where lookup's own tau is low (little to copy) and on
     the rest (repeated text: lookup proposes whole blocks)."""

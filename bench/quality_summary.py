@@ -25,7 +25,7 @@ from dflash_pipe.eval.specdecode import SpecResult  # noqa: E402
 from dflash_pipe.io_utils import read_jsonl  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lookup_compare import _scans, copy_bins, lookup_split  # noqa: E402
+from lookup_compare import copy_bins, lookup_split, teacher_forced_scans  # noqa: E402
 
 CODECS = ("lossless", "fp8")
 GOAL_SETS = ("mtbench", "humaneval")          # the sets issue 5's goals are stated on
@@ -144,7 +144,7 @@ def eval_sets(d: Path) -> dict:
             rep, rows = partial_report(sub) or (None, [])
         for name, s in (rep or {}).get("sets", {}).items():
             out[name] = {"set": s, "dir": sub.name, "max_new_tokens": rep.get("max_new_tokens"),
-                         "device": rep.get("device"), "prompts": _counts(rows, name), "scans": _scans(rows, name),
+                         "device": rep.get("device"), "prompts": _counts(rows, name), "scans": teacher_forced_scans(rows, name),
                          "partial": rep.get("partial", False)}
     return out
 

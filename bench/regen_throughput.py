@@ -154,15 +154,15 @@ def warm_then_time(args, bundle, out: Path, batch: int, attention: str, **kw) ->
     return run_regen(args, bundle, out, args.prompts, batch_size=batch, attention=attention, **kw)
 
 
-def reuse_ab(args, bundle, tmp: Path, batch: int, attention: str, timed: dict) -> dict:
-    """The timed regen run again on the same prompts with --reuse-history flipped (after its own warm-up):
-    both rates, their ratio, the prefilled tokens and whether the rows are the same (bf16 rounding may flip some)."""
+def reuse_ab(args, bundle, timed_out: Path, batch: int, attention: str, timed: dict) -> dict:
+    """The timed regen run (its rows in `timed_out`) again on the same prompts with --reuse-history flipped (after
+    its own warm-up): both rates, their ratio, the prefilled tokens and whether the rows are the same (bf16
+    rounding may flip some)."""
     flip = not args.reuse_history
-    other = warm_then_time(args, bundle, tmp / f"regen{batch}-{attention}-ab.jsonl", batch, attention,
-                           reuse_history=flip)
+    ab_out = timed_out.with_name(timed_out.stem + "-ab.jsonl")
+    other = warm_then_time(args, bundle, ab_out, batch, attention, reuse_history=flip)
     on, off = (other, timed) if flip else (timed, other)
-    a = (tmp / f"regen{batch}-{attention}.jsonl").read_text().splitlines()
-    b = (tmp / f"regen{batch}-{attention}-ab.jsonl").read_text().splitlines()
+    a, b = timed_out.read_text().splitlines(), ab_out.read_text().splitlines()
     out = {"with_reuse": on, "without_reuse": off, "ratio_with_to_without": round(on["tok_s"] / off["tok_s"], 3),
            "prefill_tokens_with": on["split"].get("prefill_tokens"),
            "prefill_tokens_without": off["split"].get("prefill_tokens"),
@@ -177,13 +177,13 @@ def one_batch(args, bundle, tmp: Path, batch_arg: int, attention: str) -> dict:
     """regen (after an untimed warm-up run) and the bare loop at one batch and engine attention; ratios; one
     SUMMARY line."""
     batch = batch_arg or auto_batch_size(bundle.model, args.max_length)
-    res = {"batch": batch, "attention": attention,
-           "regen": warm_then_time(args, bundle, tmp / f"regen{batch}-{attention}.jsonl", batch, attention)}
+    timed_out = tmp / f"regen{batch}-{attention}.jsonl"
+    res = {"batch": batch, "attention": attention, "regen": warm_then_time(args, bundle, timed_out, batch, attention)}
     print("regen", res["regen"], flush=True)
     res["bare"] = bare_loop(args, bundle, batch, attention)
     print("bare", res["bare"], flush=True)
     if args.reuse_history_ab:
-        res["reuse_ab"] = reuse_ab(args, bundle, tmp, batch, attention, res["regen"])
+        res["reuse_ab"] = reuse_ab(args, bundle, timed_out, batch, attention, res["regen"])
     res["ratio_regen_to_bare"] = round(res["regen"]["tok_s"] / res["bare"]["tok_s"], 3)
     res["ratio_regen_to_bare_with_prefill"] = round(res["regen"]["tok_s"] / res["bare"]["tok_s_with_prefill"], 3)
     print(f"SUMMARY batch {batch}, attention {attention}: regenerate {res['regen']['tok_s']:,.0f} tok/s "

@@ -153,13 +153,13 @@ def test_copy_bins_pair_each_block_with_lookups_at_the_same_anchor():
             {"set": "s", "id": "g2", "method": "dflash:x", "scan_matched": [0]},
             {"set": "s", "id": "g3", "method": "dflash:x", "scan_matched": [9]},          # no lookup record: out
             {"set": "t", "id": "g1", "method": "ngram", "scan_matched": [15]}]           # another set
-    bins = lc.copy_bins(lc._scans(rows, "s"), "dflash:x")
+    bins = lc.copy_bins(lc.teacher_forced_scans(rows, "s"), "dflash:x")
     by = {tuple(b["lookup_matched"]): b for b in bins}
     assert [b["blocks"] for b in bins] == [1, 1, 1, 2]
     assert by[(0, 0)]["method_tau"] == 3 and by[(1, 7)]["method_tau"] == 2 and by[(8, 14)]["lookup_tau"] == 11
     assert by[(15, 15)] == {"lookup_matched": [15, 15], "blocks": 2, "lookup_tau": 16, "method_tau": (16 + 5) / 2,
                             "method_whole": 0.5}
-    assert lc.copy_bins(lc._scans(rows, "t"), "dflash:x") is None
+    assert lc.copy_bins(lc.teacher_forced_scans(rows, "t"), "dflash:x") is None
 
 
 def test_the_report_sets_teacher_forced_tau_beside_the_decoded_one():

@@ -106,6 +106,12 @@ def _fp8_quantize(x_TLH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x_TLH / scale.unsqueeze(-1)).to(torch.float8_e4m3fn), scale
 
 
+def _fp8_dequantize(q_TLH: torch.Tensor, scale_TL: torch.Tensor) -> torch.Tensor:
+    """e4m3 [T, L, H] and fp32 scale [T, L] -> bf16 [T, L * H]: what an fp8 cache gives back."""
+    T, L, H = q_TLH.shape
+    return (q_TLH.float() * scale_TL.unsqueeze(-1)).view(T, L * H).to(torch.bfloat16)
+
+
 def encode_hidden(hidden_TD: torch.Tensor, codec: str, num_layers: int) -> EncodedHidden:
     """Split/quantise [T, D] features into channel-major planes, on the tensor's device."""
     T, D = hidden_TD.shape
@@ -169,8 +175,8 @@ def planes_to_hidden(codec: str, planes: torch.Tensor, scale: torch.Tensor | Non
         words[..., 1] = planes[1]
         return words.view(torch.int16).view(D, S).t().contiguous().view(torch.bfloat16)
     D, S = planes.shape
-    q = planes.t().contiguous().view(torch.float8_e4m3fn).view(S, num_layers, D // num_layers)
-    return (q.float() * scale.unsqueeze(-1)).view(S, D).to(torch.bfloat16)
+    return _fp8_dequantize(planes.t().contiguous().view(torch.float8_e4m3fn).view(S, num_layers, D // num_layers),
+                           scale)
 
 
 def decode_hidden(codec: str, values: dict[str, memoryview], num_tokens: int, width: int,
@@ -204,8 +210,7 @@ def fp8_roundtrip(hidden_TD: torch.Tensor, num_layers: int) -> torch.Tensor:
     features (a bf16 target: what a lossless cache holds exactly) this is what training on an fp8 cache
     of the same extraction reads, to the bit."""
     T, D = hidden_TD.shape
-    q, scale = _fp8_quantize(hidden_TD.float().view(T, num_layers, D // num_layers))
-    return (q.float() * scale.unsqueeze(-1)).view(T, D).to(torch.bfloat16)
+    return _fp8_dequantize(*_fp8_quantize(hidden_TD.float().view(T, num_layers, D // num_layers)))
 
 
 def fp8_error_terms(hidden_TD: torch.Tensor, doc_lens: list[int], num_layers: int) -> torch.Tensor:

@@ -190,9 +190,7 @@ class TargetRunner:
         row = make_packed_row(doc_lens, ids.numel())
         if self.layout == "padded" and row.num_docs > 1:
             return self._run_padded(ids, row, capture, logits)
-        T = row.total
-        self._buffer = torch.empty((T, len(self.layer_ids) * self.bundle.hidden_size),
-                                   dtype=self.hidden_dtype, device=self.device) if capture else None
+        self._buffer = self._new_buffer(row.total, capture)
         staged = stage_row(row, self.device, FLA_CHUNK if self.linear_path == "fla" else None)
         self._staged = staged
         kwargs = {}
@@ -227,8 +225,7 @@ class TargetRunner:
         self._valid = valid.to(self.device, non_blocking=True)
         padded = torch.zeros(n * L, dtype=ids.dtype, device=self.device)   # pad id 0: after every real token
         padded[self._valid] = ids
-        self._buffer = torch.empty((row.total, len(self.layer_ids) * H), dtype=self.hidden_dtype,
-                                   device=self.device) if capture else None
+        self._buffer = self._new_buffer(row.total, capture)
         try:
             # sdpa: {layer type: None} skips transformers' mask builder (a host sync); with no mask each layer
             # attends causally (is_causal). eager builds its causal mask itself (_mask_mapping is None there).
@@ -239,6 +236,11 @@ class TargetRunner:
         finally:
             self._buffer, self._valid = None, None
         return self._head(last, hidden, logits)
+
+    def _new_buffer(self, T: int, capture: bool) -> torch.Tensor | None:
+        """The [T, n_layers * H] buffer the hooks write the captured layers into (None: no capture)."""
+        return torch.empty((T, len(self.layer_ids) * self.bundle.hidden_size), dtype=self.hidden_dtype,
+                           device=self.device) if capture else None
 
     def _head(self, last_TH: torch.Tensor, hidden: torch.Tensor | None, logits: str) -> TargetOutput:
         topk_ids = topk_lp = None
