@@ -252,7 +252,11 @@ precheck() {
         -k "${PRECHECK_TESTS:-history or replay or feature_codec}" > "$OUT/precheck_tests.txt" 2>&1
     rc=$?
     say "precheck: GPU tests rc $rc: $(tail -n 1 "$OUT/precheck_tests.txt")"
-    if [ -n "${PRECHECK_EXTRACT_LAYOUTS:-}" ]; then   # e.g. packed,padded: extraction's two attention layouts
+    # e.g. packed,padded: extraction's two attention layouts, timed only when the padded layout's GPU test (its
+    # features == the packed row's on CUDA) passed, so that the run's QUALITY_EXTRACT_LAYOUT=auto never picks an
+    # unchecked layout
+    if [ -n "${PRECHECK_EXTRACT_LAYOUTS:-}" ] && timeout 90 "$PY" -m pytest -q -m gpu -p no:cacheprovider \
+            tests/test_target_gpu.py -k padded_layout > "$OUT/precheck_layout_test.txt" 2>&1; then
         timeout "${PRECHECK_EXTRACT_S:-120}" "$PY" bench/extract_throughput.py --model random:smollm2-135m-shape \
             --layers 1,8,14,20,27 --layouts "$PRECHECK_EXTRACT_LAYOUTS" --workers 4 \
             --json "$OUT/extract_layouts.json" > "$OUT/extract_layouts.log" 2>&1

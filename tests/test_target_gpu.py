@@ -128,3 +128,28 @@ def test_27b_shape_builds_on_cuda_in_bf16_without_cpu_copy():
     assert (c.hidden_size, c.vocab_size, c.linear_num_value_heads, c.head_dim) == (5120, 248320, 48, 256)
     del model, params
     torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 3e-2), (torch.float32, 2e-4)])
+def test_padded_layout_equals_packed_on_gpu(dtype, tol, cache):
+    """`extract --attention-layout padded` on CUDA (flash/efficient SDPA over right-padded rows) gives the packed
+    row's features (masked SDPA over one block-diagonal row) and each document's standalone forward's. The
+    quality driver's precheck runs this before its `QUALITY_EXTRACT_LAYOUT=auto` may pick the padded layout."""
+    bundle = load_target("random:tiny-llama", device="cuda", dtype=dtype, model_cache_dir=cache,
+                         with_tokenizer=False)
+    docs = _docs()
+    ids = torch.cat(docs).cuda()
+    lens = [d.numel() for d in docs]
+    with TargetRunner(bundle, LAYERS, topk=8, hidden_dtype=None, layout="padded") as runner:
+        padded = runner.run(ids, lens)
+    with TargetRunner(bundle, LAYERS, topk=8, hidden_dtype=None) as runner:
+        packed = runner.run(ids, lens)
+    assert padded.hidden_TD.shape == packed.hidden_TD.shape
+    assert _rel(padded.hidden_TD, packed.hidden_TD) < tol
+    assert (padded.topk_ids_TK[:, 0] == packed.topk_ids_TK[:, 0]).float().mean() > 0.95
+    start = 0
+    for d in docs:
+        ref = standalone_features(bundle, d.cuda(), LAYERS).hidden_TD
+        got = padded.hidden_TD[start:start + d.numel()]
+        assert _rel(got, ref) < tol, (d.numel(), _rel(got, ref))
+        start += d.numel()
