@@ -168,6 +168,12 @@ stash() {
     done
     if [ -d "$SRC/data" ]; then cp -r "$SRC/data/." "$CARRY/data/"; fi
     if [ -d "$SRC/whl" ]; then mkdir -p "$CARRY/whl" && cp "$SRC/whl/"*.whl "$CARRY/whl/"; fi   # setup installs them
+    # drafters trained in an earlier call whose machine went cold (bench/drafter_parts.py; prepare_gpu_carry.sh
+    # with DRAFTER_PARTS=... puts their parts in .gpucarry/d0, d1, ...): setup restores them
+    local part
+    for part in "$SRC"/d*/drafter_*.tar.part-*; do
+        [ -f "$part" ] && mkdir -p "$CARRY/drafter" && cp "$part" "$CARRY/drafter/"
+    done
     # the ShareGPT prompt files travel in the turns call (.gpucarry/turns; in data/ before session 13) and are
     # decompressed here: first turns (regen's default source) and every user turn (QUALITY_REGEN_SOURCE=all_turns)
     local kind gz
@@ -210,6 +216,7 @@ setup() {
     fi
     install_wheels
     seed_regenerated
+    restore_drafters
     if [ ${#REGEN_MORE_FLAGS[@]} -gt 0 ]; then   # both regen files, in this order, as one data source
         mkdir -p "$Q/data" && touch "$Q/regenerated-more.jsonl" &&
             ln -sfn ../regenerated.jsonl "$Q/data/0-regenerated.jsonl" &&
@@ -286,30 +293,41 @@ PY
 # regen settings; 61,320 rows, 35.9 M generated tokens after session 16); bench/quality19h.env continues from it.
 seed_regenerated() {
     local seed=${QUALITY_REGEN_SEED-$REPO/bench/data/smollm2_regenerated_sharegpt.jsonl.gz}
-    local side=${seed%.jsonl.*}.progress.json     # .jsonl.gz or .jsonl.xz (python's lzma: the image has no xz)
-    [ -n "$seed" ] && [ -f "$seed" ] && [ -f "$side" ] && [ ! -s "$Q/regenerated.jsonl" ] || return 0
-    if "$PY" - "$side" "$REGEN_SOURCE" <<'PY'
+    seed_file "$seed" "$Q/regenerated.jsonl" regen || return 0
+    wc -l < "$Q/regenerated.jsonl" > "$Q/seed.rows"
+    say "setup: regen seeded with $(cat "$Q/seed.rows") conversations from ${seed#$REPO/}"
+    # the held-out rows are the seed's first $HELDOUT: in a file of their own, extract-val needs no regen and
+    # runs beside it (the file only grows at its end, so they are the same rows regen's output starts with)
+    if [ "$(cat "$Q/seed.rows" 2>/dev/null || echo 0)" -gt "$HELDOUT" ]; then
+        head -n "$HELDOUT" "$Q/regenerated.jsonl" > "$Q/heldout.jsonl.tmp" && mv "$Q/heldout.jsonl.tmp" "$Q/heldout.jsonl"
+    fi
+    # regen-more's own seed (QUALITY_REGEN_MORE_SEED, e.g. bench/data/smollm2_all_turns_sample4.jsonl.xz: session
+    # 17's answers #4), resumed the same way; its sidecar must carry the settings regen-more runs with
+    if [ ${#REGEN_MORE_FLAGS[@]} -gt 0 ] && [ -n "${QUALITY_REGEN_MORE_SEED:-}" ] &&
+            seed_file "$QUALITY_REGEN_MORE_SEED" "$Q/regenerated-more.jsonl" regen-more; then
+        wc -l < "$Q/regenerated-more.jsonl" > "$Q/seed-more.rows"
+        say "setup: regen-more seeded with $(cat "$Q/seed-more.rows") rows from ${QUALITY_REGEN_MORE_SEED#$REPO/}"
+    fi
+}
+
+seed_file() {   # seed dest label: decompress a kept regenerated file (.jsonl.gz/.xz + its .progress.json) to dest
+    local seed=$1 dest=$2 side=${1%.jsonl.*}.progress.json    # (python's lzma: the image has no xz)
+    [ -n "$seed" ] && [ -f "$seed" ] && [ -f "$side" ] && [ ! -s "$dest" ] || return 1
+    if ! "$PY" - "$side" "$REGEN_SOURCE" <<'PY'
 import json, sys
 sys.exit(0 if json.load(open(sys.argv[1]))["settings"].get("source") == sys.argv[2] else 1)
 PY
     then
-        "$PY" -c 'import gzip, lzma, shutil, sys
-with (lzma.open if sys.argv[1].endswith(".xz") else gzip.open)(sys.argv[1]) as f, open(sys.argv[2], "wb") as o:
-    shutil.copyfileobj(f, o)' "$seed" "$Q/regenerated.jsonl.tmp" && cp "$side" "$Q/regenerated.jsonl.progress.json" &&
-            mv "$Q/regenerated.jsonl.tmp" "$Q/regenerated.jsonl" && wc -l < "$Q/regenerated.jsonl" > "$Q/seed.rows" &&
-            say "setup: regen seeded with $(cat "$Q/seed.rows") conversations from ${seed#$REPO/}"
-        # the held-out rows are the seed's first $HELDOUT: in a file of their own, extract-val needs no regen and
-        # runs beside it (the file only grows at its end, so they are the same rows regen's output starts with)
-        if [ "$(cat "$Q/seed.rows" 2>/dev/null || echo 0)" -gt "$HELDOUT" ]; then
-            head -n "$HELDOUT" "$Q/regenerated.jsonl" > "$Q/heldout.jsonl.tmp" && mv "$Q/heldout.jsonl.tmp" "$Q/heldout.jsonl"
-        fi
-    else
-        say "setup: not seeding regen from ${seed#$REPO/} (made from another source path)"
+        say "setup: not seeding $3 from ${seed#$REPO/} (made from another source path)"; return 1
     fi
+    "$PY" -c 'import gzip, lzma, shutil, sys
+with (lzma.open if sys.argv[1].endswith(".xz") else gzip.open)(sys.argv[1]) as f, open(sys.argv[2], "wb") as o:
+    shutil.copyfileobj(f, o)' "$seed" "$dest.tmp" && cp "$side" "$dest.progress.json" && mv "$dest.tmp" "$dest"
 }
 
 # ------------------------------------------------------------------------------------------- jobs
 source bench/quality_jobs.sh   # JOBS, TRAINS, deps, kind, job_cmd, job_ok, job_progress, eval_estimate
+source bench/quality_home.sh   # regen_rows_out, drafter_out, restore_drafters, not_needed, trim_out
 
 declare -A PID STARTED RC
 RUNNING=()
@@ -345,6 +363,7 @@ reap() {   # collect finished jobs; sets RC[job]
         elif [ "$rc" = 0 ] && job_ok "$j"; then
             date -u +%FT%TZ > "$Q/done/$j"; say "done  $j in ${dt}s"
             is_regen "$j" && regen_rows_out "$j"
+            [ "$(kind "$j")" = train ] && drafter_out "$j"
         elif is_regen "$j" && { [ "$rc" = 124 ] || [ "$rc" = 130 ] || [ "$rc" = 137 ]; } && regen_capped && job_ok "$j"; then
             regen_cap_done "$j" "stopped at its time cap after ${dt}s (rc $rc)"
         elif [ "$rc" = 124 ] || [ "$rc" = 130 ] || [ "$rc" = 137 ]; then
@@ -366,7 +385,9 @@ snapshot() {   # small files to $OUT (called every 30 s in the background and at
     {
         echo "# quality_gpu.sh status, call $CALL, $(date -u +%FT%TZ), +$(( $(date +%s) - T0 ))s of ${QUALITY_DEADLINE_S:-540}s"
         for j in "${JOBS[@]}"; do
-            if is_done "$j"; then echo "done     $j ($(cat "$Q/done/$j.seconds" 2>/dev/null)s)"
+            if [ -f "$Q/done/$j.restored" ]; then echo "done     $j (restored from parts carried from home)"
+            elif is_done "$j"; then echo "done     $j ($(cat "$Q/done/$j.seconds" 2>/dev/null)s)"
+            elif not_needed "$j"; then echo "skipped  $j (every drafter is done)"
             else echo "pending  $j: $(job_progress "$j")"; fi
         done
     } > "$OUT/status.txt.tmp" 2>/dev/null && mv "$OUT/status.txt.tmp" "$OUT/status.txt"
@@ -395,14 +416,6 @@ regen_cap_done() {   # job why
     say "done  $1: $2, QUALITY_REGEN_MAX_S=$REGEN_MAX_S reached; the data is what it wrote: $(job_progress "$1")"
 }
 
-# The rows regen wrote beyond its seed leave in this call's $OUT (the machine's disk goes when it is given back or
-# goes cold: session 16 lost a run's 10.7 M new tokens so); results.tar.gz brings the sidecar. At home,
-# bench/regen_seed.py merge makes them the next seed.
-regen_rows_out() {   # job (regen: the rows after the seed's; regen-more: all, it has no seed)
-    local skip=0; [ "$1" = regen ] && skip=$(cat "$Q/seed.rows" 2>/dev/null || echo 0)
-    "$PY" bench/regen_seed.py out --file "$(regen_file "$1")" --skip "$skip" --out "$OUT" --name "${1//-/_}_rows" \
-        2>&1 | while read -r line; do say "$line"; done
-}
 
 SNAP=""
 finish() {   # rc
@@ -416,8 +429,9 @@ finish() {   # rc
         tail -n 60 "$OUT/summary.md" 2>/dev/null
     fi
     snapshot
+    trim_out
     local leftover=()
-    for j in "${JOBS[@]}"; do is_done "$j" || leftover+=("$j"); done
+    for j in "${JOBS[@]}"; do is_done "$j" || not_needed "$j" || leftover+=("$j"); done
     cat "$OUT/status.txt"
     if [ "$rc" = 0 ] && [ ${#leftover[@]} -gt 0 ]; then
         rc=75
@@ -466,6 +480,7 @@ while :; do
     for j in "${JOBS[@]}"; do
         is_regen "$j" && ! is_done "$j" && regen_capped && job_ok "$j" && regen_cap_done "$j" "cap reached before it ran on"
         is_done "$j" && continue
+        not_needed "$j" && continue
         [[ " ${RUNNING[*]} " == *" $j "* ]] && continue
         [ -n "${RC[$j]:-}" ] && continue                 # stopped at the deadline in this call
         ok=1; for d in $(deps "$j"); do is_done "$d" || ok=0; done

@@ -93,3 +93,19 @@ echo "objstore call: $(mib $((tree + r))) = tree + rclone + whl ($(mib "$r"))"
 for n in $((tree + a)) $((tree + b)) $((tree + t)) $((tree + r)); do
     [ "$n" -lt $((64 * 1048576)) ] || { echo "error: a call would carry more than 64 MiB" >&2; exit 1; }
 done
+# drafters trained in an earlier call (DRAFTER_PARTS=<dir of drafter_<name>.tar.part-K-of-N files, as a run call's
+# $OUT brought them home; bench/drafter_parts.py): a fresh machine evaluates them without extracting or training
+# again. Two 15 MiB parts per carry dir .gpucarry/dK, each dir in a stash call of its own (bash bench/quality_gpu.sh
+# stash), before the run call.
+if [ -n "${DRAFTER_PARTS:-}" ]; then
+    parts=("$DRAFTER_PARTS"/drafter_*.tar.part-*)
+    [ -f "${parts[0]}" ] || { echo "error: no drafter_*.tar.part-* in DRAFTER_PARTS=$DRAFTER_PARTS" >&2; exit 1; }
+    k=0
+    for ((i = 0; i < ${#parts[@]}; i += 2)); do
+        mkdir -p ".gpucarry/d$k" && cp "${parts[@]:i:2}" ".gpucarry/d$k/"
+        d=$(bytes ".gpucarry/d$k")
+        echo "call D$k: $(mib $((tree + d))) = tree + d$k ($(ls ".gpucarry/d$k" | tr '\n' ' ')) command: bash bench/quality_gpu.sh stash"
+        [ $((tree + d)) -lt "$limit" ] || { echo "error: call D$k would carry more than 64 MiB" >&2; exit 1; }
+        k=$((k + 1))
+    done
+fi

@@ -1,0 +1,151 @@
+"""Bring a trained drafter home from the GPU machine, and carry it back to a fresh one.
+
+A quality run's GPU calls share the lent machine's disk only while it stays warm (30 s after each call). Sessions
+16 and 17 lost a run's drafter when the next call found a new machine, so the driver sends each finished drafter
+home in the call that finished it:
+
+    python bench/drafter_parts.py pack --export /tmp/quality/train-lossless/export --out "$OUT" --name lossless
+        -> $OUT/drafter_lossless.tar.part-0-of-3, ... (one tar, split in parts of at most --part-mib MiB; a
+           PARTS.json member first holds every file's size and sha256)
+
+and a later call (after `scripts/prepare_gpu_carry.sh` with DRAFTER_PARTS=<dir of those files> at home, and the
+stash calls that carry them) restores it where the train job would have left it:
+
+    python bench/drafter_parts.py unpack --parts /tmp/quality/carry/drafter --name lossless \\
+        --dest /tmp/quality/train-lossless/export
+
+Unpack checks that every part is there and every file's sha256, and writes the export directory atomically
+(a temporary directory renamed into place), so a half-carried drafter is refused, never evaluated.
+Exit codes: 0 ok; 3 parts missing or damaged (carry them again); 2 usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import json
+import os
+import re
+import shutil
+import sys
+import tarfile
+from pathlib import Path
+
+INDEX = "PARTS.json"
+
+
+class PartsError(Exception):
+    """Missing, extra or damaged parts: the drafter cannot be restored from them."""
+
+
+def _part_names(name: str, n: int) -> list[str]:
+    return [f"drafter_{name}.tar.part-{i}-of-{n}" for i in range(n)]
+
+
+def pack(export: Path, out: Path, name: str, part_mib: float = 15.0) -> list[Path]:
+    """The files of `export` (flat directory) -> parts in `out`; returns their paths."""
+    if not re.fullmatch(r"[A-Za-z0-9_]+", name):
+        raise ValueError(f"drafter name {name!r}: letters, digits and _ only (it becomes a file name in $OUT)")
+    files = sorted(p for p in export.iterdir() if p.is_file())
+    if not any(p.name == "config.json" for p in files):
+        raise PartsError(f"{export} holds no config.json: not a drafter export (did the train job finish?)")
+    index = {"name": name, "files": {p.name: {"bytes": p.stat().st_size,
+                                              "sha256": hashlib.sha256(p.read_bytes()).hexdigest()} for p in files}}
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        data = json.dumps(index, indent=1).encode()
+        info = tarfile.TarInfo(INDEX)
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+        for p in files:
+            tar.add(p, arcname=p.name, recursive=False)
+    blob = buf.getvalue()
+    size = int(part_mib * 2 ** 20)
+    chunks = [blob[i:i + size] for i in range(0, len(blob), size)]
+    out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob(f"drafter_{name}.tar.part-*"):     # a repacked drafter replaces the earlier parts
+        old.unlink()
+    paths = []
+    for part, chunk in zip(_part_names(name, len(chunks)), chunks):
+        tmp = out / (part + ".tmp")
+        tmp.write_bytes(chunk)
+        os.replace(tmp, out / part)
+        paths.append(out / part)
+    return paths
+
+
+def unpack(parts_dir: Path, name: str, dest: Path) -> dict:
+    """Parts in `parts_dir` -> the export directory `dest` (atomically); returns the index."""
+    found = sorted(parts_dir.glob(f"drafter_{name}.tar.part-*-of-*")) if parts_dir.is_dir() else []
+    if not found:
+        raise PartsError(f"no drafter_{name}.tar.part-*-of-* in {parts_dir}")
+    totals = {int(p.name.rsplit("-of-", 1)[1]) for p in found}
+    if len(totals) != 1:
+        raise PartsError(f"{parts_dir}: parts of drafter {name!r} from different packs ({sorted(totals)} parts)")
+    want = _part_names(name, totals.pop())
+    missing = [w for w in want if not (parts_dir / w).is_file()]
+    if missing:
+        raise PartsError(f"{parts_dir}: missing {', '.join(missing)} (carry every part; "
+                         "scripts/prepare_gpu_carry.sh prints which call carries which)")
+    blob = b"".join((parts_dir / w).read_bytes() for w in want)
+    try:
+        with tarfile.open(fileobj=io.BytesIO(blob), mode="r") as tar:
+            members = {m.name: m for m in tar.getmembers()}
+            if INDEX not in members:
+                raise PartsError(f"drafter {name!r}: no {INDEX} in the parts")
+            index = json.loads(tar.extractfile(members[INDEX]).read())
+            contents = {}
+            for fname, meta in index["files"].items():
+                m = members.get(fname)
+                if m is None or not m.isfile() or "/" in fname or fname.startswith("."):
+                    raise PartsError(f"drafter {name!r}: {fname} missing from the parts or not a plain file")
+                data = tar.extractfile(m).read()
+                if len(data) != meta["bytes"] or hashlib.sha256(data).hexdigest() != meta["sha256"]:
+                    raise PartsError(f"drafter {name!r}: {fname} fails its sha256 (a damaged part; carry it again)")
+                contents[fname] = data
+    except (tarfile.TarError, EOFError, json.JSONDecodeError, KeyError) as exc:
+        raise PartsError(f"drafter {name!r}: the parts do not form its tar ({exc}); carry them again") from exc
+    tmp = dest.with_name(dest.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for fname, data in contents.items():
+        (tmp / fname).write_bytes(data)
+    if dest.exists():
+        shutil.rmtree(dest)
+    os.replace(tmp, dest)
+    return index
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("pack", help="an export directory -> drafter_<name>.tar.part-K-of-N files")
+    p.add_argument("--export", type=Path, required=True)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--name", required=True)
+    p.add_argument("--part-mib", type=float, default=15.0, help="largest part (the device returns files <= 16 MiB)")
+    u = sub.add_parser("unpack", help="the parts -> the export directory, every file's sha256 checked")
+    u.add_argument("--parts", type=Path, required=True)
+    u.add_argument("--name", required=True)
+    u.add_argument("--dest", type=Path, required=True)
+    args = ap.parse_args(argv)
+    try:
+        if args.cmd == "pack":
+            paths = pack(args.export, args.out, args.name, args.part_mib)
+            print(f"drafter_parts: {args.name} in {len(paths)} part(s) of "
+                  + ", ".join(f"{p.stat().st_size / 2**20:.1f}" for p in paths) + " MiB")
+        else:
+            index = unpack(args.parts, args.name, args.dest)
+            print(f"drafter_parts: {args.name} restored to {args.dest} ({len(index['files'])} files, sha256 checked)")
+    except PartsError as exc:
+        print(f"drafter_parts: error: {exc}", file=sys.stderr)
+        return 3
+    except ValueError as exc:
+        print(f"drafter_parts: usage error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

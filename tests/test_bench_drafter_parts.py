@@ -1,0 +1,81 @@
+"""bench/drafter_parts.py: a drafter export out through $OUT in parts and back, byte for byte, or refused."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).parents[1] / "bench" / "drafter_parts.py"
+_spec = importlib.util.spec_from_file_location("drafter_parts", SCRIPT)
+dp = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(dp)
+
+
+@pytest.fixture()
+def export(tmp_path) -> Path:
+    d = tmp_path / "train" / "export"
+    d.mkdir(parents=True)
+    (d / "config.json").write_text('{"num_layers": 5}')
+    (d / "model.safetensors").write_bytes(os.urandom(280_000))
+    (d / "dflash.py").write_text("# model code\n")
+    return d
+
+
+def _same_tree(a: Path, b: Path) -> bool:
+    names = sorted(p.name for p in a.iterdir())
+    return names == sorted(p.name for p in b.iterdir()) and all((a / n).read_bytes() == (b / n).read_bytes()
+                                                                 for n in names)
+
+
+def test_pack_then_unpack_restores_the_export_byte_for_byte(export, tmp_path):
+    out = tmp_path / "OUT"
+    paths = dp.pack(export, out, "lossless", part_mib=0.1)                 # 280 kB + tar headers -> 3 parts of <= 104,857 B
+    assert [p.name for p in paths] == [f"drafter_lossless.tar.part-{i}-of-3" for i in range(3)]
+    assert all(p.stat().st_size <= int(0.1 * 2 ** 20) for p in paths)
+    dest = tmp_path / "fresh" / "train-lossless" / "export"
+    index = dp.unpack(out, "lossless", dest)
+    assert set(index["files"]) == {"config.json", "model.safetensors", "dflash.py"}
+    assert _same_tree(export, dest)
+    assert not dest.with_name("export.tmp").exists()
+    # a repack (fewer parts) replaces the old parts, so a later unpack cannot mix two packs
+    dp.pack(export, out, "lossless", part_mib=1)
+    assert sorted(p.name for p in out.iterdir()) == ["drafter_lossless.tar.part-0-of-1"]
+
+
+def test_missing_mixed_or_damaged_parts_are_refused_and_nothing_is_written(export, tmp_path):
+    out = tmp_path / "OUT"
+    paths = dp.pack(export, out, "lossless", part_mib=0.1)
+    dest = tmp_path / "dest"
+    paths[1].rename(tmp_path / paths[1].name)                               # one part left behind
+    with pytest.raises(dp.PartsError, match=r"missing drafter_lossless.tar.part-1-of-3"):
+        dp.unpack(out, "lossless", dest)
+    (tmp_path / paths[1].name).rename(paths[1])
+    (out / "drafter_lossless.tar.part-0-of-2").write_bytes(b"x")           # a part of another pack
+    with pytest.raises(dp.PartsError, match="different packs"):
+        dp.unpack(out, "lossless", dest)
+    (out / "drafter_lossless.tar.part-0-of-2").unlink()
+    raw = bytearray(paths[2].read_bytes())                                  # one flipped byte inside the weights
+    raw[len(raw) // 2] ^= 0xFF
+    paths[2].write_bytes(bytes(raw))
+    with pytest.raises(dp.PartsError, match="model.safetensors fails its sha256"):
+        dp.unpack(out, "lossless", dest)
+    assert not dest.exists()
+    paths[2].write_bytes(paths[2].read_bytes()[:1000])                      # a truncated part: no tar at all
+    with pytest.raises(dp.PartsError):
+        dp.unpack(out, "lossless", dest)
+    assert not dest.exists()
+
+
+def test_cli_exit_codes(export, tmp_path, capsys):
+    out = tmp_path / "OUT"
+    assert dp.main(["pack", "--export", str(export), "--out", str(out), "--name", "lossless"]) == 0
+    assert "lossless in 1 part(s)" in capsys.readouterr().out
+    assert dp.main(["unpack", "--parts", str(out), "--name", "fp8", "--dest", str(tmp_path / "d")]) == 3
+    assert "no drafter_fp8.tar.part-*-of-*" in capsys.readouterr().err
+    assert dp.main(["pack", "--export", str(export), "--out", str(out), "--name", "bad name"]) == 2
+    (export / "config.json").unlink()
+    assert dp.main(["pack", "--export", str(export), "--out", str(out), "--name", "lossless"]) == 3
+    assert "not a drafter export" in capsys.readouterr().err
