@@ -31,6 +31,12 @@
 #
 # Exit codes: 0 report complete; 75 stopped cleanly at the deadline, work left (printed; run again within
 # 30 s); 3 carry missing (machine went cold: start again at call A); other = a stage failed (log tails in $OUT).
+# A machine that goes cold between calls loses /tmp/quality (sessions 16 and 17: a long call's answer came back
+# minutes after its command ended). What each call finished leaves in its $OUT (bench/quality_home.sh): regen's
+# new rows (bench/regen_seed.py merge -> the next QUALITY_REGEN_SEED / QUALITY_REGEN_MORE_SEED) and each finished
+# drafter in parts (drafter_<name>.tar.part-K-of-N, bench/drafter_parts.py). With those parts carried back
+# (DRAFTER_PARTS=<dir> scripts/prepare_gpu_carry.sh adds stash calls D0, D1, ...), setup restores the drafter and
+# marks its training done; regen and extraction are then skipped, and the run goes straight to the eval.
 #
 # Stages (each marks completion in /tmp/quality/done/<job>; a rerun skips finished jobs, and the pipeline's
 # own resume continues unfinished ones: regenerate skips written ids, extract skips committed shards,
@@ -73,6 +79,7 @@
 # QUALITY_SEEDS (empty; e.g. "1"), QUALITY_SCALING (empty; e.g. "0-3 0-7"), QUALITY_VARIANTS (empty; e.g.
 # "kd5=--kd-weight 0.5"), QUALITY_VAL_BATCHES (32: all of
 # cache-val), QUALITY_REGEN_SEED (bench/data/...), QUALITY_REGEN_SOURCE (first_turns; all_turns = every user turn),
+# QUALITY_REGEN_MORE_SEED (empty; regen-more's kept file, resumed like QUALITY_REGEN_SEED),
 # QUALITY_CODECS ("lossless fp8"), QUALITY_WINDOW_GIB (empty = whole caches; B = stream each cache through a
 # B GiB window: extract-<codec> and train-<codec> run at once, the trainer reading every shard QUALITY_PASSES
 # (1) times and deleting it; with QUALITY_TRAIN_STEPS=0 the run ends when every shard has been read; the
