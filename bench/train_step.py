@@ -117,8 +117,8 @@ def run_variant(name: str, shape: SeedShape, head: BenchHead, batches: list[Trai
             if i == total - 1:
                 probe.arm()  # the last step also reports where its memory peak and optimizer time are
             _train_step(model, weights, head, opt, sched, batch, dcfg, device, autocast, LOSSLESS,
-                        shape.target_layers, 7.0, cfg, on_device, after_backward=feed.prefetch)
-            sync(device)
+                        shape.target_layers, 7.0, cfg, on_device, after_backward=feed.prefetch).read()
+            sync(device)  # .read(): the metrics to the host at once (the trainer reads them a step later)
             dt = time.perf_counter() - t0
             if i == 0:
                 compile_s = dt

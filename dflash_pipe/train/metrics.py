@@ -12,7 +12,6 @@ import json
 import logging
 import math
 import os
-import time
 from pathlib import Path
 
 import torch
@@ -71,8 +70,13 @@ class StepLogger:
                 keep = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] <= after_step]
                 atomic_write_text(path, "".join(k + "\n" for k in keep))
 
+    def peak_mem_gib(self) -> float | None:
+        """The allocator's peak so far (CUDA; a host-side count, no sync), None on the CPU."""
+        return torch.cuda.max_memory_allocated(self.device) / 2 ** 30 if self.device.type == "cuda" else None
+
     def log(self, step: int, epoch: int, metrics: dict, step_s: float, data_wait_s: float, tokens: int,
-            lr: float, grad_norm: float, shard_wait_s: float | None = None) -> dict:
+            lr: float, grad_norm: float, shard_wait_s: float | None = None, peak_mem_gib: float | None = None) -> dict:
+        """One step's record; `peak_mem_gib` as read at that step (default: now)."""
         self._times.append(step_s)
         steady = self._times[WARMUP_STEPS_FOR_ETA:] or self._times
         mean = sum(steady) / len(steady)
@@ -84,8 +88,9 @@ class StepLogger:
             rec["shard_wait"] = shard_wait_s / max(step_s, 1e-9)
         if self.peak:
             rec["mfu"] = self.flops / max(step_s, 1e-9) / self.peak
-        if self.device.type == "cuda":
-            rec["peak_mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2 ** 30
+        peak_mem_gib = self.peak_mem_gib() if peak_mem_gib is None else peak_mem_gib
+        if peak_mem_gib is not None:
+            rec["peak_mem_gib"] = peak_mem_gib
         if not self.enabled:
             return rec
         line = (f"step {step + 1}/{self.total} ep {epoch} loss {rec['loss']:.4f} acc {rec['acc']:.3f} "
@@ -179,16 +184,3 @@ def plot_history(history_path: Path, out_png: Path) -> Path | None:
     ok = write_optional(out_png, lambda tmp: fig.savefig(tmp, dpi=110, format="png"), "training plot")
     plt.close(fig)
     return out_png if ok else None
-
-
-class Stopwatch:
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.t = time.perf_counter()
-
-    def lap(self, sync: bool = True) -> float:
-        if sync and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        now = time.perf_counter()
-        dt, self.t = now - self.t, now
-        return dt

@@ -19,9 +19,8 @@ from ..cache.codec import FP8
 from ..config import RunConfig, write_resolved
 from ..dist import DistInfo, barrier, destroy, init_process_group, pick_device, set_rank_cache_dirs
 from ..drafter.attention import compilation_locked
-from ..drafter import (default_gamma, draft_loss, export_drafter, lock_compilation, summarize_metrics,
-                       unlock_compilation)
-from ..errors import RuntimeFailure, UsageError, ValidationError
+from ..drafter import default_gamma, draft_loss, export_drafter, lock_compilation, unlock_compilation
+from ..errors import UsageError, ValidationError
 from ..faults import fault_point, trace_batch
 from .checkpoint import find_resume, load_checkpoint, read_state, save_checkpoint
 from .checkpoint_writer import BackgroundCheckpoints
@@ -32,8 +31,9 @@ from .master_weights import MasterWeights
 from .validation import Validator, draft_inputs, kd_targets
 from .cache_index import CacheIndex, shard_subset
 from .loader import BatchLoader
-from .metrics import StepLogger, Stopwatch, plot_history, step_flops
+from .metrics import StepLogger, plot_history, step_flops
 from .round_carry import RoundCarry
+from .step_stats import PendingStepStats, StepStats
 from .window_lr import WindowLR, planned_total
 from .window_run import WindowCoordinator, window_group
 
@@ -161,6 +161,15 @@ def run_train(cfg: RunConfig) -> dict:
               f"({epoch_steps} per epoch), mask token {dcfg.mask_token_id}"
               + (f", {codec} features quantised to fp8 on the device" if tr.feature_codec == FP8 else ""), flush=True)
     last = {}
+    # each step's metrics and grad norm reach the host one step later (step_stats.py); drained before
+    # anything that needs every finished step: validation, a checkpoint, a stop, the end of an epoch/round
+    stats = PendingStepStats(device)
+
+    def report(record) -> None:
+        if record is not None:
+            last.update(metrics=record.metrics, grad_norm=record.grad_norm)
+            if record.note is not None:  # a logging step
+                logger.log(metrics=record.metrics, step_s=record.seconds, grad_norm=record.grad_norm, **record.note)
     # window mode: round-boundary checkpoints written off the step loop; the shards a boundary retired are
     # deleted (coord.collect) only once its checkpoint is COMPLETE, seen by `settle` between steps
     ckw = BackgroundCheckpoints(out_dir, tr.keep_checkpoints) if (coord is not None and info.is_main and
@@ -173,6 +182,7 @@ def run_train(cfg: RunConfig) -> dict:
                 coord.collect(boundary)
 
     def sync_checkpoint(at_step, at_epoch, at_step_in_epoch):
+        report(stats.drain())  # a non-finite gradient norm raises here, before its weights are saved
         settle(True)  # one writer at a time: the background write completes (and its deletions run) first
         _checkpoint(out_dir, at_step, at_epoch, at_step_in_epoch, weights, opt, epoch_steps, total, spec, dcfg, cfg,
                     info)
@@ -183,7 +193,7 @@ def run_train(cfg: RunConfig) -> dict:
             phases = coord.rounds if coord is not None else tr.epochs  # window mode: one phase per round
             while epoch < phases and (cap is None or step < cap):
                 follow_first = tr.follow and epoch == 0
-                watch = Stopwatch(device)
+                stats.begin_phase()
                 t_round = time.perf_counter()
                 shard_wait = 0.0
                 if coord is not None:  # collective: every rank agrees on the window
@@ -206,23 +216,24 @@ def run_train(cfg: RunConfig) -> dict:
                         phase_done = True
                         break
                     batch, on_device = item
-                    last = _train_step(ddp, weights, head, opt, sched, batch, dcfg, device, autocast, codec, n_layers,
-                                       gamma, cfg, on_device, after_backward=batches.prefetch)
+                    step_stats = _train_step(ddp, weights, head, opt, sched, batch, dcfg, device, autocast, codec,
+                                             n_layers, gamma, cfg, on_device, after_backward=batches.prefetch)
                     data_wait += batches.take_wait_s()
                     trace_batch(step, epoch, info.rank, batch.sample_ids)
                     if not compilation_locked() and device.type == "cuda":
                         lock_compilation()  # after this process's first step everything is compiled: a
                         # recompile is an error from here on, not a silent dense fallback
-                    step_s = watch.lap()
                     step += 1
                     step_in_epoch += 1
-                    if step % tr.log_every == 0 or step == total:
-                        logger.log(step - 1, epoch, last["metrics"], step_s, data_wait, batch.tokens,
-                                   sched.get_last_lr()[0], last["grad_norm"],
-                                   shard_wait_s=shard_wait if coord is not None else None)
+                    note = (dict(step=step - 1, epoch=epoch, data_wait_s=data_wait, tokens=batch.tokens,
+                                 lr=sched.get_last_lr()[0], shard_wait_s=shard_wait if coord is not None else None,
+                                 peak_mem_gib=logger.peak_mem_gib())
+                            if step % tr.log_every == 0 or step == total else None)
+                    report(stats.push(step_stats, note))  # reads the step before this one
                     shard_wait = 0.0
                     settle(False)
                     if validator is not None and step % tr.val_every == 0 and step != total:
+                        report(stats.drain())
                         logger.log_validation(step - 1, validator.run(model))
                     stopping = stop.should_stop(step)  # every rank, every step (a collective when world > 1)
                     if stopping or (tr.checkpoint_every and step % tr.checkpoint_every == 0 and step != total):
@@ -230,6 +241,7 @@ def run_train(cfg: RunConfig) -> dict:
                     fault_point("train.after_step")
                     if stopping:
                         stop.leave(step, total, out_dir)  # raises StopRequested: exit 130, no export
+                report(stats.drain())  # the phase's last step: before its boundary and the next phase's clock
                 if coord is not None and not phase_done:
                     break  # --max-steps inside a round: the position stays inside it
                 epoch += 1
@@ -255,6 +267,12 @@ def run_train(cfg: RunConfig) -> dict:
                 export_drafter(model, dcfg, out_dir / "export")
                 plot_history(out_dir / "metrics.jsonl", out_dir / "training.png")
                 print(f"train: done, {step} steps; drafter exported to {out_dir / 'export'}", flush=True)
+        except BaseException:
+            try:  # the step that finished before the failure still gets its log line
+                report(stats.drain())
+            except Exception:  # noqa: BLE001 - the error already propagating is the one to report
+                pass
+            raise
         finally:
             if ckw is not None:  # an error elsewhere: let a background write complete (resume collects it)
                 try:
@@ -359,8 +377,9 @@ class DeviceFeed:
 
 
 def _train_step(ddp, weights: MasterWeights, head, opt, sched, batch, dcfg, device, autocast, codec, n_layers,
-                gamma, cfg, on_device: dict | None = None, after_backward=None) -> dict:
-    """One optimizer step. `after_backward()` (DeviceFeed.prefetch) runs between backward and the update."""
+                gamma, cfg, on_device: dict | None = None, after_backward=None) -> StepStats:
+    """One optimizer step. `after_backward()` (DeviceFeed.prefetch) runs between backward and the update.
+    Returns the step's metrics and gradient norm still on the device (no host sync; step_stats.py)."""
     tr = cfg.train
     t = on_device if on_device is not None else {k: v.to(device, non_blocking=True)
                                                  for k, v in batch.tensors().items()}
@@ -376,18 +395,6 @@ def _train_step(ddp, weights: MasterWeights, head, opt, sched, batch, dcfg, devi
     grad_norm = weights.step(opt, tr.grad_clip)  # clip, AdamW on the fp32 masters, refresh bf16 weights
     sched.step()
     opt.zero_grad(set_to_none=True)  # weights.step already dropped the bf16 compute grads
-    if dist.is_initialized():
-        packed = torch.cat([torch.atleast_1d(v.detach().to(torch.float64)) for v in metrics.values()])
-        dist.all_reduce(packed)
-        out_m, i = {}, 0
-        for k, v in metrics.items():
-            n = torch.atleast_1d(v).numel()
-            out_m[k] = packed[i:i + n] if v.dim() else packed[i]
-            i += n
-        metrics = out_m
-    summary = summarize_metrics({k: v.cpu() for k, v in metrics.items()})
-    gn = float(grad_norm)
-    if not torch.isfinite(torch.tensor(gn)):
-        raise RuntimeFailure(f"non-finite gradient norm at epoch {batch.epoch} batch {batch.step}",
-                             "lower --lr, check the cache with `dflash-pipe cache verify --decode`")
-    return {"metrics": summary, "grad_norm": gn}
+    # world > 1: the metric sums are all-reduced on the device, queued behind the step like the rest
+    return StepStats.pack(metrics, grad_norm, batch.epoch, batch.step,
+                          all_reduce=dist.all_reduce if dist.is_initialized() else None)
