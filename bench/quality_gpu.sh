@@ -5,18 +5,18 @@
 # Before the calls, on this machine:  scripts/prepare_gpu_carry.sh   (writes .gpucarry/, prints the sizes)
 #
 #   call A (fresh machine; copies GGUF part 0, the GGUF hash, the eval prompt files and the wheels to /tmp/quality/carry):
-#     carry   [".gpucarry/p0", ".gpucarry/data", ".gpucarry/whl"]                       (48.5 MiB with the tree)
+#     carry   [".gpucarry/p0", ".gpucarry/data", ".gpucarry/whl"]                       (62.1 MiB with the tree)
 #     command bash bench/quality_gpu.sh stash
-#   call T (within 30 s; GGUF part 1 and the ShareGPT prompt files, first turns and every turn, decompressed):
-#     carry   [".gpucarry/turns", ".gpucarry/p1"]                                       (54.1 MiB with the tree)
+#   calls T and U (within 30 s each; GGUF parts 1 and 2):
+#     carry   [".gpucarry/p1"], then [".gpucarry/p2"]                                   (56.6 MiB each)
 #     command bash bench/quality_gpu.sh stash
-#     (`bash bench/quality_gpu.sh precheck` in call T's place stashes too, then runs the GPU tests of history reuse
-#     and replay and times the drafter's step at two sizes: bench/quality19d.env's header)
-#   call B (within 30 s of T returning; reassembles + sha256-checks the GGUF, installs the wheels, runs stages):
-#     carry   [".gpucarry/p2", ".gpucarry/p3"]                                          (61.8 MiB with the tree)
+#     (`bash bench/quality_gpu.sh precheck` in call T's place stashes too, then runs the GPU tests of history reuse,
+#     replay, the fp8 codec and the trainer's deferred step statistics, and times the drafter's step at two sizes)
+#   call B (within 30 s of U returning; the ShareGPT prompt files and GGUF part 3; reassembles + sha256-checks the
+#   GGUF, installs the wheels, runs stages):
+#     carry   [".gpucarry/turns", ".gpucarry/p3"]                                       (61.6 MiB with the tree)
 #     command bash bench/quality_gpu.sh run
-#   (once the tree has grown past 64 MiB for call B, scripts/prepare_gpu_carry.sh says so: then a call U carries
-#   .gpucarry/p2 with the command `bash bench/quality_gpu.sh stash`, and call B carries .gpucarry/p3 alone)
+#   (scripts/prepare_gpu_carry.sh prints each call's size; the tree, 31.6 MiB in session 17, grows with the seeds)
 #   call C (within 30 s of B returning, only if B exited 75 = stopped at the deadline with work left):
 #     carry   []
 #     command bash bench/quality_gpu.sh run
@@ -165,38 +165,6 @@ left() { echo $(( DEADLINE - $(date +%s) )); }
 is_done() { [ -f "$Q/done/$1" ]; }
 fail() { say "ERROR: $*"; finish 1; }
 
-# ------------------------------------------------------------------------------------------- stash (call A)
-stash() {
-    mkdir -p "$CARRY/data"
-    local n=0
-    for i in 0 1 2 3; do
-        local f=$SRC/p$i/smollm2.gguf.part-$i
-        if [ -f "$f" ] && [ ! -f "$Q/smollm2.gguf" ]; then cp "$f" "$CARRY/"; n=$((n + 1)); fi
-    done
-    if [ -d "$SRC/data" ]; then cp -r "$SRC/data/." "$CARRY/data/"; fi
-    if [ -d "$SRC/whl" ]; then mkdir -p "$CARRY/whl" && cp "$SRC/whl/"*.whl "$CARRY/whl/"; fi   # setup installs them
-    # drafters trained in an earlier call whose machine went cold (bench/drafter_parts.py; prepare_gpu_carry.sh
-    # with DRAFTER_PARTS=... puts their parts in .gpucarry/d0, d1, ...): setup restores them
-    local part
-    for part in "$SRC"/d*/drafter_*.tar.part-*; do
-        [ -f "$part" ] && mkdir -p "$CARRY/drafter" && cp "$part" "$CARRY/drafter/"
-    done
-    # the ShareGPT prompt files travel in the turns call (.gpucarry/turns; in data/ before session 13) and are
-    # decompressed here: first turns (regen's default source) and every user turn (QUALITY_REGEN_SOURCE=all_turns)
-    local kind gz
-    for kind in first_turns all_turns; do
-        [ -f "$CARRY/data/sharegpt_$kind.jsonl" ] && continue
-        for gz in "$SRC/turns/sharegpt_$kind.jsonl.gz" "$CARRY/data/sharegpt_$kind.jsonl.gz"; do
-            [ -f "$gz" ] || continue
-            gzip -dc "$gz" > "$CARRY/data/sharegpt_$kind.jsonl.tmp" &&
-                mv "$CARRY/data/sharegpt_$kind.jsonl.tmp" "$CARRY/data/sharegpt_$kind.jsonl"
-            break
-        done
-    done
-    say "stash: $n GGUF part(s) and $(ls "$CARRY/data" 2>/dev/null | wc -l) data entries in $CARRY"
-    ls -la "$CARRY" "$CARRY/data" | tee "$OUT/status.txt"
-}
-
 # ------------------------------------------------------------------------------------------- setup
 setup() {
     stash >/dev/null                         # parts / data carried in this call, if any
@@ -263,7 +231,7 @@ precheck() {
     install_wheels
     local rc
     timeout 150 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_static_forward_gpu.py tests/test_eval_replay_gpu.py tests/test_train_feature_codec.py \
-        -k "${PRECHECK_TESTS:-history or replay or feature_codec}" > "$OUT/precheck_tests.txt" 2>&1
+        tests/test_train_step_stats.py -k "${PRECHECK_TESTS:-history or replay or feature_codec or push_does_not_wait}" > "$OUT/precheck_tests.txt" 2>&1
     rc=$?
     say "precheck: GPU tests rc $rc: $(tail -n 1 "$OUT/precheck_tests.txt")"
     # e.g. packed,padded: extraction's two attention layouts, timed only when the padded layout's GPU test (its
@@ -293,48 +261,9 @@ PY
     return "$rc"
 }
 
-# A regenerated file kept from an earlier run (bench/data/, with its progress sidecar) seeds regen: the regen
-# job then only answers the prompts beyond it (a larger QUALITY_N_PROMPTS extends it, `dflash-pipe regenerate`
-# resumes by id). Used only if it was made from this same source path; QUALITY_REGEN_SEED="" disables it.
-# bench/data/smollm2_all_turns_greedy4.jsonl.xz is the every-turn data of sessions 14-16 (bench/quality19c.env's
-# regen settings; 61,320 rows, 35.9 M generated tokens after session 16); bench/quality19h.env continues from it.
-seed_regenerated() {
-    local seed=${QUALITY_REGEN_SEED-$REPO/bench/data/smollm2_regenerated_sharegpt.jsonl.gz}
-    seed_file "$seed" "$Q/regenerated.jsonl" regen || return 0
-    wc -l < "$Q/regenerated.jsonl" > "$Q/seed.rows"
-    say "setup: regen seeded with $(cat "$Q/seed.rows") conversations from ${seed#$REPO/}"
-    # the held-out rows are the seed's first $HELDOUT: in a file of their own, extract-val needs no regen and
-    # runs beside it (the file only grows at its end, so they are the same rows regen's output starts with)
-    if [ "$(cat "$Q/seed.rows" 2>/dev/null || echo 0)" -gt "$HELDOUT" ]; then
-        head -n "$HELDOUT" "$Q/regenerated.jsonl" > "$Q/heldout.jsonl.tmp" && mv "$Q/heldout.jsonl.tmp" "$Q/heldout.jsonl"
-    fi
-    # regen-more's own seed (QUALITY_REGEN_MORE_SEED, e.g. bench/data/smollm2_all_turns_sample4.jsonl.xz: session
-    # 17's answers #4), resumed the same way; its sidecar must carry the settings regen-more runs with
-    if [ ${#REGEN_MORE_FLAGS[@]} -gt 0 ] && [ -n "${QUALITY_REGEN_MORE_SEED:-}" ] &&
-            seed_file "$QUALITY_REGEN_MORE_SEED" "$Q/regenerated-more.jsonl" regen-more; then
-        wc -l < "$Q/regenerated-more.jsonl" > "$Q/seed-more.rows"
-        say "setup: regen-more seeded with $(cat "$Q/seed-more.rows") rows from ${QUALITY_REGEN_MORE_SEED#$REPO/}"
-    fi
-}
-
-seed_file() {   # seed dest label: decompress a kept regenerated file (.jsonl.gz/.xz + its .progress.json) to dest
-    local seed=$1 dest=$2 side=${1%.jsonl.*}.progress.json    # (python's lzma: the image has no xz)
-    [ -n "$seed" ] && [ -f "$seed" ] && [ -f "$side" ] && [ ! -s "$dest" ] || return 1
-    if ! "$PY" - "$side" "$REGEN_SOURCE" <<'PY'
-import json, sys
-sys.exit(0 if json.load(open(sys.argv[1]))["settings"].get("source") == sys.argv[2] else 1)
-PY
-    then
-        say "setup: not seeding $3 from ${seed#$REPO/} (made from another source path)"; return 1
-    fi
-    "$PY" -c 'import gzip, lzma, shutil, sys
-with (lzma.open if sys.argv[1].endswith(".xz") else gzip.open)(sys.argv[1]) as f, open(sys.argv[2], "wb") as o:
-    shutil.copyfileobj(f, o)' "$seed" "$dest.tmp" && cp "$side" "$dest.progress.json" && mv "$dest.tmp" "$dest"
-}
-
 # ------------------------------------------------------------------------------------------- jobs
 source bench/quality_jobs.sh   # JOBS, TRAINS, deps, kind, job_cmd, job_ok, job_progress, eval_estimate
-source bench/quality_home.sh   # regen_rows_out, drafter_out, restore_drafters, not_needed, trim_out
+source bench/quality_home.sh   # stash, seeds, regen_rows_out, drafter_out, restore_drafters, not_needed, trim_out
 
 declare -A PID STARTED RC
 RUNNING=()

@@ -47,3 +47,75 @@ trim_out() {   # the device returns at most 8 files of $OUT: drop, in this order
         rm -f "$OUT/$f" && say "\$OUT held $n files (the device returns 8): left out $f"
     done
 }
+
+# the carried paths of this call (.gpucarry/...) -> $CARRY, which stays on the machine while it is warm
+stash() {
+    mkdir -p "$CARRY/data"
+    local n=0
+    for i in 0 1 2 3; do
+        local f=$SRC/p$i/smollm2.gguf.part-$i
+        if [ -f "$f" ] && [ ! -f "$Q/smollm2.gguf" ]; then cp "$f" "$CARRY/"; n=$((n + 1)); fi
+    done
+    if [ -d "$SRC/data" ]; then cp -r "$SRC/data/." "$CARRY/data/"; fi
+    if [ -d "$SRC/whl" ]; then mkdir -p "$CARRY/whl" && cp "$SRC/whl/"*.whl "$CARRY/whl/"; fi   # setup installs them
+    # drafters trained in an earlier call whose machine went cold (bench/drafter_parts.py; prepare_gpu_carry.sh
+    # with DRAFTER_PARTS=... puts their parts in .gpucarry/d0, d1, ...): setup restores them
+    local part
+    for part in "$SRC"/d*/drafter_*.tar.part-*; do
+        [ -f "$part" ] && mkdir -p "$CARRY/drafter" && cp "$part" "$CARRY/drafter/"
+    done
+    # the ShareGPT prompt files travel in the turns call (.gpucarry/turns; in data/ before session 13) and are
+    # decompressed here: first turns (regen's default source) and every user turn (QUALITY_REGEN_SOURCE=all_turns)
+    local kind gz
+    for kind in first_turns all_turns; do
+        [ -f "$CARRY/data/sharegpt_$kind.jsonl" ] && continue
+        for gz in "$SRC/turns/sharegpt_$kind.jsonl.gz" "$CARRY/data/sharegpt_$kind.jsonl.gz"; do
+            [ -f "$gz" ] || continue
+            gzip -dc "$gz" > "$CARRY/data/sharegpt_$kind.jsonl.tmp" &&
+                mv "$CARRY/data/sharegpt_$kind.jsonl.tmp" "$CARRY/data/sharegpt_$kind.jsonl"
+            break
+        done
+    done
+    say "stash: $n GGUF part(s) and $(ls "$CARRY/data" 2>/dev/null | wc -l) data entries in $CARRY"
+    ls -la "$CARRY" "$CARRY/data" | tee "$OUT/status.txt"
+}
+
+# A regenerated file kept from an earlier run (bench/data/, with its progress sidecar) seeds regen: the regen
+# job then only answers the prompts beyond it (a larger QUALITY_N_PROMPTS extends it, `dflash-pipe regenerate`
+# resumes by id). Used only if it was made from this same source path; QUALITY_REGEN_SEED="" disables it.
+# bench/data/smollm2_all_turns_greedy4.jsonl.xz is the every-turn data of sessions 14-16 (bench/quality19c.env's
+# regen settings; 61,320 rows, 35.9 M generated tokens after session 16); bench/quality19h.env continues from it.
+seed_regenerated() {
+    local seed=${QUALITY_REGEN_SEED-$REPO/bench/data/smollm2_regenerated_sharegpt.jsonl.gz}
+    seed_file "$seed" "$Q/regenerated.jsonl" regen || return 0
+    wc -l < "$Q/regenerated.jsonl" > "$Q/seed.rows"
+    say "setup: regen seeded with $(cat "$Q/seed.rows") conversations from ${seed#$REPO/}"
+    # the held-out rows are the seed's first $HELDOUT: in a file of their own, extract-val needs no regen and
+    # runs beside it (the file only grows at its end, so they are the same rows regen's output starts with)
+    if [ "$(cat "$Q/seed.rows" 2>/dev/null || echo 0)" -gt "$HELDOUT" ]; then
+        head -n "$HELDOUT" "$Q/regenerated.jsonl" > "$Q/heldout.jsonl.tmp" && mv "$Q/heldout.jsonl.tmp" "$Q/heldout.jsonl"
+    fi
+    # regen-more's own seed (QUALITY_REGEN_MORE_SEED, e.g. bench/data/smollm2_all_turns_sample4.jsonl.xz: session
+    # 17's answers #4), resumed the same way; its sidecar must carry the settings regen-more runs with
+    if [ ${#REGEN_MORE_FLAGS[@]} -gt 0 ] && [ -n "${QUALITY_REGEN_MORE_SEED:-}" ] &&
+            seed_file "$QUALITY_REGEN_MORE_SEED" "$Q/regenerated-more.jsonl" regen-more; then
+        wc -l < "$Q/regenerated-more.jsonl" > "$Q/seed-more.rows"
+        say "setup: regen-more seeded with $(cat "$Q/seed-more.rows") rows from ${QUALITY_REGEN_MORE_SEED#$REPO/}"
+    fi
+}
+
+seed_file() {   # seed dest label: decompress a kept regenerated file (.jsonl.gz/.xz + its .progress.json) to dest
+    local seed=$1 dest=$2 side=${1%.jsonl.*}.progress.json    # (python's lzma: the image has no xz)
+    [ -n "$seed" ] && [ -f "$seed" ] && [ -f "$side" ] && [ ! -s "$dest" ] || return 1
+    if ! "$PY" - "$side" "$REGEN_SOURCE" <<'PY'
+import json, sys
+sys.exit(0 if json.load(open(sys.argv[1]))["settings"].get("source") == sys.argv[2] else 1)
+PY
+    then
+        say "setup: not seeding $3 from ${seed#$REPO/} (made from another source path)"; return 1
+    fi
+    "$PY" -c 'import gzip, lzma, shutil, sys
+with (lzma.open if sys.argv[1].endswith(".xz") else gzip.open)(sys.argv[1]) as f, open(sys.argv[2], "wb") as o:
+    shutil.copyfileobj(f, o)' "$seed" "$dest.tmp" && cp "$side" "$dest.progress.json" && mv "$dest.tmp" "$dest"
+}
+
