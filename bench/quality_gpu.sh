@@ -201,6 +201,9 @@ setup() {
     export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 MPLBACKEND=Agg TOKENIZERS_PARALLELISM=false
     export DFLASH_LOG=${DFLASH_LOG:-WARNING}
     echo "$CALL" > "$Q/calls"
+    # the gap since the last call's command ended: the machine goes after 30 s idle, and a long call's answer can
+    # arrive minutes after its end (session 17: 3.4 min), so this says how close the last hand-over came
+    [ -f "$Q/call_end" ] && say "setup: $(( $(date +%s) - $(cat "$Q/call_end") )) s since call $((CALL - 1))'s command ended"
 }
 
 # wheels only for modules this python lacks (the GPU image has neither zstandard nor gguf)
@@ -369,6 +372,7 @@ finish() {   # rc
     local leftover=()
     for j in "${JOBS[@]}"; do is_done "$j" || not_needed "$j" || leftover+=("$j"); done
     cat "$OUT/status.txt"
+    date +%s > "$Q/call_end"
     if [ "$rc" = 0 ] && [ ${#leftover[@]} -gt 0 ]; then
         rc=75
         say "LEFT: ${leftover[*]}; run 'bash bench/quality_gpu.sh run' again within 30 s (carry nothing)"
