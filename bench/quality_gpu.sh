@@ -192,6 +192,7 @@ setup() {
     install_wheels
     seed_regenerated
     restore_drafters
+    restore_eval_progress
     if [ ${#REGEN_MORE_FLAGS[@]} -gt 0 ]; then   # both regen files, in this order, as one data source
         mkdir -p "$Q/data" && touch "$Q/regenerated-more.jsonl" &&
             ln -sfn ../regenerated.jsonl "$Q/data/0-regenerated.jsonl" &&
@@ -266,7 +267,7 @@ PY
 
 # ------------------------------------------------------------------------------------------- jobs
 source bench/quality_jobs.sh   # JOBS, TRAINS, deps, kind, job_cmd, job_ok, job_progress, eval_estimate
-source bench/quality_home.sh   # stash, seeds, regen_rows_out, drafter_out, restore_drafters, not_needed, trim_out
+source bench/quality_home.sh   # stash, seeds, regen_rows_out, drafter_out, restore_drafters, restore_eval_progress, ...
 
 declare -A PID STARTED RC
 RUNNING=()

@@ -7,6 +7,9 @@
 #                         DRAFTER_PARTS=<dir> scripts/prepare_gpu_carry.sh puts them in .gpucarry/d0, d1, ..., the
 #                         stash calls carry them, and setup restores the export and marks its train job done, so a
 #                         fresh machine evaluates it without extracting or training again
+#   an unfinished eval -> its eval_progress.jsonl in results.tar.gz; at home EVAL_PROGRESS=<results.tar.gz>
+#                         scripts/prepare_gpu_carry.sh puts them in .gpucarry/ev (carried with call T), and
+#                         setup puts them back, so the eval continues where the lost machine left it
 
 regen_rows_out() {   # job: the rows after its seed's (regen: seed.rows; regen-more: seed-more.rows, or all)
     local skip; skip=$(cat "$Q/$( [ "$1" = regen ] && echo seed || echo seed-more ).rows" 2>/dev/null || echo 0)
@@ -32,6 +35,16 @@ restore_drafters() {   # drafters carried from home: unpacked where their train 
             fail "the drafter of $j carried from home does not unpack (logs/setup.log): carry all its parts again"
         date -u +%FT%TZ > "$Q/done/$j"; echo restored > "$Q/done/$j.restored"
         say "setup: $j restored from its parts carried from home (trained in an earlier call)"
+    done
+}
+
+restore_eval_progress() {   # an unfinished eval's per-prompt records carried from home: the eval resumes from them
+    local s f                   # (its run key names the drafter by content, so the restored export matches)
+    for s in "${SETS[@]}"; do
+        f=$CARRY/eval/eval-$s.eval_progress.jsonl
+        [ -f "$f" ] && ! is_done "eval-$s" && [ ! -s "$Q/eval-$s/eval_progress.jsonl" ] || continue
+        mkdir -p "$Q/eval-$s" && cp "$f" "$Q/eval-$s/eval_progress.jsonl" &&
+            say "setup: eval-$s resumes from $(wc -l < "$f") prompt records carried from home"
     done
 }
 
@@ -63,6 +76,9 @@ stash() {
     local part
     for part in "$SRC"/d*/drafter_*.tar.part-*; do
         [ -f "$part" ] && mkdir -p "$CARRY/drafter" && cp "$part" "$CARRY/drafter/"
+    done
+    for part in "$SRC"/ev/eval-*.eval_progress.jsonl; do   # EVAL_PROGRESS=... prepare_gpu_carry.sh: an eval's records
+        [ -f "$part" ] && mkdir -p "$CARRY/eval" && cp "$part" "$CARRY/eval/"
     done
     # the ShareGPT prompt files travel in the turns call (.gpucarry/turns; in data/ before session 13) and are
     # decompressed here: first turns (regen's default source) and every user turn (QUALITY_REGEN_SOURCE=all_turns)

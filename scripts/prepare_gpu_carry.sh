@@ -105,3 +105,24 @@ if [ -n "${DRAFTER_PARTS:-}" ]; then
         k=$((k + 1))
     done
 fi
+# an eval that a lost machine left unfinished (EVAL_PROGRESS=<that call's results.tar.gz>, which holds
+# quality/eval-<set>/eval_progress.jsonl): .gpucarry/ev, carried with call T; setup puts the records back and the
+# eval resumes from them (with the same drafter, carried as above)
+if [ -n "${EVAL_PROGRESS:-}" ]; then
+    mkdir -p .gpucarry/ev
+    "$PY" - "$EVAL_PROGRESS" .gpucarry/ev <<'PY'
+import re, sys, tarfile
+from pathlib import Path
+n = 0
+with tarfile.open(sys.argv[1]) as tar:
+    for m in tar.getmembers():
+        hit = re.fullmatch(r"quality/(eval-[a-z0-9_]+)/eval_progress\.jsonl", m.name)
+        if hit and m.isfile():
+            (Path(sys.argv[2]) / f"{hit.group(1)}.eval_progress.jsonl").write_bytes(tar.extractfile(m).read())
+            n += 1
+print(f"EVAL_PROGRESS: {n} unfinished eval(s) from {sys.argv[1]} in .gpucarry/ev")
+PY
+    e=$(bytes .gpucarry/p1 .gpucarry/ev)
+    echo "call T then carries [\".gpucarry/p1\", \".gpucarry/ev\"]: $(mib $((tree + e)))"
+    [ $((tree + e)) -lt "$limit" ] || { echo "error: call T with .gpucarry/ev would carry more than 64 MiB" >&2; exit 1; }
+fi

@@ -110,3 +110,35 @@ def test_damaged_conversion_is_detected(converted, tmp_path):
     assert tok_only.name == "smollm2-135m-instruct-tokenizer"
     assert conversion_is_complete(tok_only, digest, "tokenizer")
     assert not (tok_only / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("complete_first", [True, False])
+def test_a_second_finished_conversion_never_replaces_a_complete_one(tmp_path, complete_first):
+    """Processes converting at once (three eval jobs on a fresh machine, quality driver): the one that finishes
+    second keeps the first one's directory, which the others may already be reading, instead of moving it aside.
+    An incomplete leftover is still replaced."""
+    source = tmp_path / "model.gguf"
+    source.write_bytes(b"gguf")
+    final = tmp_path / "smollm2-135m-instruct"
+
+    def staged(tag: str):
+        tmp = tmp_path / f".smollm2-135m-instruct.tmp-{tag}"
+        tmp.mkdir()
+        (tmp / "config.json").write_text(json.dumps({"tag": tag}))
+        return tmp
+
+    if complete_first:
+        embedded_mod._finish_conversion(staged("first"), final, source, "d1", "model")
+    else:
+        final.mkdir()
+        (final / "config.json").write_text("{}")           # a killed conversion's leftover: no marker
+    inode = final.stat().st_ino
+    second = staged("second")
+    embedded_mod._finish_conversion(second, final, source, "d1", "model")
+    assert not second.exists()
+    assert embedded_mod.conversion_is_complete(final, "d1", "model")
+    kept = json.loads((final / "config.json").read_text())
+    if complete_first:
+        assert final.stat().st_ino == inode and kept == {"tag": "first"}
+    else:
+        assert kept == {"tag": "second"}

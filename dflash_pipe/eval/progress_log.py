@@ -2,7 +2,8 @@
 
 A rerun of the same eval (same drafters and their files, target weights and dtype, token budget
 and block size: the run key) takes the finished prompts from the file instead of decoding them again, so
-an eval stopped by Ctrl-C, a timeout or a lost machine continues where it was. The file is
+an eval stopped by Ctrl-C, a timeout or a lost machine continues where it was (on another machine too, with
+the file and the drafter's export carried there). The file is
 removed once the report has been written, so a later rerun measures afresh. A line cut by a kill
 is ignored; a file written under another run key is replaced. With batched references
 (reference_batch.py) a line also says whether the batch-1 output equalled the batched reference.
@@ -15,7 +16,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from ..io_utils import append_durably, read_jsonl
+from ..io_utils import append_durably, read_jsonl, sha256_file
 from .specdecode import SpecResult
 
 PROGRESS_FILE = "eval_progress.jsonl"
@@ -23,14 +24,15 @@ PROGRESS_FILE = "eval_progress.jsonl"
 
 def run_key(drafters: list[tuple[str, Path]], identity: dict, max_new_tokens: int, block_size: int,
             prompts: str) -> str:
-    """drafters: (method, export dir) pairs, in report order."""
+    """drafters: (method, export dir) pairs, in report order. A drafter counts by its files' contents, not their
+    paths or times, so the same export copied to another machine (the quality driver's drafter parts) keeps the
+    progress made with it; a retrained one starts afresh."""
     h = hashlib.sha256()
     for method, export_dir in drafters:
         h.update(f"{method}\n".encode())
         for name in ("config.json", "model.safetensors"):
             p = Path(export_dir) / name
-            st = p.stat() if p.exists() else None
-            h.update(f"{name}:{st.st_size if st else -1}:{st.st_mtime_ns if st else -1}\n".encode())
+            h.update(f"{name}:{sha256_file(p) if p.exists() else '-'}\n".encode())
     h.update(json.dumps({k: identity.get(k) for k in ("model", "weights_fingerprint", "dtype")}, sort_keys=True,
                         default=str).encode())
     h.update(f"{max_new_tokens}:{block_size}:{prompts}".encode())

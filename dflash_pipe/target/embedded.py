@@ -140,6 +140,11 @@ def _finish_conversion(tmp: Path, final: Path, source: Path, source_digest: str,
               "source_digest": source_digest, "files": files}
     (tmp / CONVERSION_MARKER).write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     fsync_dir(tmp)
+    if conversion_is_complete(final, source_digest, kind):
+        # A concurrent conversion finished first (e.g. three eval processes starting on a fresh machine): keep
+        # its directory, which other processes may be reading already, and drop ours.
+        shutil.rmtree(tmp, ignore_errors=True)
+        return
     if final.exists():
         # An incomplete leftover: move it aside first so the rename below is atomic.
         trash = final.with_name(f".{final.name}{TMP_MARK}{os.getpid()}-old{secrets.token_hex(3)}")
