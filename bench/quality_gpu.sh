@@ -356,7 +356,6 @@ regen_cap_done() {   # job why
     say "done  $1: $2, QUALITY_REGEN_MAX_S=$REGEN_MAX_S reached; the data is what it wrote: $(job_progress "$1")"
 }
 
-
 SNAP=""
 finish() {   # rc
     local rc=$1 j

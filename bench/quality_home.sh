@@ -99,24 +99,24 @@ stash() {
 # A regenerated file kept from an earlier run (bench/data/, with its progress sidecar) seeds regen: the regen
 # job then only answers the prompts beyond it (a larger QUALITY_N_PROMPTS extends it, `dflash-pipe regenerate`
 # resumes by id). Used only if it was made from this same source path; QUALITY_REGEN_SEED="" disables it.
-# bench/data/smollm2_all_turns_greedy4.jsonl.xz is the every-turn data of sessions 14-16 (bench/quality19c.env's
-# regen settings; 61,320 rows, 35.9 M generated tokens after session 16); bench/quality19h.env continues from it.
+# bench/data/smollm2_all_turns_greedy4.jsonl.xz is the every-turn data of sessions 14-17 (bench/quality19c.env's
+# regen settings; 65,520 rows, 38.3 M generated tokens after session 17); bench/quality19i.env continues from it.
 seed_regenerated() {
-    local seed=${QUALITY_REGEN_SEED-$REPO/bench/data/smollm2_regenerated_sharegpt.jsonl.gz}
+    local seed=${QUALITY_REGEN_SEED-$REPO/bench/data/smollm2_regenerated_sharegpt.jsonl.gz} rows
     seed_file "$seed" "$Q/regenerated.jsonl" regen || return 0
-    wc -l < "$Q/regenerated.jsonl" > "$Q/seed.rows"
-    say "setup: regen seeded with $(cat "$Q/seed.rows") conversations from ${seed#$REPO/}"
+    rows=$(wc -l < "$Q/regenerated.jsonl"); echo "$rows" > "$Q/seed.rows"   # regen_rows_out skips these
+    say "setup: regen seeded with $rows conversations from ${seed#$REPO/}"
     # the held-out rows are the seed's first $HELDOUT: in a file of their own, extract-val needs no regen and
     # runs beside it (the file only grows at its end, so they are the same rows regen's output starts with)
-    if [ "$(cat "$Q/seed.rows" 2>/dev/null || echo 0)" -gt "$HELDOUT" ]; then
+    if [ "$rows" -gt "$HELDOUT" ]; then
         head -n "$HELDOUT" "$Q/regenerated.jsonl" > "$Q/heldout.jsonl.tmp" && mv "$Q/heldout.jsonl.tmp" "$Q/heldout.jsonl"
     fi
     # regen-more's own seed (QUALITY_REGEN_MORE_SEED, e.g. bench/data/smollm2_all_turns_sample4.jsonl.xz: session
     # 17's answers #4), resumed the same way; its sidecar must carry the settings regen-more runs with
     if [ ${#REGEN_MORE_FLAGS[@]} -gt 0 ] && [ -n "${QUALITY_REGEN_MORE_SEED:-}" ] &&
             seed_file "$QUALITY_REGEN_MORE_SEED" "$Q/regenerated-more.jsonl" regen-more; then
-        wc -l < "$Q/regenerated-more.jsonl" > "$Q/seed-more.rows"
-        say "setup: regen-more seeded with $(cat "$Q/seed-more.rows") rows from ${QUALITY_REGEN_MORE_SEED#$REPO/}"
+        rows=$(wc -l < "$Q/regenerated-more.jsonl"); echo "$rows" > "$Q/seed-more.rows"
+        say "setup: regen-more seeded with $rows rows from ${QUALITY_REGEN_MORE_SEED#$REPO/}"
     fi
 }
 

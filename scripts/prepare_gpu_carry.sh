@@ -73,18 +73,19 @@ mib() { awk -v b="$1" 'BEGIN { printf "%.1f MiB", b / 1048576 }'; }
 bytes() { du -cb "$@" | tail -1 | cut -f1; }
 # (du skips files deleted but not yet committed, which git ls-files -c still lists)
 tree=$( (git ls-files -z -co --exclude-standard | xargs -0 du -cb 2>/dev/null || true) | awk '$2 == "total" { s += $1 } END { print s + 0 }')
-# four calls (session 17: the tree, 31.6 MiB with both regen seeds, leaves ~32 MiB a call for the carried paths)
-a=$(bytes .gpucarry/p0 .gpucarry/data .gpucarry/whl); t=$(bytes .gpucarry/p1); u=$(bytes .gpucarry/p2)
-b=$(bytes .gpucarry/turns .gpucarry/p3)
 limit=$((64 << 20))
+call() {   # name what command paths...: print the call's size (tree + paths) and refuse one over the limit
+    local name=$1 what=$2 cmd=$3; shift 3
+    local n=$((tree + $(bytes "$@")))
+    echo "call $name: $(mib "$n") = tree + $what; command: $cmd"
+    [ "$n" -le "$limit" ] || { echo "error: call $name is over the device tool's 64 MiB; rebalance the calls" >&2; exit 1; }
+}
 echo "working tree (tracked + untracked, not ignored): $(mib "$tree")"
-echo "call A: $(mib $((tree + a))) = tree + p0 + data + whl ($(mib "$a")); command: bash bench/quality_gpu.sh stash"
-echo "call T: $(mib $((tree + t))) = tree + p1 ($(mib "$t")); command: bash bench/quality_gpu.sh stash (or precheck)"
-echo "call U: $(mib $((tree + u))) = tree + p2 ($(mib "$u")); command: bash bench/quality_gpu.sh stash"
-echo "call B: $(mib $((tree + b))) = tree + turns + p3 ($(mib "$b")); command: ... bash bench/quality_gpu.sh run"
-for n in "$((tree + a))" "$((tree + t))" "$((tree + u))" "$((tree + b))"; do
-    [ "$n" -le "$limit" ] || { echo "error: a call is over the device tool's 64 MiB; rebalance the calls" >&2; exit 1; }
-done
+# four calls (session 17: the tree, 31.6 MiB with both regen seeds, leaves ~32 MiB a call for the carried paths)
+call A "p0 + data + whl" "bash bench/quality_gpu.sh stash" .gpucarry/p0 .gpucarry/data .gpucarry/whl
+call T "p1" "bash bench/quality_gpu.sh stash (or precheck)" .gpucarry/p1
+call U "p2" "bash bench/quality_gpu.sh stash" .gpucarry/p2
+call B "turns + p3" "... bash bench/quality_gpu.sh run" .gpucarry/turns .gpucarry/p3
 r=$(bytes .gpucarry/rclone .gpucarry/whl)
 echo "objstore call: $(mib $((tree + r))) = tree + rclone + whl ($(mib "$r"))"
 [ $((tree + r)) -lt "$limit" ] ||   # bench/gpu_bench.sh objstore: not part of the quality run
@@ -99,9 +100,7 @@ if [ -n "${DRAFTER_PARTS:-}" ]; then
     k=0
     for ((i = 0; i < ${#parts[@]}; i += 2)); do
         mkdir -p ".gpucarry/d$k" && cp "${parts[@]:i:2}" ".gpucarry/d$k/"
-        d=$(bytes ".gpucarry/d$k")
-        echo "call D$k: $(mib $((tree + d))) = tree + d$k ($(ls ".gpucarry/d$k" | tr '\n' ' ')) command: bash bench/quality_gpu.sh stash"
-        [ $((tree + d)) -lt "$limit" ] || { echo "error: call D$k would carry more than 64 MiB" >&2; exit 1; }
+        call "D$k" "d$k ($(ls ".gpucarry/d$k" | tr '\n' ' '))" "bash bench/quality_gpu.sh stash" ".gpucarry/d$k"
         k=$((k + 1))
     done
 fi
@@ -122,7 +121,5 @@ with tarfile.open(sys.argv[1]) as tar:
             n += 1
 print(f"EVAL_PROGRESS: {n} unfinished eval(s) from {sys.argv[1]} in .gpucarry/ev")
 PY
-    e=$(bytes .gpucarry/p1 .gpucarry/ev)
-    echo "call T then carries [\".gpucarry/p1\", \".gpucarry/ev\"]: $(mib $((tree + e)))"
-    [ $((tree + e)) -lt "$limit" ] || { echo "error: call T with .gpucarry/ev would carry more than 64 MiB" >&2; exit 1; }
+    call T "p1 + ev (instead of T above)" "bash bench/quality_gpu.sh stash (or precheck)" .gpucarry/p1 .gpucarry/ev
 fi
