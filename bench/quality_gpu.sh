@@ -20,7 +20,9 @@
 #   call C (within 30 s of B returning, only if B exited 75 = stopped at the deadline with work left):
 #     carry   []
 #     command bash bench/quality_gpu.sh run
-#   (repeat C while it exits 75; `bash bench/quality_gpu.sh status` prints what is done without running anything;
+#   (repeat C while it exits 75; or, session 18: call B `QUALITY_ENV=<env file> bash bench/quality_gpu.sh bg` runs
+#   the whole run as a daemon that outlives the call, and calls C, ... `bash bench/quality_gpu.sh watch` only wait
+#   and bring its outputs home: bench/quality_bg.sh; `bash bench/quality_gpu.sh status` prints what is done without running anything;
 #   `bash bench/quality_gpu.sh setup` in call B's place only reassembles the GGUF and installs the wheels, for
 #   bench/gpu_bench.sh's `smollm2` step)
 #   issue 18 after a run (or after call U): `REGEN_AB_PROMPTS=2000 bash bench/quality_gpu.sh regen-ab` times regen
@@ -268,6 +270,7 @@ PY
 # ------------------------------------------------------------------------------------------- jobs
 source bench/quality_jobs.sh   # JOBS, TRAINS, deps, kind, job_cmd, job_ok, job_progress, eval_estimate
 source bench/quality_home.sh   # stash, seeds, regen_rows_out, drafter_out, restore_drafters, restore_eval_progress, ...
+source bench/quality_bg.sh     # bg, watch: the run as a daemon across calls
 
 declare -A PID STARTED RC
 RUNNING=()
@@ -400,8 +403,10 @@ case $MODE in
             --max-length 1280 --prompts "${REGEN_AB_PROMPTS:-2000}" --batch "${REGEN_AB_BATCH:-1024}" --hf-prompts 0 --reuse-history \
             --reuse-history-ab --json "$OUT/regen_ab.json" > "$OUT/regen_ab.log" 2>&1
         rc=$?; say "regen-ab: rc $rc"; tail -n 30 "$OUT/regen_ab.log"; exit $rc ;;
+    bg) bg_start; bg_watch ;;
+    watch) bg_watch ;;
     run) ;;
-    *) echo "usage: bench/quality_gpu.sh stash|precheck|setup|run|status|window|regen-ab" >&2; exit 2 ;;
+    *) echo "usage: bench/quality_gpu.sh stash|precheck|setup|run|bg|watch|status|window|regen-ab" >&2; exit 2 ;;
 esac
 
 setup
