@@ -24,6 +24,7 @@ bg_start() {
         -cf - . | tar -C "$Q/repo" -xf - || fail "bg: cannot copy the repo to $Q/repo"
     local env=${QUALITY_ENV:-} bgs=${QUALITY_BG_DEADLINE_S:-1400}
     [ -z "$env" ] || [ -f "$Q/repo/$env" ] || fail "bg: QUALITY_ENV=$env is not a file in the repo"
+    case $PY in /*|"${PY##*/}") ;; *) export DFLASH_PYTHON=$REPO/$PY ;; esac   # a relative path: from the repo, not the copy
     # shellcheck disable=SC2016
     setsid bash -c 'q=$3; echo $$ > "$q/bg.pid"; cd "$q/repo" || exit 1
         if [ -n "$1" ]; then source "$1" || exit 1; fi

@@ -194,6 +194,7 @@ setup() {
     install_wheels
     seed_regenerated
     restore_drafters
+    restore_init
     restore_eval_progress
     if [ ${#REGEN_MORE_FLAGS[@]} -gt 0 ]; then   # both regen files, in this order, as one data source
         mkdir -p "$Q/data" && touch "$Q/regenerated-more.jsonl" &&

@@ -7,6 +7,9 @@
 #                         DRAFTER_PARTS=<dir> scripts/prepare_gpu_carry.sh puts them in .gpucarry/d0, d1, ..., the
 #                         stash calls carry them, and setup restores the export and marks its train job done, so a
 #                         fresh machine evaluates it without extracting or training again
+#   a drafter to start from (train --init-from, e.g. a second pass over the same data in a later session): its parts
+#                         from home, INIT_PARTS=<dir> scripts/prepare_gpu_carry.sh -> .gpucarry/i0, i1, ...; setup
+#                         unpacks them to $Q/init/<name> (QUALITY_TRAIN_FLAGS="... --init-from $Q/init/<name>")
 #   an unfinished eval -> its eval_progress.jsonl in results.tar.gz; at home EVAL_PROGRESS=<results.tar.gz>
 #                         scripts/prepare_gpu_carry.sh puts them in .gpucarry/ev (carried with call T), and
 #                         setup puts them back, so the eval continues where the lost machine left it
@@ -35,6 +38,18 @@ restore_drafters() {   # drafters carried from home: unpacked where their train 
             fail "the drafter of $j carried from home does not unpack (logs/setup.log): carry all its parts again"
         date -u +%FT%TZ > "$Q/done/$j"; echo restored > "$Q/done/$j.restored"
         say "setup: $j restored from its parts carried from home (trained in an earlier call)"
+    done
+}
+
+restore_init() {   # drafters carried from home to start training from (INIT_PARTS): $Q/init/<name>/ (an export)
+    local part name
+    for part in "$CARRY"/init/drafter_*.tar.part-0-of-*; do
+        [ -f "$part" ] || continue
+        name=${part##*/drafter_}; name=${name%%.tar.part-*}
+        [ -f "$Q/init/$name/model.safetensors" ] && continue
+        "$PY" bench/drafter_parts.py unpack --parts "$CARRY/init" --name "$name" --dest "$Q/init/$name" \
+            >> "$Q/logs/setup.log" 2>&1 || fail "the --init-from drafter $name does not unpack (logs/setup.log)"
+        say "setup: --init-from drafter $name unpacked to $Q/init/$name"
     done
 }
 
@@ -76,6 +91,9 @@ stash() {
     local part
     for part in "$SRC"/d*/drafter_*.tar.part-*; do
         [ -f "$part" ] && mkdir -p "$CARRY/drafter" && cp "$part" "$CARRY/drafter/"
+    done
+    for part in "$SRC"/i*/drafter_*.tar.part-*; do   # INIT_PARTS=... prepare_gpu_carry.sh: --init-from drafters
+        [ -f "$part" ] && mkdir -p "$CARRY/init" && cp "$part" "$CARRY/init/"
     done
     for part in "$SRC"/ev/eval-*.eval_progress.jsonl; do   # EVAL_PROGRESS=... prepare_gpu_carry.sh: an eval's records
         [ -f "$part" ] && mkdir -p "$CARRY/eval" && cp "$part" "$CARRY/eval/"

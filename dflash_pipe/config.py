@@ -157,6 +157,10 @@ class TrainConfig:
     keep_checkpoints: int = opt(2, "Complete checkpoints to keep.")
     log_every: int = opt(1, "Steps between log lines / TensorBoard points.")
     resume: str = opt("auto", "'auto' (latest complete checkpoint if any), 'never', or a checkpoint directory.")
+    init_from: str = opt("", "Start the drafter from the weights of an earlier `train` export (its export/ directory: "
+                         "config.json + model.safetensors), e.g. another pass over the data or training on more "
+                         "data; its drafter must have this run's shape. Optimizer and LR curve start fresh. "
+                         "Ignored when a checkpoint of this --output-dir is resumed (the checkpoint has newer weights).")
     loader_workers: int = opt(2, "Decode threads per rank.")
     loader_prefetch: int = opt(3, "Batches assembled ahead of the step per rank (each holds one plane buffer, "
                                   "pinned on CUDA): deeper hides slow batches (a row group read from cold) at "

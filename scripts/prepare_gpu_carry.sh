@@ -104,6 +104,19 @@ if [ -n "${DRAFTER_PARTS:-}" ]; then
         k=$((k + 1))
     done
 fi
+# a drafter to start training from (train --init-from; INIT_PARTS=<dir of drafter_<name>.tar.part-K-of-N>, e.g. a
+# run's exported drafter kept at home): .gpucarry/i0, i1, ..., each in a stash call of its own before the run call;
+# setup unpacks them to /tmp/quality/init/<name>
+if [ -n "${INIT_PARTS:-}" ]; then
+    parts=("$INIT_PARTS"/drafter_*.tar.part-*)
+    [ -f "${parts[0]}" ] || { echo "error: no drafter_*.tar.part-* in INIT_PARTS=$INIT_PARTS" >&2; exit 1; }
+    k=0
+    for ((i = 0; i < ${#parts[@]}; i += 2)); do
+        mkdir -p ".gpucarry/i$k" && cp "${parts[@]:i:2}" ".gpucarry/i$k/"
+        call "I$k" "i$k ($(ls ".gpucarry/i$k" | tr '\n' ' '))" "bash bench/quality_gpu.sh stash" ".gpucarry/i$k"
+        k=$((k + 1))
+    done
+fi
 # an eval that a lost machine left unfinished (EVAL_PROGRESS=<that call's results.tar.gz>, which holds
 # quality/eval-<set>/eval_progress.jsonl): .gpucarry/ev, carried with call T; setup puts the records back and the
 # eval resumes from them (with the same drafter, carried as above)

@@ -26,7 +26,7 @@ def test_main_job_sized_run_is_put_in_context_with_the_gpu_recipe():
     assert "identical to target-only" in text and "pipeline end to end" in text
     for k, v in GPU_RECIPE["dflash_tau"].items():
         assert f"{k} {v:.2f} (prompt lookup {GPU_RECIPE['lookup_tau'][k]:.2f})" in text
-    assert "bench/quality_gpu.sh" in text and "25.2 M supervised tokens" in text and "every prompt" in text
+    assert "bench/quality_gpu.sh" in text and "45.3 M supervised tokens" in text and "every prompt" in text
 
 
 def test_a_long_run_on_another_target_gets_neither_caveat_nor_recipe():

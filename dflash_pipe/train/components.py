@@ -129,10 +129,28 @@ class FrozenHead:
         return blocks.reshape(n * block_size, h).to(self.device, dtype=dtype, non_blocking=True)
 
 
+def init_state_from_export(export_dir: str, dcfg: DrafterModelConfig) -> dict[str, torch.Tensor]:
+    """`--init-from`: an earlier export's weights (safetensors), refused unless its drafter has this run's shape."""
+    from ..drafter import load_exported_drafter  # noqa: PLC0415 (export pulls in the HF-facing code)
+
+    model, theirs = load_exported_drafter(export_dir)  # fp32 on the CPU
+    skip = ("attention", "max_position_embeddings", "initializer_range")  # not part of the weights' meaning
+    mine, other = dataclasses.asdict(dcfg), dataclasses.asdict(theirs)
+    diff = {k: (other.get(k), v) for k, v in mine.items() if k not in skip and other.get(k) != v}
+    if diff:
+        lines = "; ".join(f"{k}: export {a!r} vs this run {b!r}" for k, (a, b) in diff.items())
+        raise ValidationError(f"--init-from {export_dir}: the exported drafter differs from this run's: {lines}",
+                              "give this run the export's drafter settings (e.g. --drafter-num-layers), or drop "
+                              "--init-from")
+    return model.state_dict()
+
+
 def build_model(dcfg: DrafterModelConfig, device: torch.device, seed: int, compile_layers: bool,
-                checkpoint_mlp_layers: int = 0) -> DFlashDrafter:
+                checkpoint_mlp_layers: int = 0, init_state: dict[str, torch.Tensor] | None = None) -> DFlashDrafter:
     torch.manual_seed(seed)
     model = DFlashDrafter(dcfg).to(device=device, dtype=torch.float32)
+    if init_state is not None:  # before compiling: compiled layers rename their parameters
+        model.load_state_dict(init_state, strict=True)
     for layer in list(model.layers)[:checkpoint_mlp_layers]:
         layer.checkpoint_mlp = True
     if compile_layers:

@@ -25,7 +25,7 @@ from ..faults import fault_point, trace_batch
 from .checkpoint import find_resume, load_checkpoint, read_state, save_checkpoint
 from .checkpoint_writer import BackgroundCheckpoints
 from .components import (FrozenHead, build_drafter_config, build_model, build_optimizer, cache_identity,
-                         check_against_cache, check_resume_identity, resolve_param_dtype)
+                         check_against_cache, check_resume_identity, init_state_from_export, resolve_param_dtype)
 from .graceful import GracefulStop
 from .master_weights import MasterWeights
 from .validation import Validator, draft_inputs, kd_targets
@@ -96,14 +96,15 @@ def run_train(cfg: RunConfig) -> dict:
                       torch.bfloat16 if precision == "bf16" else torch.float32,
                       scratch=out_dir / ".cache_head")  # object storage only
     compile_layers = tr.compile == "on" or (tr.compile == "auto" and device.type == "cuda")
-    model = build_model(dcfg, device, tr.seed, compile_layers, tr.checkpoint_mlp_layers)
+    resume = find_resume(out_dir, tr.resume)
+    init = init_state_from_export(tr.init_from, dcfg) if tr.init_from and resume is None else None
+    model = build_model(dcfg, device, tr.seed, compile_layers, tr.checkpoint_mlp_layers, init)
     weights = MasterWeights(model, resolve_param_dtype(cfg, precision))  # before DDP and the optimizer
     loader = BatchLoader(index, rank=info.rank, world=info.world, seed=tr.seed, context_tokens=tr.context_tokens,
                          num_anchors=tr.num_anchors, max_anchors_per_doc=tr.max_anchors_per_doc,
                          block_size=dcfg.block_size, shuffle_rows=tr.shuffle_rows, workers=tr.loader_workers,
                          want_topk=tr.kd_weight > 0, pin_memory=device.type == "cuda",
                          follow_poll_s=tr.follow_poll_s, prefetch=tr.loader_prefetch, read_ahead=tr.loader_read_ahead)
-    resume = find_resume(out_dir, tr.resume)
     coord = _window(cfg, index, out_dir, info, device, loader)
     window_lr = None
     if coord is not None:  # window mode: rounds instead of epochs; the LR curve runs over shard passes
@@ -159,7 +160,9 @@ def run_train(cfg: RunConfig) -> dict:
         print(f"train: drafter {dcfg.num_layers} layers, {trainable / 1e6:.1f}M trainable params, attention "
               f"{dcfg.attention}, {precision}, compile={compile_layers}, world {info.world}, {total} steps "
               f"({epoch_steps} per epoch), mask token {dcfg.mask_token_id}"
-              + (f", {codec} features quantised to fp8 on the device" if tr.feature_codec == FP8 else ""), flush=True)
+              + (f", {codec} features quantised to fp8 on the device" if tr.feature_codec == FP8 else "")
+              + (f", weights from {tr.init_from}" if init else ", --init-from ignored (resumed)" if tr.init_from else ""),
+              flush=True)
     last = {}
     # each step's metrics and grad norm reach the host one step later (step_stats.py); drained before
     # anything that needs every finished step: validation, a checkpoint, a stop, the end of an epoch/round
