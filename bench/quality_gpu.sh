@@ -5,24 +5,25 @@
 # Before the calls, on this machine:  scripts/prepare_gpu_carry.sh   (writes .gpucarry/, prints the sizes)
 #
 #   call A (fresh machine; copies GGUF part 0, the GGUF hash, the eval prompt files and the wheels to /tmp/quality/carry):
-#     carry   [".gpucarry/p0", ".gpucarry/data", ".gpucarry/whl"]                       (62.1 MiB with the tree)
+#     carry   [".gpucarry/p0", ".gpucarry/data", ".gpucarry/whl"]                       (58.3 MiB with the tree)
 #     command bash bench/quality_gpu.sh stash
-#   calls T and U (within 30 s each; GGUF parts 1 and 2):
-#     carry   [".gpucarry/p1"], then [".gpucarry/p2"]                                   (56.6 MiB each)
+#   calls T, U and V (within 30 s each; GGUF parts 1, 2 and 3):
+#     carry   [".gpucarry/p1"], then [".gpucarry/p2"], then [".gpucarry/p3"]             (52.8 MiB each)
 #     command bash bench/quality_gpu.sh stash
 #     (`bash bench/quality_gpu.sh precheck` in call T's place stashes too, then runs the GPU tests of history reuse,
 #     replay, the fp8 codec and the trainer's deferred step statistics, and times the drafter's step at two sizes)
-#   call B (within 30 s of U returning; the ShareGPT prompt files and GGUF part 3; reassembles + sha256-checks the
+#   call B (within 30 s of V returning; the ShareGPT prompt files and GGUF part 4; reassembles + sha256-checks the
 #   GGUF, installs the wheels, runs stages):
-#     carry   [".gpucarry/turns", ".gpucarry/p3"]                                       (61.6 MiB with the tree)
-#     command bash bench/quality_gpu.sh run
-#   (scripts/prepare_gpu_carry.sh prints each call's size; the tree, 31.6 MiB in session 17, grows with the seeds)
-#   call C (within 30 s of B returning, only if B exited 75 = stopped at the deadline with work left):
+#     carry   [".gpucarry/turns", ".gpucarry/p4"]                                       (57.7 MiB with the tree)
+#     command QUALITY_ENV=<env file> QUALITY_BG_DEADLINE_S=<s> QUALITY_DEADLINE_S=200 bash bench/quality_gpu.sh bg
+#     (session 18: the whole run as a daemon that outlives the call, bench/quality_bg.sh)
+#   calls W1, W2, ... (within 30 s of the last returning, while it exits 75):
 #     carry   []
-#     command bash bench/quality_gpu.sh run
-#   (repeat C while it exits 75; or, session 18: call B `QUALITY_ENV=<env file> bash bench/quality_gpu.sh bg` runs
-#   the whole run as a daemon that outlives the call, and calls C, ... `bash bench/quality_gpu.sh watch` only wait
-#   and bring its outputs home: bench/quality_bg.sh; `bash bench/quality_gpu.sh status` prints what is done without running anything;
+#     command QUALITY_DEADLINE_S=200 bash bench/quality_gpu.sh watch   (waits, then brings the run's outputs home)
+#   (scripts/prepare_gpu_carry.sh prints each call's size; the tree, 33 MiB in session 18, grows with the results.
+#   Before session 18 call B ran `source <env file> && bash bench/quality_gpu.sh run`, and call C, ... the same
+#   while it exited 75: every job stopped at the call's deadline and restarted in the next call; that still works.
+#   `bash bench/quality_gpu.sh status` prints what is done without running anything;
 #   `bash bench/quality_gpu.sh setup` in call B's place only reassembles the GGUF and installs the wheels, for
 #   bench/gpu_bench.sh's `smollm2` step)
 #   issue 18 after a run (or after call U): `REGEN_AB_PROMPTS=2000 bash bench/quality_gpu.sh regen-ab` times regen
@@ -180,10 +181,13 @@ setup() {
     else
         export DFLASH_SMOLLM2_GGUF=$Q/smollm2.gguf
         if [ ! -f "$Q/smollm2.gguf" ]; then
-            for i in 0 1 2 3; do
-                [ -f "$CARRY/smollm2.gguf.part-$i" ] || { say "GGUF part $i missing in $CARRY (call A stashes 0, call T 1, call B carries 2-3)"; finish 3; }
+            local parts=() n i   # how many: data/gguf.parts (scripts/prepare_gpu_carry.sh; 4 before session 18)
+            n=$(cat "$CARRY/data/gguf.parts" 2>/dev/null || echo 4)
+            for ((i = 0; i < n; i++)); do
+                [ -f "$CARRY/smollm2.gguf.part-$i" ] || { say "GGUF part $i of $n missing in $CARRY (each stash call carries one: .gpucarry/p$i)"; finish 3; }
+                parts+=("$CARRY/smollm2.gguf.part-$i")
             done
-            cat "$CARRY"/smollm2.gguf.part-{0,1,2,3} > "$Q/smollm2.gguf.tmp"
+            cat "${parts[@]}" > "$Q/smollm2.gguf.tmp"
             if ! (cd "$Q" && sed 's/  .*/  smollm2.gguf.tmp/' "$CARRY/data/gguf.sha256" | sha256sum -c --quiet -); then
                 rm -f "$Q/smollm2.gguf.tmp"; fail "reassembled GGUF fails its sha256 (parts from two different prepares?)"
             fi

@@ -80,8 +80,8 @@ trim_out() {   # the device returns at most 8 files of $OUT: drop, in this order
 stash() {
     mkdir -p "$CARRY/data"
     local n=0
-    for i in 0 1 2 3; do
-        local f=$SRC/p$i/smollm2.gguf.part-$i
+    local f
+    for f in "$SRC"/p[0-9]/smollm2.gguf.part-[0-9]; do
         if [ -f "$f" ] && [ ! -f "$Q/smollm2.gguf" ]; then cp "$f" "$CARRY/"; n=$((n + 1)); fi
     done
     if [ -d "$SRC/data" ]; then cp -r "$SRC/data/." "$CARRY/data/"; fi

