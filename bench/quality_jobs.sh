@@ -98,9 +98,9 @@ eval_drafters() {   # set -> the --drafter list of its eval job
 
 eval_estimate() {   # seconds one eval job needs: target-only + lookup (~0.45 T forwards) + ~0.6 T per drafter
     # (a model of decoding every prompt in full; with QUALITY_EVAL_PROMPTS=0, every prompt, there is no count
-    # to multiply: session 15 took 318-438 s a set with three drafters and --replay)
-    [ "$EVAL_PROMPTS" = 0 ] && { echo "none for every prompt (session 15: 318-438 s a set, 3 drafters, --replay;" \
-                                      "session 16: one drafter, 44-88 % of a set's prompts in 136 s)"; return; }
+    # to multiply: session 15 took 318-438 s a set with three drafters and --replay, session 18 149-213 s with one)
+    [ "$EVAL_PROMPTS" = 0 ] && { echo "every prompt: session 18, one drafter, 149-213 s a set, three sets at once;" \
+                                      "session 15, three drafters, 318-438 s"; return; }
     local n; n=$(eval_drafters "${1#eval-}" | tr ',' '\n' | wc -l)
     awk -v p="$EVAL_PROMPTS" -v t="$EVAL_TOKENS" -v n="$n" -v st="$EVAL_STEP_S" -v c="$EVAL_CONC" \
         'BEGIN { printf "%d s for all", 30 + p * t * (1.45 + 0.6 * n) * st * c }'
