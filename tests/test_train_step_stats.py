@@ -24,7 +24,7 @@ from tests.cache_helpers import write_train_cache
 
 EPOCH_STEPS = (9, 8)  # the fixture's cache at _cfg's shape
 WINDOW_ROUNDS = (4, 8, 5)  # window mode: steps per round
-TIMING = {"step_s", "data_wait", "tok_s", "tflops", "mfu", "peak_mem_gib", "shard_wait"}  # wall-clock fields
+TIMING = {"time", "step_s", "data_wait", "tok_s", "tflops", "mfu", "peak_mem_gib", "shard_wait"}  # wall-clock fields
 
 
 def _loss_metrics(seed: int, empty: bool = False) -> dict[str, torch.Tensor]:
