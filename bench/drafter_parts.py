@@ -16,6 +16,10 @@ stash calls that carry them) restores it where the train job would have left it:
 
 Unpack checks that every part is there and every file's sha256, and writes the export directory atomically
 (a temporary directory renamed into place), so a half-carried drafter is refused, never evaluated.
+
+`--kind data` packs any flat directory the same way (data_<name>.tar.part-K-of-N): the regenerated data a run
+needs beyond what main's tree can carry (scripts/prepare_gpu_carry.sh DATA_PARTS=<dir>; setup unpacks each
+bundle to /tmp/quality/carry/files/<name>/).
 Exit codes: 0 ok; 3 parts missing or damaged (carry them again); 2 usage.
 """
 
@@ -39,17 +43,24 @@ class PartsError(Exception):
     """Missing, extra or damaged parts: the drafter cannot be restored from them."""
 
 
-def _part_names(name: str, n: int) -> list[str]:
-    return [f"drafter_{name}.tar.part-{i}-of-{n}" for i in range(n)]
+KINDS = ("drafter", "data")
 
 
-def pack(export: Path, out: Path, name: str, part_mib: float = 15.0) -> list[Path]:
+def _part_names(name: str, n: int, kind: str = "drafter") -> list[str]:
+    return [f"{kind}_{name}.tar.part-{i}-of-{n}" for i in range(n)]
+
+
+def pack(export: Path, out: Path, name: str, part_mib: float = 15.0, kind: str = "drafter") -> list[Path]:
     """The files of `export` (flat directory) -> parts in `out`; returns their paths."""
     if not re.fullmatch(r"[A-Za-z0-9_]+", name):
-        raise ValueError(f"drafter name {name!r}: letters, digits and _ only (it becomes a file name in $OUT)")
-    files = sorted(p for p in export.iterdir() if p.is_file())
-    if not any(p.name == "config.json" for p in files):
+        raise ValueError(f"{kind} name {name!r}: letters, digits and _ only (it becomes a file name in $OUT)")
+    if kind not in KINDS:
+        raise ValueError(f"kind {kind!r}: one of {', '.join(KINDS)}")
+    files = sorted(p for p in export.iterdir() if p.is_file()) if export.is_dir() else []
+    if kind == "drafter" and not any(p.name == "config.json" for p in files):
         raise PartsError(f"{export} holds no config.json: not a drafter export (did the train job finish?)")
+    if not files:
+        raise PartsError(f"{export}: no files to pack")
     index = {"name": name, "files": {p.name: {"bytes": p.stat().st_size,
                                               "sha256": hashlib.sha256(p.read_bytes()).hexdigest()} for p in files}}
     buf = io.BytesIO()
@@ -64,10 +75,10 @@ def pack(export: Path, out: Path, name: str, part_mib: float = 15.0) -> list[Pat
     size = int(part_mib * 2 ** 20)
     chunks = [blob[i:i + size] for i in range(0, len(blob), size)]
     out.mkdir(parents=True, exist_ok=True)
-    for old in out.glob(f"drafter_{name}.tar.part-*"):     # a repacked drafter replaces the earlier parts
+    for old in out.glob(f"{kind}_{name}.tar.part-*"):     # a repacked bundle replaces the earlier parts
         old.unlink()
     paths = []
-    for part, chunk in zip(_part_names(name, len(chunks)), chunks):
+    for part, chunk in zip(_part_names(name, len(chunks), kind), chunks):
         tmp = out / (part + ".tmp")
         tmp.write_bytes(chunk)
         os.replace(tmp, out / part)
@@ -75,15 +86,15 @@ def pack(export: Path, out: Path, name: str, part_mib: float = 15.0) -> list[Pat
     return paths
 
 
-def unpack(parts_dir: Path, name: str, dest: Path) -> dict:
-    """Parts in `parts_dir` -> the export directory `dest` (atomically); returns the index."""
-    found = sorted(parts_dir.glob(f"drafter_{name}.tar.part-*-of-*")) if parts_dir.is_dir() else []
+def unpack(parts_dir: Path, name: str, dest: Path, kind: str = "drafter") -> dict:
+    """Parts in `parts_dir` -> the directory `dest` (atomically); returns the index."""
+    found = sorted(parts_dir.glob(f"{kind}_{name}.tar.part-*-of-*")) if parts_dir.is_dir() else []
     if not found:
-        raise PartsError(f"no drafter_{name}.tar.part-*-of-* in {parts_dir}")
+        raise PartsError(f"no {kind}_{name}.tar.part-*-of-* in {parts_dir}")
     totals = {int(p.name.rsplit("-of-", 1)[1]) for p in found}
     if len(totals) != 1:
-        raise PartsError(f"{parts_dir}: parts of drafter {name!r} from different packs ({sorted(totals)} parts)")
-    want = _part_names(name, totals.pop())
+        raise PartsError(f"{parts_dir}: parts of {kind} {name!r} from different packs ({sorted(totals)} parts)")
+    want = _part_names(name, totals.pop(), kind)
     missing = [w for w in want if not (parts_dir / w).is_file()]
     if missing:
         raise PartsError(f"{parts_dir}: missing {', '.join(missing)} (carry every part; "
@@ -93,19 +104,19 @@ def unpack(parts_dir: Path, name: str, dest: Path) -> dict:
         with tarfile.open(fileobj=io.BytesIO(blob), mode="r") as tar:
             members = {m.name: m for m in tar.getmembers()}
             if INDEX not in members:
-                raise PartsError(f"drafter {name!r}: no {INDEX} in the parts")
+                raise PartsError(f"{kind} {name!r}: no {INDEX} in the parts")
             index = json.loads(tar.extractfile(members[INDEX]).read())
             contents = {}
             for fname, meta in index["files"].items():
                 m = members.get(fname)
                 if m is None or not m.isfile() or "/" in fname or fname.startswith("."):
-                    raise PartsError(f"drafter {name!r}: {fname} missing from the parts or not a plain file")
+                    raise PartsError(f"{kind} {name!r}: {fname} missing from the parts or not a plain file")
                 data = tar.extractfile(m).read()
                 if len(data) != meta["bytes"] or hashlib.sha256(data).hexdigest() != meta["sha256"]:
-                    raise PartsError(f"drafter {name!r}: {fname} fails its sha256 (a damaged part; carry it again)")
+                    raise PartsError(f"{kind} {name!r}: {fname} fails its sha256 (a damaged part; carry it again)")
                 contents[fname] = data
     except (tarfile.TarError, EOFError, json.JSONDecodeError, KeyError) as exc:
-        raise PartsError(f"drafter {name!r}: the parts do not form its tar ({exc}); carry them again") from exc
+        raise PartsError(f"{kind} {name!r}: the parts do not form its tar ({exc}); carry them again") from exc
     tmp = dest.with_name(dest.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -120,8 +131,8 @@ def unpack(parts_dir: Path, name: str, dest: Path) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("pack", help="an export directory -> drafter_<name>.tar.part-K-of-N files")
-    p.add_argument("--export", type=Path, required=True)
+    p = sub.add_parser("pack", help="an export directory -> <kind>_<name>.tar.part-K-of-N files")
+    p.add_argument("--export", type=Path, required=True, help="the directory to pack (flat)")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--name", required=True)
     p.add_argument("--part-mib", type=float, default=15.0, help="largest part (the device returns files <= 16 MiB)")
@@ -129,15 +140,17 @@ def main(argv: list[str] | None = None) -> int:
     u.add_argument("--parts", type=Path, required=True)
     u.add_argument("--name", required=True)
     u.add_argument("--dest", type=Path, required=True)
+    for q in (p, u):
+        q.add_argument("--kind", choices=KINDS, default="drafter", help="drafter (an export) or data (any files)")
     args = ap.parse_args(argv)
     try:
         if args.cmd == "pack":
-            paths = pack(args.export, args.out, args.name, args.part_mib)
-            print(f"drafter_parts: {args.name} in {len(paths)} part(s) of "
+            paths = pack(args.export, args.out, args.name, args.part_mib, args.kind)
+            print(f"drafter_parts: {args.kind} {args.name} in {len(paths)} part(s) of "
                   + ", ".join(f"{p.stat().st_size / 2**20:.1f}" for p in paths) + " MiB")
         else:
-            index = unpack(args.parts, args.name, args.dest)
-            print(f"drafter_parts: {args.name} restored to {args.dest} ({len(index['files'])} files, sha256 checked)")
+            index = unpack(args.parts, args.name, args.dest, args.kind)
+            print(f"drafter_parts: {args.kind} {args.name} restored to {args.dest} ({len(index['files'])} files, sha256 checked)")
     except PartsError as exc:
         print(f"drafter_parts: error: {exc}", file=sys.stderr)
         return 3

@@ -82,7 +82,8 @@
 # QUALITY_SEEDS (empty; e.g. "1"), QUALITY_SCALING (empty; e.g. "0-3 0-7"), QUALITY_VARIANTS (empty; e.g.
 # "kd5=--kd-weight 0.5"), QUALITY_VAL_BATCHES (32: all of
 # cache-val), QUALITY_REGEN_SEED (bench/data/...), QUALITY_REGEN_SOURCE (first_turns; all_turns = every user turn),
-# QUALITY_REGEN_MORE_SEED (empty; regen-more's kept file, resumed like QUALITY_REGEN_SEED),
+# QUALITY_REGEN_MORE_SEED (empty; regen-more's kept file, resumed like QUALITY_REGEN_SEED), QUALITY_EXTRA_DATA
+# (empty; more regenerated files for extraction after both regen files, e.g. a carried data bundle's: link_data),
 # QUALITY_CODECS ("lossless fp8"), QUALITY_WINDOW_GIB (empty = whole caches; B = stream each cache through a
 # B GiB window: extract-<codec> and train-<codec> run at once, the trainer reading every shard QUALITY_PASSES
 # (1) times and deleting it; with QUALITY_TRAIN_STEPS=0 the run ends when every shard has been read; the
@@ -200,11 +201,8 @@ setup() {
     restore_drafters
     restore_init
     restore_eval_progress
-    if [ ${#REGEN_MORE_FLAGS[@]} -gt 0 ]; then   # both regen files, in this order, as one data source
-        mkdir -p "$Q/data" && touch "$Q/regenerated-more.jsonl" &&
-            ln -sfn ../regenerated.jsonl "$Q/data/0-regenerated.jsonl" &&
-            ln -sfn ../regenerated-more.jsonl "$Q/data/1-regenerated-more.jsonl"
-    fi
+    restore_data_bundles
+    link_data   # regen's file, regen-more's and QUALITY_EXTRA_DATA's, in this order, as one data source ($Q/data)
     export DFLASH_PROMPTS_DIR=$CARRY/data/prompts
     export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 MPLBACKEND=Agg TOKENIZERS_PARALLELISM=false
     export DFLASH_LOG=${DFLASH_LOG:-WARNING}

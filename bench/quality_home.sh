@@ -53,6 +53,59 @@ restore_init() {   # drafters carried from home to start training from (INIT_PAR
     done
 }
 
+restore_data_bundles() {   # regenerated data carried from home in parts (DATA_PARTS): $CARRY/files/<name>/
+    local part name
+    for part in "$CARRY"/databundle/data_*.tar.part-0-of-*; do
+        [ -f "$part" ] || continue
+        name=${part##*/data_}; name=${name%%.tar.part-*}
+        [ -d "$CARRY/files/$name" ] && continue
+        "$PY" bench/drafter_parts.py unpack --kind data --parts "$CARRY/databundle" --name "$name" \
+            --dest "$CARRY/files/$name" >> "$Q/logs/setup.log" 2>&1 ||
+            fail "the data bundle $name does not unpack (logs/setup.log): carry all its parts again"
+        say "setup: data bundle $name unpacked to $CARRY/files/$name: $(ls "$CARRY/files/$name" | tr '\n' ' ')"
+    done
+}
+
+uses_data_dir() { [ ${#REGEN_MORE_FLAGS[@]} -gt 0 ] || [ -n "${QUALITY_EXTRA_DATA:-}" ]; }
+
+# QUALITY_EXTRA_DATA="<file> ...": regenerated rows beyond regen's and regen-more's files (.jsonl, .jsonl.gz or
+# .jsonl.xz; e.g. a data bundle's file, /tmp/quality/carry/files/<name>/<file>), read by extraction after them.
+# None may hold a held-out conversation (the first QUALITY_HELDOUT rows of regen's file): refused if one does.
+link_data() {
+    uses_data_dir || return 0
+    mkdir -p "$Q/data" && ln -sfn ../regenerated.jsonl "$Q/data/0-regenerated.jsonl" || fail "cannot make $Q/data"
+    if [ ${#REGEN_MORE_FLAGS[@]} -gt 0 ]; then
+        touch "$Q/regenerated-more.jsonl" && ln -sfn ../regenerated-more.jsonl "$Q/data/1-regenerated-more.jsonl"
+    fi
+    local i=2 f
+    for f in ${QUALITY_EXTRA_DATA:-}; do
+        [ -f "$f" ] || fail "QUALITY_EXTRA_DATA: $f is not a file (a data bundle not carried? DATA_PARTS=<dir> scripts/prepare_gpu_carry.sh)"
+        if [ ! -s "$Q/extra-$i.jsonl" ]; then
+            local tmp=$Q/extra-$i.jsonl.tmp   # (the heredoc's line must end the command: the || stays on it)
+            "$PY" - "$f" "$tmp" "$Q/regenerated.jsonl" "$HELDOUT" <<'PY' || { rm -f "$tmp"; fail "QUALITY_EXTRA_DATA: $f refused (above)"; }
+import gzip, itertools, json, lzma, sys
+src, dest, regen, heldout = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+base = lambda i: i.split("#")[0]  # a sample id's conversation
+with open(regen, encoding="utf-8") as f:
+    held = {base(json.loads(line)["id"]) for line in itertools.islice(f, heldout)}
+opener = lzma.open if src.endswith(".xz") else gzip.open if src.endswith(".gz") else open
+n = 0
+with opener(src, "rt", encoding="utf-8") as f, open(dest, "w", encoding="utf-8") as o:
+    for n, line in enumerate(f, 1):
+        if base(json.loads(line)["id"]) in held:
+            sys.exit(f"{src} row {n}: conversation {json.loads(line)['id']!r} is held out (one of the first {heldout} "
+                     "of regen's file): regenerate it without the held-out conversations")
+        o.write(line)
+print(f"{n} rows", file=sys.stderr)
+PY
+            mv "$tmp" "$Q/extra-$i.jsonl"
+            say "setup: extra data $((i - 1)): $(wc -l < "$Q/extra-$i.jsonl") rows from $f"
+        fi
+        ln -sfn "../extra-$i.jsonl" "$Q/data/$i-extra.jsonl"
+        i=$((i + 1))
+    done
+}
+
 restore_eval_progress() {   # an unfinished eval's per-prompt records carried from home: the eval resumes from them
     local s f                   # (its run key names the drafter by content, so the restored export matches)
     for s in "${SETS[@]}"; do
@@ -91,6 +144,9 @@ stash() {
     local part
     for part in "$SRC"/d*/drafter_*.tar.part-*; do
         [ -f "$part" ] && mkdir -p "$CARRY/drafter" && cp "$part" "$CARRY/drafter/"
+    done
+    for part in "$SRC"/x*/data_*.tar.part-*; do   # DATA_PARTS=... prepare_gpu_carry.sh: regenerated data bundles
+        [ -f "$part" ] && mkdir -p "$CARRY/databundle" && cp "$part" "$CARRY/databundle/"
     done
     for part in "$SRC"/i*/drafter_*.tar.part-*; do   # INIT_PARTS=... prepare_gpu_carry.sh: --init-from drafters
         [ -f "$part" ] && mkdir -p "$CARRY/init" && cp "$part" "$CARRY/init/"

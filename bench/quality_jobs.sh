@@ -111,7 +111,7 @@ job_cmd() {   # the command of a job (array JOB_CMD)
     local common=(-m "$M" --target-model-cache-dir "$MODELS")
     # the first $HELDOUT regenerated conversations are held out: never trained on, extracted into cache-val
     # (training's --val-cache-dir) and decoded by the 'heldout' eval set
-    local src=$Q/regenerated.jsonl; [ ${#REGEN_MORE_FLAGS[@]} -gt 0 ] && src=$Q/data   # both regen files
+    local src=$Q/regenerated.jsonl; uses_data_dir && src=$Q/data   # regen's file and more (link_data)
     local data=(--data-source "$src" --data-skip-samples "$HELDOUT")
     local layout=$EXTRACT_LAYOUT
     [ "$layout" = auto ] && layout=$(cat "$Q/extract_layout.choice" 2>/dev/null)

@@ -99,10 +99,13 @@ echo "objstore call: $(mib $((tree + r))) = tree + rclone + whl ($(mib "$r"))"
 #                        d1, ...; a fresh machine evaluates them without extracting or training again
 #   INIT_PARTS=<dir>     a drafter to start training from (train --init-from; e.g. kept on the git branch
 #                        drafter-parts): .gpucarry/i0, i1, ...; setup unpacks them to /tmp/quality/init/<name>
-parts_calls() {   # var prefix: .gpucarry/<prefix>K dirs and their calls for the parts in the directory $var names
-    local var=$1 p=$2 dir=${!1} k=0 i
-    local parts=("$dir"/drafter_*.tar.part-*)
-    [ -f "${parts[0]}" ] || { echo "error: no drafter_*.tar.part-* in $var=$dir" >&2; exit 1; }
+#   DATA_PARTS=<dir>     regenerated data beyond main's tree (bench/drafter_parts.py pack --kind data; e.g. kept on
+#                        a branch): .gpucarry/x0, x1, ...; setup unpacks each bundle to /tmp/quality/carry/files/<name>/
+#                        (QUALITY_EXTRA_DATA names its files)
+parts_calls() {   # var prefix [kind]: .gpucarry/<prefix>K dirs and their calls for the parts in the directory $var names
+    local var=$1 p=$2 kind=${3:-drafter} dir=${!1} k=0 i
+    local parts=("$dir"/"$kind"_*.tar.part-*)
+    [ -f "${parts[0]}" ] || { echo "error: no ${kind}_*.tar.part-* in $var=$dir" >&2; exit 1; }
     for ((i = 0; i < ${#parts[@]}; i += 2)); do
         mkdir -p ".gpucarry/$p$k" && cp "${parts[@]:i:2}" ".gpucarry/$p$k/"
         call "${p^^}$k" "$p$k ($(ls ".gpucarry/$p$k" | tr '\n' ' '))" "bash bench/quality_gpu.sh stash" ".gpucarry/$p$k"
@@ -111,6 +114,7 @@ parts_calls() {   # var prefix: .gpucarry/<prefix>K dirs and their calls for the
 }
 [ -z "${DRAFTER_PARTS:-}" ] || parts_calls DRAFTER_PARTS d
 [ -z "${INIT_PARTS:-}" ] || parts_calls INIT_PARTS i
+[ -z "${DATA_PARTS:-}" ] || parts_calls DATA_PARTS x data
 # an eval that a lost machine left unfinished (EVAL_PROGRESS=<that call's results.tar.gz>, which holds
 # quality/eval-<set>/eval_progress.jsonl): .gpucarry/ev, carried with call T; setup puts the records back and the
 # eval resumes from them (with the same drafter, carried as above)

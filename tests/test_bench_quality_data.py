@@ -1,0 +1,68 @@
+"""bench/quality_home.sh: regenerated data carried from home as a data bundle, read by extraction after the
+regen files (QUALITY_EXTRA_DATA), and refused when it holds a held-out conversation."""
+
+import importlib.util
+import json
+import lzma
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("drafter_parts", ROOT / "bench" / "drafter_parts.py")
+dp = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(dp)
+
+
+def _rows(ids):
+    return "".join(json.dumps({"id": i, "messages": [{"role": "user", "content": i}]}) + "\n" for i in ids)
+
+
+def _setup(q: Path, extra: str) -> subprocess.CompletedProcess:
+    """The driver's restore_data_bundles + link_data, as setup calls them (say / fail stubbed)."""
+    script = f"""
+        say() {{ echo "$*"; }}; fail() {{ echo "FAIL: $*"; exit 1; }}
+        Q={q}; CARRY={q}/carry; PY={sys.executable}; HELDOUT=2; REGEN_MORE_FLAGS=(--samples 1)
+        export QUALITY_EXTRA_DATA="{extra}"
+        mkdir -p "$Q/logs"; cd {ROOT}
+        source bench/quality_home.sh
+        restore_data_bundles && link_data && uses_data_dir && echo LINKED
+    """
+    return subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
+
+
+def _machine(tmp_path, bundle_ids):
+    q = tmp_path / "q"
+    q.mkdir()
+    (q / "regenerated.jsonl").write_text(_rows(["held_0#0", "held_0#1", "a#0", "a#1"]))  # first 2 rows held out
+    home = tmp_path / "home"
+    home.mkdir()
+    with lzma.open(home / "more.jsonl.xz", "wt") as f:
+        f.write(_rows(bundle_ids))
+    (home / "more.progress.json").write_text("{}")
+    dp.pack(home, q / "carry" / "databundle", "sample5", part_mib=0.0005, kind="data")   # several small parts
+    return q
+
+
+def test_a_carried_bundle_is_unpacked_and_read_after_the_regen_files(tmp_path):
+    q = _machine(tmp_path, ["a#5", "b#5", "c#5"])
+    assert len(list((q / "carry" / "databundle").glob("data_sample5.tar.part-*"))) > 1
+    r = _setup(q, f"{q}/carry/files/sample5/more.jsonl.xz")
+    assert r.returncode == 0 and "LINKED" in r.stdout, r.stdout + r.stderr
+    assert "data bundle sample5 unpacked" in r.stdout and "extra data 1: 3 rows" in r.stdout
+    assert sorted(p.name for p in (q / "data").iterdir()) == ["0-regenerated.jsonl", "1-regenerated-more.jsonl",
+                                                             "2-extra.jsonl"]
+    assert [json.loads(ln)["id"] for ln in (q / "data" / "2-extra.jsonl").read_text().splitlines()] == \
+        ["a#5", "b#5", "c#5"]
+    again = _setup(q, f"{q}/carry/files/sample5/more.jsonl.xz")   # a later call: nothing redone
+    assert again.returncode == 0 and "unpacked" not in again.stdout and "extra data" not in again.stdout
+
+
+def test_a_held_out_conversation_or_a_missing_file_is_refused(tmp_path):
+    q = _machine(tmp_path, ["a#5", "held_0#5"])
+    r = _setup(q, f"{q}/carry/files/sample5/more.jsonl.xz")
+    assert r.returncode == 1 and "FAIL" in r.stdout
+    assert "row 2: conversation 'held_0#5' is held out" in r.stderr
+    assert not list(q.glob("extra-*")) and not (q / "data" / "2-extra.jsonl").exists()
+    r = _setup(q, f"{q}/carry/files/nowhere.jsonl.xz")
+    assert r.returncode == 1 and "is not a file" in r.stdout and "DATA_PARTS" in r.stdout
