@@ -84,6 +84,7 @@
 # cache-val), QUALITY_REGEN_SEED (bench/data/...), QUALITY_REGEN_SOURCE (first_turns; all_turns = every user turn),
 # QUALITY_REGEN_MORE_SEED (empty; regen-more's kept file, resumed like QUALITY_REGEN_SEED), QUALITY_EXTRA_DATA
 # (empty; more regenerated files for extraction after both regen files, e.g. a carried data bundle's: link_data),
+# QUALITY_DATA_ONLY (empty; 1 = a data session: only the regen jobs run, their rows go home; bench/quality19k.env),
 # QUALITY_CODECS ("lossless fp8"), QUALITY_WINDOW_GIB (empty = whole caches; B = stream each cache through a
 # B GiB window: extract-<codec> and train-<codec> run at once, the trainer reading every shard QUALITY_PASSES
 # (1) times and deleting it; with QUALITY_TRAIN_STEPS=0 the run ends when every shard has been read; the
@@ -333,7 +334,7 @@ snapshot() {   # small files to $OUT (called every 30 s in the background and at
         for j in "${JOBS[@]}"; do
             if [ -f "$Q/done/$j.restored" ]; then echo "done     $j (restored from parts carried from home)"
             elif is_done "$j"; then echo "done     $j ($(cat "$Q/done/$j.seconds" 2>/dev/null)s)"
-            elif not_needed "$j"; then echo "skipped  $j (every drafter is done)"
+            elif not_needed "$j"; then echo "skipped  $j (${QUALITY_DATA_ONLY:+a data session: QUALITY_DATA_ONLY}${QUALITY_DATA_ONLY:+=}${QUALITY_DATA_ONLY:-every drafter is done})"
             else echo "pending  $j: $(job_progress "$j")"; fi
         done
     } > "$OUT/status.txt.tmp" 2>/dev/null && mv "$OUT/status.txt.tmp" "$OUT/status.txt"

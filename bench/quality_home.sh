@@ -17,6 +17,7 @@
 regen_rows_out() {   # job: the rows after its seed's (regen: seed.rows; regen-more: seed-more.rows, or all)
     local skip; skip=$(cat "$Q/$( [ "$1" = regen ] && echo seed || echo seed-more ).rows" 2>/dev/null || echo 0)
     "$PY" bench/regen_seed.py out --file "$(regen_file "$1")" --skip "$skip" --out "$OUT" --name "${1//-/_}_rows" \
+        --max-files "$( [ -n "${QUALITY_DATA_ONLY:-}" ] && echo 5 || echo 1 )" \
         2>&1 | while read -r line; do say "$line"; done
 }
 
@@ -116,7 +117,9 @@ restore_eval_progress() {   # an unfinished eval's per-prompt records carried fr
     done
 }
 
-not_needed() {   # job: true for a data job (regen, extract) once every drafter is done (e.g. restored from home)
+not_needed() {   # job: true for a data job (regen, extract) once every drafter is done (e.g. restored from home),
+    # and for every job after regen in a data session (QUALITY_DATA_ONLY=1: regenerate, bring the rows home, stop)
+    [ -n "${QUALITY_DATA_ONLY:-}" ] && [ "$(kind "$1")" != regen ] && return 0
     case $(kind "$1") in regen|extract) ;; *) return 1 ;; esac
     local t; for t in "${TRAINS[@]}"; do is_done "$t" || return 1; done
 }

@@ -48,8 +48,9 @@ def write_parts(file: Path, skip: int, out: Path, rows_per_file: int, max_files:
 
 def merge(seed: Path, parts: list[Path], sidecar: Path) -> None:
     """seed rows + parts (in the order given: a shell glob sorts them) -> the seed file, checked against the run's
-    sidecar, which replaces the seed's own progress file."""
-    rows = lzma.open(seed, "rb").read().splitlines(keepends=True)
+    sidecar, which replaces the seed's own progress file. A seed that does not exist yet starts empty (the first
+    rows of a new regen file, e.g. a data session's regen-more)."""
+    rows = lzma.open(seed, "rb").read().splitlines(keepends=True) if seed.exists() else []
     for p in parts:
         rows += lzma.open(p, "rb").read().splitlines(keepends=True)
     state = json.loads(sidecar.read_text(encoding="utf-8"))

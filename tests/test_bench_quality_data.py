@@ -66,3 +66,19 @@ def test_a_held_out_conversation_or_a_missing_file_is_refused(tmp_path):
     assert not list(q.glob("extra-*")) and not (q / "data" / "2-extra.jsonl").exists()
     r = _setup(q, f"{q}/carry/files/nowhere.jsonl.xz")
     assert r.returncode == 1 and "is not a file" in r.stdout and "DATA_PARTS" in r.stdout
+
+
+def test_a_data_session_needs_only_the_regen_jobs(tmp_path):
+    """QUALITY_DATA_ONLY=1 (bench/quality19k.env): every job after regen is not needed, so the run ends at regen."""
+    script = f"""
+        Q={tmp_path}; CODECS=(lossless); REGEN_MORE_FLAGS=(--samples 4 --first-sample 5); PY={sys.executable}
+        is_done() {{ [ -f "$Q/done/$1" ]; }}
+        cd {ROOT}; source bench/quality_jobs.sh; source bench/quality_home.sh
+        for j in "${{JOBS[@]}}"; do not_needed "$j" && echo "$j skip" || echo "$j run"; done
+    """
+    got = lambda env: subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60,
+                                     env={**__import__("os").environ, **env}).stdout.split("\n")
+    data = got({"QUALITY_DATA_ONLY": "1"})
+    assert "regen run" in data and "regen-more run" in data
+    assert {"extract-lossless skip", "extract-val skip", "train-lossless skip"} <= set(data)
+    assert {"extract-lossless run", "train-lossless run"} <= set(got({"QUALITY_DATA_ONLY": ""}))

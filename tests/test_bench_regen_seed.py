@@ -47,3 +47,19 @@ def test_out_then_merge_rebuilds_the_run_file_and_refuses_overlaps_and_missing_p
     assert json.loads((tmp_path / "seed.progress.json").read_text())["rows_written"] == 12
     with pytest.raises(SystemExit, match="7 ids appear twice"):          # merged twice
         rs.merge(seed, parts, sidecar)
+
+
+def test_merge_into_a_seed_that_does_not_exist_yet_starts_it(tmp_path):
+    """A data session's regen-more writes a new file: its rows become a new seed, checked the same way."""
+    rows = _rows(4)
+    run_file = tmp_path / "regenerated-more.jsonl"
+    run_file.write_bytes(b"".join(rows))
+    parts = rs.write_parts(run_file, skip=0, out=tmp_path / "out", rows_per_file=3, max_files=5,
+                           name="regen_more_rows")
+    sidecar = tmp_path / "regenerated-more.jsonl.progress.json"
+    sidecar.write_text(json.dumps({"rows_written": 4, "generated_tokens": 40}))
+    new = tmp_path / "home" / "sample5.jsonl.xz"
+    new.parent.mkdir()
+    rs.merge(new, parts, sidecar)
+    assert lzma.open(new).read() == b"".join(rows)
+    assert json.loads((tmp_path / "home" / "sample5.progress.json").read_text())["rows_written"] == 4
