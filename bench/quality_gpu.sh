@@ -296,7 +296,7 @@ snapshot() {   # small files to $OUT (called every 30 s in the background and at
         for j in "${JOBS[@]}"; do
             if [ -f "$Q/done/$j.restored" ]; then echo "done     $j (restored from parts carried from home)"
             elif is_done "$j"; then echo "done     $j ($(cat "$Q/done/$j.seconds" 2>/dev/null)s)"
-            elif not_needed "$j"; then echo "skipped  $j (${QUALITY_DATA_ONLY:+a data session: QUALITY_DATA_ONLY}${QUALITY_DATA_ONLY:+=}${QUALITY_DATA_ONLY:-every drafter is done})"
+            elif not_needed "$j"; then echo "skipped  $j ($( [ -n "${QUALITY_DATA_ONLY:-}" ] && echo "a data session: QUALITY_DATA_ONLY" || echo "every drafter is done"))"
             else echo "pending  $j: $(job_progress "$j")"; fi
         done
     } > "$OUT/status.txt.tmp" 2>/dev/null && mv "$OUT/status.txt.tmp" "$OUT/status.txt"

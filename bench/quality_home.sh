@@ -42,30 +42,19 @@ restore_drafters() {   # drafters carried from home: unpacked where their train 
     done
 }
 
-restore_init() {   # drafters carried from home to start training from (INIT_PARTS): $Q/init/<name>/ (an export)
-    local part name
-    for part in "$CARRY"/init/drafter_*.tar.part-0-of-*; do
+unpack_bundles() {   # kind dir dest_root what: each complete <kind>_<name>.tar.part-* set in dir -> dest_root/<name>/
+    local kind=$1 dir=$2 root=$3 what=$4 part name
+    for part in "$dir/${kind}"_*.tar.part-0-of-*; do
         [ -f "$part" ] || continue
-        name=${part##*/drafter_}; name=${name%%.tar.part-*}
-        [ -f "$Q/init/$name/model.safetensors" ] && continue
-        "$PY" bench/drafter_parts.py unpack --parts "$CARRY/init" --name "$name" --dest "$Q/init/$name" \
-            >> "$Q/logs/setup.log" 2>&1 || fail "the --init-from drafter $name does not unpack (logs/setup.log)"
-        say "setup: --init-from drafter $name unpacked to $Q/init/$name"
+        name=${part##*/"${kind}"_}; name=${name%%.tar.part-*}
+        [ -d "$root/$name" ] && continue   # unpacked by an earlier call (unpack renames a complete directory in)
+        "$PY" bench/drafter_parts.py unpack --kind "$kind" --parts "$dir" --name "$name" --dest "$root/$name" \
+            >> "$Q/logs/setup.log" 2>&1 || fail "the $what $name does not unpack (logs/setup.log): carry all its parts again"
+        say "setup: $what $name unpacked to $root/$name: $(ls "$root/$name" | tr '\n' ' ')"
     done
 }
-
-restore_data_bundles() {   # regenerated data carried from home in parts (DATA_PARTS): $CARRY/files/<name>/
-    local part name
-    for part in "$CARRY"/databundle/data_*.tar.part-0-of-*; do
-        [ -f "$part" ] || continue
-        name=${part##*/data_}; name=${name%%.tar.part-*}
-        [ -d "$CARRY/files/$name" ] && continue
-        "$PY" bench/drafter_parts.py unpack --kind data --parts "$CARRY/databundle" --name "$name" \
-            --dest "$CARRY/files/$name" >> "$Q/logs/setup.log" 2>&1 ||
-            fail "the data bundle $name does not unpack (logs/setup.log): carry all its parts again"
-        say "setup: data bundle $name unpacked to $CARRY/files/$name: $(ls "$CARRY/files/$name" | tr '\n' ' ')"
-    done
-}
+restore_init() { unpack_bundles drafter "$CARRY/init" "$Q/init" "--init-from drafter"; }   # INIT_PARTS
+restore_data_bundles() { unpack_bundles data "$CARRY/databundle" "$CARRY/files" "data bundle"; }   # DATA_PARTS
 
 uses_data_dir() { [ ${#REGEN_MORE_FLAGS[@]} -gt 0 ] || [ -n "${QUALITY_EXTRA_DATA:-}" ]; }
 
@@ -132,31 +121,27 @@ trim_out() {   # the device returns at most 8 files of $OUT: drop, in this order
     done
 }
 
+stash_into() {   # dest files...: the files that exist (an unmatched glob stays a pattern) copied into dest
+    local dest=$1 f; shift
+    for f in "$@"; do [ -f "$f" ] && mkdir -p "$dest" && cp "$f" "$dest/"; done
+    return 0
+}
+
 # the carried paths of this call (.gpucarry/...) -> $CARRY, which stays on the machine while it is warm
 stash() {
     mkdir -p "$CARRY/data"
-    local n=0
-    local f
+    local n=0 f
     for f in "$SRC"/p[0-9]/smollm2.gguf.part-[0-9]; do
         if [ -f "$f" ] && [ ! -f "$Q/smollm2.gguf" ]; then cp "$f" "$CARRY/"; n=$((n + 1)); fi
     done
     if [ -d "$SRC/data" ]; then cp -r "$SRC/data/." "$CARRY/data/"; fi
     if [ -d "$SRC/whl" ]; then mkdir -p "$CARRY/whl" && cp "$SRC/whl/"*.whl "$CARRY/whl/"; fi   # setup installs them
-    # drafters trained in an earlier call whose machine went cold (bench/drafter_parts.py; prepare_gpu_carry.sh
-    # with DRAFTER_PARTS=... puts their parts in .gpucarry/d0, d1, ...): setup restores them
-    local part
-    for part in "$SRC"/d*/drafter_*.tar.part-*; do
-        [ -f "$part" ] && mkdir -p "$CARRY/drafter" && cp "$part" "$CARRY/drafter/"
-    done
-    for part in "$SRC"/x*/data_*.tar.part-*; do   # DATA_PARTS=... prepare_gpu_carry.sh: regenerated data bundles
-        [ -f "$part" ] && mkdir -p "$CARRY/databundle" && cp "$part" "$CARRY/databundle/"
-    done
-    for part in "$SRC"/i*/drafter_*.tar.part-*; do   # INIT_PARTS=... prepare_gpu_carry.sh: --init-from drafters
-        [ -f "$part" ] && mkdir -p "$CARRY/init" && cp "$part" "$CARRY/init/"
-    done
-    for part in "$SRC"/ev/eval-*.eval_progress.jsonl; do   # EVAL_PROGRESS=... prepare_gpu_carry.sh: an eval's records
-        [ -f "$part" ] && mkdir -p "$CARRY/eval" && cp "$part" "$CARRY/eval/"
-    done
+    # parts and records carried from home by prepare_gpu_carry.sh: drafters trained earlier (DRAFTER_PARTS, d*),
+    # data bundles (DATA_PARTS, x*), drafters to start from (INIT_PARTS, i*), an eval's records (EVAL_PROGRESS, ev)
+    stash_into "$CARRY/drafter" "$SRC"/d*/drafter_*.tar.part-*
+    stash_into "$CARRY/databundle" "$SRC"/x*/data_*.tar.part-*
+    stash_into "$CARRY/init" "$SRC"/i*/drafter_*.tar.part-*
+    stash_into "$CARRY/eval" "$SRC"/ev/eval-*.eval_progress.jsonl
     # the ShareGPT prompt files travel in the turns call (.gpucarry/turns; in data/ before session 13) and are
     # decompressed here: first turns (regen's default source) and every user turn (QUALITY_REGEN_SOURCE=all_turns)
     local kind gz

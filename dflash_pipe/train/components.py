@@ -57,6 +57,15 @@ def check_against_cache(dcfg: DrafterModelConfig, spec: dict, where: str) -> Non
                               "train a new drafter for this cache (new --output-dir), or use the matching cache")
 
 
+def drafter_shape_diff(saved: dict, dcfg: DrafterModelConfig, saved_label: str, now_label: str,
+                       ignore: tuple[str, ...] = ("attention",)) -> str:
+    """'field: <saved_label> a vs <now_label> b; ...' for each field of `dcfg` that `saved` (a drafter config
+    dict) holds otherwise; '' when they match. The attention path is a runtime choice, not part of the shape."""
+    now = {k: v for k, v in dcfg.to_dict().items() if k not in ignore}
+    return "; ".join(f"{k}: {saved_label} {saved.get(k)!r} vs {now_label} {v!r}"
+                     for k, v in now.items() if saved.get(k) != v)
+
+
 def check_resume_identity(state: dict, spec: dict, path: Path, dcfg: DrafterModelConfig | None = None,
                           shards: list[int] | None = None) -> None:
     """Refuse to resume a checkpoint trained on another cache, another shard subset or drafter shape."""
@@ -68,12 +77,9 @@ def check_resume_identity(state: dict, spec: dict, path: Path, dcfg: DrafterMode
     new = cache_identity(spec)
     diff = {k: (old.get(k), new[k]) for k in new if old.get(k) != new[k]}
     if dcfg is not None and not diff:
-        saved = state.get("drafter_config", {})
-        now = {k: v for k, v in dcfg.to_dict().items() if k != "attention"}
-        shape = {k: (saved.get(k), v) for k, v in now.items() if saved.get(k) != v}
+        shape = drafter_shape_diff(state.get("drafter_config", {}), dcfg, "checkpoint", "now")
         if shape:
-            lines = "; ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in shape.items())
-            raise ValidationError(f"checkpoint {path} has another drafter shape: {lines}",
+            raise ValidationError(f"checkpoint {path} has another drafter shape: {shape}",
                                   "use a new --output-dir for a new drafter, or --resume never")
     if diff:
         lines = "; ".join(f"{k}: checkpoint {a!r} vs cache {b!r}" for k, (a, b) in diff.items())
@@ -134,12 +140,11 @@ def init_state_from_export(export_dir: str, dcfg: DrafterModelConfig) -> dict[st
     from ..drafter import load_exported_drafter  # noqa: PLC0415 (export pulls in the HF-facing code)
 
     model, theirs = load_exported_drafter(export_dir)  # fp32 on the CPU
-    skip = ("attention", "max_position_embeddings", "initializer_range")  # not part of the weights' meaning
-    mine, other = dataclasses.asdict(dcfg), dataclasses.asdict(theirs)
-    diff = {k: (other.get(k), v) for k, v in mine.items() if k not in skip and other.get(k) != v}
+    # an export's config may lack the last two (z-lab's): defaults then, and neither changes what the weights mean
+    diff = drafter_shape_diff(theirs.to_dict(), dcfg, "export", "this run",
+                              ignore=("attention", "max_position_embeddings", "initializer_range"))
     if diff:
-        lines = "; ".join(f"{k}: export {a!r} vs this run {b!r}" for k, (a, b) in diff.items())
-        raise ValidationError(f"--init-from {export_dir}: the exported drafter differs from this run's: {lines}",
+        raise ValidationError(f"--init-from {export_dir}: the exported drafter differs from this run's: {diff}",
                               "give this run the export's drafter settings (e.g. --drafter-num-layers), or drop "
                               "--init-from")
     return model.state_dict()

@@ -82,14 +82,15 @@ class StepLogger:
         """One step's record; `peak_mem_gib` as read at that step (default: now)."""
         now = time.time()
         self._times.append(step_s)
-        steady = self._times[WARMUP_STEPS_FOR_ETA:] or self._times
-        mean = sum(steady) / len(steady)
         # the ETA runs on wall time between logged steps once past the warm-up, so that validation, checkpoints
         # and a window's round boundaries count too (the step's own time alone left session 18's ETA ~20 % short)
         if self._clock is None and len(self._times) > WARMUP_STEPS_FOR_ETA:
             self._clock = (now, step)
         if self._clock is not None and step > self._clock[1]:
             mean = (now - self._clock[0]) / (step - self._clock[1])
+        else:  # until then: the mean step time, past the warm-up steps where there are any
+            steady = self._times[WARMUP_STEPS_FOR_ETA:] or self._times
+            mean = sum(steady) / len(steady)
         eta = (self.total - step - 1) * mean
         rec = {"step": step, "epoch": epoch, "time": round(now, 3), **metrics, "lr": lr, "grad_norm": grad_norm,
                "step_s": step_s,
