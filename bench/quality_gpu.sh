@@ -85,6 +85,7 @@
 # QUALITY_REGEN_MORE_SEED (empty; regen-more's kept file, resumed like QUALITY_REGEN_SEED), QUALITY_EXTRA_DATA
 # (empty; more regenerated files for extraction after both regen files, e.g. a carried data bundle's: link_data),
 # QUALITY_DATA_ONLY (empty; 1 = a data session: only the regen jobs run, their rows go home; bench/quality19k.env),
+# QUALITY_SHARE_FROM (empty; an earlier run's QUALITY_DIR on this warm machine: its carry, GGUF and models are reused),
 # QUALITY_CODECS ("lossless fp8"), QUALITY_WINDOW_GIB (empty = whole caches; B = stream each cache through a
 # B GiB window: extract-<codec> and train-<codec> run at once, the trainer reading every shard QUALITY_PASSES
 # (1) times and deleting it; with QUALITY_TRAIN_STEPS=0 the run ends when every shard has been read; the
@@ -172,6 +173,7 @@ fail() { say "ERROR: $*"; finish 1; }
 
 # ------------------------------------------------------------------------------------------- setup
 setup() {
+    share_from_earlier_run
     stash >/dev/null                         # parts / data carried in this call, if any
     local need=(data/gguf.sha256 "${REGEN_SOURCE#$CARRY/}" data/prompts/mt_bench_question.jsonl
                 data/prompts/HumanEval.jsonl.gz)

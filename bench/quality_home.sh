@@ -197,3 +197,18 @@ with (lzma.open if sys.argv[1].endswith(".xz") else gzip.open)(sys.argv[1]) as f
     shutil.copyfileobj(f, o)' "$seed" "$dest.tmp" && cp "$side" "$dest.progress.json" && mv "$dest.tmp" "$dest"
 }
 
+# QUALITY_SHARE_FROM=<an earlier run's QUALITY_DIR on this machine>: a second run in its own QUALITY_DIR (e.g. a data
+# session after a training run, bench/quality19k.env) starts from what the first one stashed and built, without
+# the stash calls again: reads that run's carry, links its GGUF and model cache (done/, logs and data stay apart)
+share_from_earlier_run() {
+    local from=${QUALITY_SHARE_FROM:-} p
+    [ -n "$from" ] || return 0
+    [ "$(cd "$from" 2>/dev/null && pwd -P)" != "$(cd "$Q" && pwd -P)" ] || fail "QUALITY_SHARE_FROM=$from is this run's own QUALITY_DIR"
+    [ -d "$from/carry" ] || { say "QUALITY_SHARE_FROM=$from has no carry/ (fresh machine? start again at call A)"; finish 3; }
+    # the carry by its own path, not a link: regen's seeds name their source file, and resume only from that path
+    CARRY=$(cd "$from/carry" && pwd -P); REGEN_SOURCE=$CARRY/${REGEN_SOURCE#"$Q/carry/"}
+    for p in smollm2.gguf models; do
+        [ -e "$from/$p" ] && [ ! -e "$Q/$p" ] && ln -s "$(cd "$from" && pwd -P)/$p" "$Q/$p"
+    done
+    say "setup: shares $from's carry ($CARRY), GGUF and model cache"
+}

@@ -82,3 +82,36 @@ def test_a_data_session_needs_only_the_regen_jobs(tmp_path):
     assert "regen run" in data and "regen-more run" in data
     assert {"extract-lossless skip", "extract-val skip", "train-lossless skip"} <= set(data)
     assert {"extract-lossless run", "train-lossless run"} <= set(got({"QUALITY_DATA_ONLY": ""}))
+
+
+def _share(q: Path, src: Path) -> subprocess.CompletedProcess:
+    """The driver's share_from_earlier_run, as setup calls it first (say / fail / finish stubbed)."""
+    script = f"""
+        say() {{ echo "$*"; }}; fail() {{ echo "FAIL: $*"; exit 1; }}; finish() {{ echo "FINISH $1"; exit "$1"; }}
+        Q={q}; CARRY={q}/carry; REGEN_SOURCE=$CARRY/data/sharegpt_all_turns.jsonl
+        export QUALITY_SHARE_FROM={src}
+        mkdir -p "$Q"; cd {ROOT}; source bench/quality_home.sh
+        share_from_earlier_run && echo "CARRY=$CARRY" && echo "SOURCE=$REGEN_SOURCE"
+    """
+    return subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
+
+
+def test_a_second_run_shares_the_first_runs_carry_under_its_own_path(tmp_path):
+    """QUALITY_SHARE_FROM (a data session after a training run on one warm machine): the first run's carry is read
+    by its real path (regen's seed sidecars name their source file, and seed only from that path), its GGUF and
+    model cache are linked, and nothing of the second run's own state goes into the first run's directory."""
+    first, second = tmp_path / "quality", tmp_path / "quality2"
+    (first / "carry" / "data").mkdir(parents=True)
+    (first / "models").mkdir()
+    (first / "smollm2.gguf").write_bytes(b"gguf")
+    r = _share(second, first)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"CARRY={first.resolve()}/carry" in r.stdout
+    assert f"SOURCE={first.resolve()}/carry/data/sharegpt_all_turns.jsonl" in r.stdout
+    assert (second / "smollm2.gguf").read_bytes() == b"gguf" and (second / "models").resolve() == first / "models"
+    assert not (second / "carry").exists() and sorted(p.name for p in first.iterdir()) == ["carry", "models",
+                                                                                           "smollm2.gguf"]
+    r = _share(first, first)   # its own directory
+    assert r.returncode == 1 and "is this run's own QUALITY_DIR" in r.stdout
+    r = _share(second, tmp_path / "fresh")   # a fresh machine: nothing stashed there
+    assert r.returncode == 3 and "has no carry/" in r.stdout and "start again at call A" in r.stdout
