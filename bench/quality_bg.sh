@@ -8,7 +8,8 @@
 #                                     sourcing $QUALITY_ENV first), then watches like `watch`
 #   bash bench/quality_gpu.sh watch   waits until the run ends or this call's QUALITY_DEADLINE_S is near, then copies
 #                                     home what the run made: status, log tails, each finished drafter's parts (once),
-#                                     and, while an eval runs, results.tar.gz with its per-prompt progress
+#                                     while an eval runs, results.tar.gz with its per-prompt progress, and the rows
+#                                     regen wrote since the last call (regen_*rows_<start>-<end>.tar, each row once)
 # Exit codes: 75 the run goes on (call `watch` again within 30 s), else the run's own (0 complete, 3 carry missing,
 # 75 its deadline came with work left: `bg` again continues it, every job resumes). The machine still goes after 30 s
 # without a call: what went home is what bench/quality_home.sh's recovery starts from.
@@ -35,7 +36,7 @@ bg_start() {
 }
 
 bg_watch() {
-    local rc=75 f
+    local rc=75 f j
     [ -f "$Q/bg.pid" ] || { say "bg: no background run on this machine (fresh machine? start again at call A)"; exit 3; }
     while :; do
         if [ -f "$Q/bg.rc" ]; then rc=$(cat "$Q/bg.rc"); break; fi
@@ -58,6 +59,12 @@ bg_watch() {
         timeout 40 "$PY" bench/quality_report.py --dir "$Q" --out "$OUT" >> "$Q/logs/report.log" 2>&1 ||
             say "bg: bench/quality_report.py failed (logs/report.log)"
     fi
+    # regen's rows so far go home in every call (bench/regen_seed.py ship, each row once): a machine lost
+    # mid-regen costs the rows of its last call, not the session's (session 19 lost a data session's at its end)
+    for j in regen regen-more; do
+        f=$(( 8 - $(find "$OUT" -maxdepth 3 -type f | wc -l) ))
+        [ "$f" -gt 0 ] && regen_rows_out "$j" "$OUT" "$f"
+    done
     trim_out
     cat "$OUT/status.txt" 2>/dev/null; tail -n 12 "$Q/logs/driver.log"
     ls -l "$OUT"

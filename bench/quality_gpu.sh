@@ -63,9 +63,9 @@
 # least its minimum useful time left and runs under `timeout -s INT` until the deadline minus a reserve. Every
 # job is resumable: eval keeps its finished prompts in <eval dir>/eval_progress.jsonl until its report exists.
 # $OUT (at most 8 files) is refreshed every 30 s and at the end: status.txt, logs_tail.txt, summary.json,
-# summary.md, quality.png, results.tar.gz (eval reports + PNGs, metrics.jsonl, configs, full logs); in the call that
-# finishes regen also regen_rows_0.jsonl.xz, its rows beyond the seed (`bench/regen_seed.py merge` at home), and
-# regen_more_rows_0.jsonl.xz in the call that finishes regen-more.
+# summary.md, quality.png, results.tar.gz (eval reports + PNGs, metrics.jsonl, configs, full logs); the rows regen
+# and regen-more wrote beyond their seeds as regen_rows_<start>-<end>.tar / regen_more_rows_...tar, each row once,
+# with the sidecar (`bench/regen_seed.py ship`; `merge` at home): at each regen job's end, and in every `watch`.
 #
 # Measured in session 3 (H200, driver.log in bench/results/2026-12-01-h200-quality-session3/): regen of 8,000
 # prompts 239 s; the three extracts at once 69 s (1.7 M tokens); two 5,000-step trainers at once 223 s

@@ -1,8 +1,9 @@
 # What leaves the lent GPU machine for home in the call that made it, and what comes back from home to a fresh
 # machine (sourced by bench/quality_gpu.sh after bench/quality_jobs.sh). The machine's disk lasts only while it
 # stays warm, 30 s after a call; sessions 16 and 17 each lost a run when the next call found a new machine.
-#   regen's new rows   -> $OUT/regen_rows_0.jsonl.xz (regen-more: regen_more_rows_0...), bench/regen_seed.py;
-#                         `merge` at home makes them the next seed (QUALITY_REGEN_SEED / QUALITY_REGEN_MORE_SEED)
+#   regen's new rows   -> $OUT/regen_rows_<start>-<end>.tar (regen-more: regen_more_rows_...), bench/regen_seed.py
+#                         `ship`: in every `watch` while regen writes, and at its end, each row once, with the
+#                         sidecar; `merge` at home makes them the next seed (QUALITY_REGEN_SEED / _MORE_SEED)
 #   a finished drafter -> $OUT/drafter_<name>.tar.part-K-of-N, bench/drafter_parts.py; at home
 #                         DRAFTER_PARTS=<dir> scripts/prepare_gpu_carry.sh puts them in .gpucarry/d0, d1, ..., the
 #                         stash calls carry them, and setup restores the export and marks its train job done, so a
@@ -14,11 +15,13 @@
 #                         scripts/prepare_gpu_carry.sh puts them in .gpucarry/ev (carried with call T), and
 #                         setup puts them back, so the eval continues where the lost machine left it
 
-regen_rows_out() {   # job: the rows after its seed's (regen: seed.rows; regen-more: seed-more.rows, or all)
-    local skip; skip=$(cat "$Q/$( [ "$1" = regen ] && echo seed || echo seed-more ).rows" 2>/dev/null || echo 0)
-    "$PY" bench/regen_seed.py out --file "$(regen_file "$1")" --skip "$skip" --out "$OUT" --name "${1//-/_}_rows" \
-        --max-files "$( [ -n "${QUALITY_DATA_ONLY:-}" ] && echo 5 || echo 1 )" \
-        2>&1 | while read -r line; do say "$line"; done
+regen_rows_out() {   # job [out] [max files]: its rows written since the last ship (never its seed's) -> out
+    local j=$1 out=${2:-$OUT} max=${3:-} seed
+    [ -f "$(regen_file "$j")" ] || return 0
+    seed=$(cat "$Q/$( [ "$j" = regen ] && echo seed || echo seed-more ).rows" 2>/dev/null || echo 0)
+    [ -n "$max" ] || max=$( [ -n "${QUALITY_DATA_ONLY:-}" ] && echo 5 || echo 1 )
+    "$PY" bench/regen_seed.py ship --file "$(regen_file "$j")" --seed-rows "$seed" --out "$out" \
+        --name "${j//-/_}_rows" --max-files "$max" 2>&1 | while read -r line; do say "$line"; done
 }
 
 parts_name() { local n; n=$(drafter_name "$1"); echo "${n//-/_}"; }   # train job -> its parts' name

@@ -275,7 +275,7 @@ def plot(summary: dict, d: Path, out_png: Path) -> None:
 
 
 def pack(d: Path, out_tar: Path) -> None:
-    # the regenerated rows themselves leave as $OUT/regen_rows_*.jsonl.xz (bench/regen_seed.py): at tens of M
+    # the regenerated rows themselves leave as $OUT/regen_rows_*.tar (bench/regen_seed.py ship): at tens of M
     # tokens they would push this archive past what a call brings back (16 MiB a file)
     names = ["regenerated.jsonl.progress.json", "regenerated-more.jsonl.progress.json", "cache-val/manifest.json"]
     for c in CODECS:
