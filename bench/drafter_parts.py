@@ -19,7 +19,9 @@ Unpack checks that every part is there and every file's sha256, and writes the e
 
 `--kind data` packs any flat directory the same way (data_<name>.tar.part-K-of-N): the regenerated data a run
 needs beyond what main's tree can carry (scripts/prepare_gpu_carry.sh DATA_PARTS=<dir>; setup unpacks each
-bundle to /tmp/quality/carry/files/<name>/).
+bundle to /tmp/quality/carry/files/<name>/). `--kind kernels` packs a directory tree (kernels_<name>...): the
+trainer's compiled-kernel caches (Triton + Inductor), so a later machine starts from a warm compile cache
+(scripts/prepare_gpu_carry.sh KERNEL_PARTS=<dir>).
 Exit codes: 0 ok; 3 parts missing or damaged (carry them again); 2 usage.
 """
 
@@ -43,7 +45,8 @@ class PartsError(Exception):
     """Missing, extra or damaged parts: the drafter cannot be restored from them."""
 
 
-KINDS = ("drafter", "data")
+KINDS = ("drafter", "data", "kernels")
+TREES = ("kernels",)   # kinds whose bundles keep subdirectories (relative paths); the others are flat
 
 
 def _part_names(name: str, n: int, kind: str = "drafter") -> list[str]:
@@ -56,12 +59,18 @@ def pack(export: Path, out: Path, name: str, part_mib: float = 15.0, kind: str =
         raise ValueError(f"{kind} name {name!r}: letters, digits and _ only (it becomes a file name in $OUT)")
     if kind not in KINDS:
         raise ValueError(f"kind {kind!r}: one of {', '.join(KINDS)}")
-    files = sorted(p for p in export.iterdir() if p.is_file()) if export.is_dir() else []
+    if not export.is_dir():
+        files = []
+    elif kind in TREES:
+        files = sorted(p for p in export.rglob("*") if p.is_file() and not p.is_symlink())
+    else:
+        files = sorted(p for p in export.iterdir() if p.is_file())
     if kind == "drafter" and not any(p.name == "config.json" for p in files):
         raise PartsError(f"{export} holds no config.json: not a drafter export (did the train job finish?)")
     if not files:
         raise PartsError(f"{export}: no files to pack")
-    index = {"name": name, "files": {p.name: {"bytes": p.stat().st_size,
+    arc = {p: p.relative_to(export).as_posix() for p in files}
+    index = {"name": name, "files": {arc[p]: {"bytes": p.stat().st_size,
                                               "sha256": hashlib.sha256(p.read_bytes()).hexdigest()} for p in files}}
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
@@ -70,7 +79,7 @@ def pack(export: Path, out: Path, name: str, part_mib: float = 15.0, kind: str =
         info.size = len(data)
         tar.addfile(info, io.BytesIO(data))
         for p in files:
-            tar.add(p, arcname=p.name, recursive=False)
+            tar.add(p, arcname=arc[p], recursive=False)
     blob = buf.getvalue()
     size = int(part_mib * 2 ** 20)
     chunks = [blob[i:i + size] for i in range(0, len(blob), size)]
@@ -84,6 +93,14 @@ def pack(export: Path, out: Path, name: str, part_mib: float = 15.0, kind: str =
         os.replace(tmp, out / part)
         paths.append(out / part)
     return paths
+
+
+def _safe_member(fname: str, tree: bool) -> bool:
+    """A member name unpack may write: a plain name, or (tree kinds) a relative path that stays inside dest."""
+    parts = fname.split("/")
+    if not tree and len(parts) > 1:
+        return False
+    return not fname.startswith("/") and all(p not in ("", ".", "..") for p in parts) and not parts[0].startswith(".")
 
 
 def unpack(parts_dir: Path, name: str, dest: Path, kind: str = "drafter") -> dict:
@@ -109,7 +126,7 @@ def unpack(parts_dir: Path, name: str, dest: Path, kind: str = "drafter") -> dic
             contents = {}
             for fname, meta in index["files"].items():
                 m = members.get(fname)
-                if m is None or not m.isfile() or "/" in fname or fname.startswith("."):
+                if m is None or not m.isfile() or not _safe_member(fname, kind in TREES):
                     raise PartsError(f"{kind} {name!r}: {fname} missing from the parts or not a plain file")
                 data = tar.extractfile(m).read()
                 if len(data) != meta["bytes"] or hashlib.sha256(data).hexdigest() != meta["sha256"]:
@@ -121,6 +138,7 @@ def unpack(parts_dir: Path, name: str, dest: Path, kind: str = "drafter") -> dic
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     for fname, data in contents.items():
+        (tmp / fname).parent.mkdir(parents=True, exist_ok=True)
         (tmp / fname).write_bytes(data)
     if dest.exists():
         shutil.rmtree(dest)
@@ -132,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("pack", help="an export directory -> <kind>_<name>.tar.part-K-of-N files")
-    p.add_argument("--export", type=Path, required=True, help="the directory to pack (flat)")
+    p.add_argument("--export", type=Path, required=True, help="the directory to pack (flat, or a tree for kernels)")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--name", required=True)
     p.add_argument("--part-mib", type=float, default=15.0, help="largest part (the device returns files <= 16 MiB)")
@@ -141,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     u.add_argument("--name", required=True)
     u.add_argument("--dest", type=Path, required=True)
     for q in (p, u):
-        q.add_argument("--kind", choices=KINDS, default="drafter", help="drafter (an export) or data (any files)")
+        q.add_argument("--kind", choices=KINDS, default="drafter",
+                       help="drafter (an export), data (any flat directory) or kernels (a directory tree)")
     args = ap.parse_args(argv)
     try:
         if args.cmd == "pack":

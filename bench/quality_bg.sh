@@ -48,7 +48,7 @@ bg_watch() {
     for f in "$Q"/bgout/*; do
         [ -f "$f" ] || continue
         case $(basename "$f") in
-            drafter_*.part-*|regen_*rows_*)   # big, and made once: home in the first call that sees them
+            drafter_*.part-*|kernels_*.part-*|regen_*rows_*)   # big, made once: home in the first call that sees them
                 grep -qxF "$(basename "$f")" "$Q/bg.sent" && continue
                 cp "$f" "$OUT/" && basename "$f" >> "$Q/bg.sent" ;;
             *) cp "$f" "$OUT/" ;;

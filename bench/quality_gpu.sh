@@ -203,6 +203,8 @@ setup() {
     seed_regenerated
     restore_drafters
     restore_init
+    export DFLASH_LOCAL_CACHE=$Q/kernels   # the jobs' compile caches (dflash_pipe.dist), sent home by kernels_out
+    restore_kernels
     restore_eval_progress
     restore_data_bundles
     link_data   # regen's file, regen-more's and QUALITY_EXTRA_DATA's, in this order, as one data source ($Q/data)
@@ -274,7 +276,7 @@ reap() {   # collect finished jobs; sets RC[job]
         elif [ "$rc" = 0 ] && job_ok "$j"; then
             date -u +%FT%TZ > "$Q/done/$j"; say "done  $j in ${dt}s"
             is_regen "$j" && regen_rows_out "$j"
-            [ "$(kind "$j")" = train ] && drafter_out "$j"
+            [ "$(kind "$j")" = train ] && drafter_out "$j" && kernels_out
         elif is_regen "$j" && { [ "$rc" = 124 ] || [ "$rc" = 130 ] || [ "$rc" = 137 ]; } && regen_capped && job_ok "$j"; then
             regen_cap_done "$j" "stopped at its time cap after ${dt}s (rc $rc)"
         elif [ "$rc" = 124 ] || [ "$rc" = 130 ] || [ "$rc" = 137 ]; then

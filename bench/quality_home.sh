@@ -57,6 +57,32 @@ unpack_bundles() {   # kind dir dest_root what: each complete <kind>_<name>.tar.
     done
 }
 restore_init() { unpack_bundles drafter "$CARRY/init" "$Q/init" "--init-from drafter"; }   # INIT_PARTS
+
+# The trainer's compiled kernels (Triton + Inductor caches, DFLASH_LOCAL_CACHE=$Q/kernels, train-rank0/): a compiled
+# trainer's first step costs ~190 s cold on the H200 and ~21 s warm (session 17), so a run that compiles sends its
+# cache home once, after its first train job (kernels_train_rank0.tar.part-K-of-N, at most QUALITY_KERNELS_MAX_MIB),
+# and KERNEL_PARTS=<dir> scripts/prepare_gpu_carry.sh carries it back; setup puts it where the trainer looks.
+compiles() { [[ " ${TRAIN_FLAGS[*]} " == *" --compile on "* ]] || [ -n "${QUALITY_KERNELS_OUT:-}" ]; }
+kernels_out() {   # after a train job: the cache -> $OUT in parts, once, unless it came from home or is too big
+    local dir=$Q/kernels/train-rank0 mib
+    compiles && [ -d "$dir" ] && [ ! -f "$Q/done/kernels.sent" ] && [ ! -f "$Q/kernels/restored" ] || return 0
+    mib=$(du -sm "$dir" | cut -f1)
+    if [ "$mib" -gt "${QUALITY_KERNELS_MAX_MIB:-30}" ]; then
+        say "kernels: the compile cache is $mib MiB, over QUALITY_KERNELS_MAX_MIB=${QUALITY_KERNELS_MAX_MIB:-30}: not sent"
+    else
+        "$PY" bench/drafter_parts.py pack --kind kernels --export "$dir" --out "$OUT" --name train_rank0 \
+            2>&1 | while read -r line; do say "$line"; done
+    fi
+    date -u +%FT%TZ > "$Q/done/kernels.sent"
+}
+restore_kernels() {   # KERNEL_PARTS: a compile cache from an earlier machine, before any trainer starts
+    local dest=$Q/kernels/train-rank0
+    compgen -G "$CARRY/kernels/kernels_train_rank0.tar.part-*" > /dev/null && [ ! -f "$Q/kernels/restored" ] || return 0
+    "$PY" bench/drafter_parts.py unpack --kind kernels --parts "$CARRY/kernels" --name train_rank0 --dest "$dest" \
+        >> "$Q/logs/setup.log" 2>&1 || fail "the compile cache carried from home does not unpack (logs/setup.log)"
+    date -u +%FT%TZ > "$Q/kernels/restored"
+    say "setup: the trainer's compile cache restored to $dest ($(du -sm "$dest" | cut -f1) MiB)"
+}
 restore_data_bundles() { unpack_bundles data "$CARRY/databundle" "$CARRY/files" "data bundle"; }   # DATA_PARTS
 
 uses_data_dir() { [ ${#REGEN_MORE_FLAGS[@]} -gt 0 ] || [ -n "${QUALITY_EXTRA_DATA:-}" ]; }
@@ -144,6 +170,7 @@ stash() {
     stash_into "$CARRY/drafter" "$SRC"/d*/drafter_*.tar.part-*
     stash_into "$CARRY/databundle" "$SRC"/x*/data_*.tar.part-*
     stash_into "$CARRY/init" "$SRC"/i*/drafter_*.tar.part-*
+    stash_into "$CARRY/kernels" "$SRC"/k*/kernels_*.tar.part-*
     stash_into "$CARRY/eval" "$SRC"/ev/eval-*.eval_progress.jsonl
     # the ShareGPT prompt files travel in the turns call (.gpucarry/turns; in data/ before session 13) and are
     # decompressed here: first turns (regen's default source) and every user turn (QUALITY_REGEN_SOURCE=all_turns)

@@ -102,6 +102,8 @@ echo "objstore call: $(mib $((tree + r))) = tree + rclone + whl ($(mib "$r"))"
 #   DATA_PARTS=<dir>     regenerated data beyond main's tree (bench/drafter_parts.py pack --kind data; e.g. kept on
 #                        a branch): .gpucarry/x0, x1, ...; setup unpacks each bundle to /tmp/quality/carry/files/<name>/
 #                        (QUALITY_EXTRA_DATA names its files)
+#   KERNEL_PARTS=<dir>   the trainer's compile cache from a run that compiled (kernels_train_rank0.tar.part-*, sent
+#                        home once after its first train job): .gpucarry/k0, ...; setup restores it before training
 parts_calls() {   # var prefix [kind]: .gpucarry/<prefix>K dirs and their calls for the parts in the directory $var names
     local var=$1 p=$2 kind=${3:-drafter} dir=${!1} k=0 i
     local parts=("$dir"/"$kind"_*.tar.part-*)
@@ -115,6 +117,7 @@ parts_calls() {   # var prefix [kind]: .gpucarry/<prefix>K dirs and their calls 
 [ -z "${DRAFTER_PARTS:-}" ] || parts_calls DRAFTER_PARTS d
 [ -z "${INIT_PARTS:-}" ] || parts_calls INIT_PARTS i
 [ -z "${DATA_PARTS:-}" ] || parts_calls DATA_PARTS x data
+[ -z "${KERNEL_PARTS:-}" ] || parts_calls KERNEL_PARTS k kernels
 # an eval that a lost machine left unfinished (EVAL_PROGRESS=<that call's results.tar.gz>, which holds
 # quality/eval-<set>/eval_progress.jsonl): .gpucarry/ev, carried with call T; setup puts the records back and the
 # eval resumes from them (with the same drafter, carried as above)

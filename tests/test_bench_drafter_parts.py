@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import io
+import json
 import os
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -79,3 +83,37 @@ def test_cli_exit_codes(export, tmp_path, capsys):
     (export / "config.json").unlink()
     assert dp.main(["pack", "--export", str(export), "--out", str(out), "--name", "lossless"]) == 3
     assert "not a drafter export" in capsys.readouterr().err
+
+
+def test_a_kernel_cache_tree_goes_out_and_back_whole_and_a_path_outside_dest_is_refused(tmp_path):
+    """--kind kernels: the trainer's Triton + Inductor caches (a tree) restored byte for byte at the same
+    relative paths; a member that would land outside dest (a tampered index) is refused, nothing written."""
+    cache = tmp_path / "kernels" / "train-rank0"
+    files = {"triton/AB12/flex_fwd.cubin": os.urandom(5000), "triton/AB12/flex_fwd.json": b"{}",
+             "inductor/fxgraph/x1/entry": os.urandom(3000), "inductor/aotautograd/y/entry": b"\x00" * 10}
+    for rel, data in files.items():
+        (cache / rel).parent.mkdir(parents=True, exist_ok=True)
+        (cache / rel).write_bytes(data)
+    (cache / "triton" / "link").symlink_to(cache / "triton" / "AB12" / "flex_fwd.json")   # links are not carried
+    out = tmp_path / "OUT"
+    paths = dp.pack(cache, out, "train_rank0", part_mib=0.005, kind="kernels")
+    assert len(paths) > 1 and all(p.name.startswith("kernels_train_rank0.tar.part-") for p in paths)
+    dest = tmp_path / "fresh" / "kernels" / "train-rank0"
+    index = dp.unpack(out, "train_rank0", dest, kind="kernels")
+    assert set(index["files"]) == set(files)
+    assert {p.relative_to(dest).as_posix(): p.read_bytes() for p in dest.rglob("*") if p.is_file()} == files
+    bad = tmp_path / "BAD"                                          # a tampered bundle: a member outside dest
+    bad.mkdir()
+    data, blob = b"x", io.BytesIO()
+    with tarfile.open(fileobj=blob, mode="w") as tar:
+        for name, payload in ((dp.INDEX, json.dumps({"name": "evil", "files": {"../escape": {
+                "bytes": 1, "sha256": hashlib.sha256(data).hexdigest()}}}).encode()), ("../escape", data)):
+            info = tarfile.TarInfo(name)
+            info.size = len(payload)
+            tar.addfile(info, io.BytesIO(payload))
+    (bad / "kernels_evil.tar.part-0-of-1").write_bytes(blob.getvalue())
+    with pytest.raises(dp.PartsError, match="not a plain file"):
+        dp.unpack(bad, "evil", tmp_path / "d" / "dest", kind="kernels")
+    assert not (tmp_path / "d" / "escape").exists() and not (tmp_path / "d" / "dest").exists()
+    assert not dp._safe_member("/etc/x", True) and not dp._safe_member("a/../../b", True)
+    assert not dp._safe_member("a/b", False) and dp._safe_member("model.safetensors", False)
