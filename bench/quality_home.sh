@@ -66,6 +66,7 @@ compiles() { [[ " ${TRAIN_FLAGS[*]} " == *" --compile on "* ]] || [ -n "${QUALIT
 kernels_out() {   # after a train job: the cache -> $OUT in parts, once, unless it came from home or is too big
     local dir=$Q/kernels/train-rank0 mib
     compiles && [ -d "$dir" ] && [ ! -f "$Q/done/kernels.sent" ] && [ ! -f "$Q/kernels/restored" ] || return 0
+    [ -n "$(find "$dir" -type f -print -quit)" ] || return 0      # nothing compiled (an eager trainer's empty dirs)
     mib=$(du -sm "$dir" | cut -f1)
     if [ "$mib" -gt "${QUALITY_KERNELS_MAX_MIB:-30}" ]; then
         say "kernels: the compile cache is $mib MiB, over QUALITY_KERNELS_MAX_MIB=${QUALITY_KERNELS_MAX_MIB:-30}: not sent"

@@ -35,10 +35,12 @@ class DistInfo:
 
 
 def set_rank_cache_dirs(info: DistInfo, stage: str) -> None:
-    """Per-rank TRITON_CACHE_DIR / TORCHINDUCTOR_CACHE_DIR unless the user set them."""
+    """Per-rank TRITON_CACHE_DIR / TORCHINDUCTOR_CACHE_DIR unless the user set them (before torch._inductor's
+    import wrote its default into the environment: `dflash_pipe.USER_KERNEL_CACHE_ENV`)."""
+    from . import USER_KERNEL_CACHE_ENV
     base = os.environ.get("DFLASH_LOCAL_CACHE", os.path.join(tempfile.gettempdir(), "dflash-pipe-kernels"))
     for var, sub in (("TRITON_CACHE_DIR", "triton"), ("TORCHINDUCTOR_CACHE_DIR", "inductor")):
-        if var not in os.environ:
+        if USER_KERNEL_CACHE_ENV[var] is None:
             path = os.path.join(base, f"{stage}-rank{info.rank}", sub)
             os.makedirs(path, exist_ok=True)
             os.environ[var] = path
