@@ -93,8 +93,8 @@ r=$(bytes .gpucarry/rclone .gpucarry/whl)
 echo "objstore call: $(mib $((tree + r))) = tree + rclone + whl ($(mib "$r"))"
 [ $((tree + r)) -lt "$limit" ] ||   # bench/gpu_bench.sh objstore: not part of the quality run
     echo "  the objstore call is over 64 MiB: carry .gpucarry/rclone alone, after a call that stashes the wheels"
-# drafter parts from home (bench/drafter_parts.py), two 15 MiB parts per carry dir, each dir in a stash call of its
-# own (bash bench/quality_gpu.sh stash) before the run call:
+# drafter parts from home (bench/drafter_parts.py), as many 15 MiB parts per carry dir as fit beside the tree (two
+# while it is under ~33 MiB), each dir in a stash call of its own (bash bench/quality_gpu.sh stash) before the run call:
 #   DRAFTER_PARTS=<dir>  drafters trained in an earlier call, as a run call's $OUT brought them home: .gpucarry/d0,
 #                        d1, ...; a fresh machine evaluates them without extracting or training again
 #   INIT_PARTS=<dir>     a drafter to start training from (train --init-from; e.g. kept on the git branch
@@ -105,14 +105,20 @@ echo "objstore call: $(mib $((tree + r))) = tree + rclone + whl ($(mib "$r"))"
 #   KERNEL_PARTS=<dir>   the trainer's compile cache from a run that compiled (kernels_train_rank0.tar.part-*, sent
 #                        home once after its first train job): .gpucarry/k0, ...; setup restores it before training
 parts_calls() {   # var prefix [kind]: .gpucarry/<prefix>K dirs and their calls for the parts in the directory $var names
-    local var=$1 p=$2 kind=${3:-drafter} dir=${!1} k=0 i
+    local var=$1 p=$2 kind=${3:-drafter} dir=${!1} k=0 f group=()
     local parts=("$dir"/"$kind"_*.tar.part-*)
     [ -f "${parts[0]}" ] || { echo "error: no ${kind}_*.tar.part-* in $var=$dir" >&2; exit 1; }
-    for ((i = 0; i < ${#parts[@]}; i += 2)); do
-        mkdir -p ".gpucarry/$p$k" && cp "${parts[@]:i:2}" ".gpucarry/$p$k/"
+    emit() {   # the parts gathered so far -> one stash call
+        mkdir -p ".gpucarry/$p$k" && cp "${group[@]}" ".gpucarry/$p$k/"
         call "${p^^}$k" "$p$k ($(ls ".gpucarry/$p$k" | tr '\n' ' '))" "bash bench/quality_gpu.sh stash" ".gpucarry/$p$k"
-        k=$((k + 1))
+        k=$((k + 1)); group=()
+    }
+    # as many parts a call as fit beside the tree with 1 MiB to spare (two 15 MiB parts while the tree is < 33 MiB)
+    for f in "${parts[@]}"; do
+        if [ ${#group[@]} -gt 0 ] && [ $((tree + $(bytes "${group[@]}" "$f") + (1 << 20))) -gt "$limit" ]; then emit; fi
+        group+=("$f")
     done
+    emit
 }
 [ -z "${DRAFTER_PARTS:-}" ] || parts_calls DRAFTER_PARTS d
 [ -z "${INIT_PARTS:-}" ] || parts_calls INIT_PARTS i
