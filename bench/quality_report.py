@@ -158,9 +158,11 @@ def markdown(summary: dict) -> str:
         tr = (R.get(c) or {}).get("train")
         if not tr:
             continue
+        start = (f"; started from the drafter in {tr['init_from']} (train --init-from), seed {tr.get('seed')}, peak "
+                 f"lr {tr.get('lr')}: the tokens and steps below are this pass's only" if tr.get("init_from") else "")
         L += [f"Simulated tau against training tokens, {c} ({tr['last_step']}"
               f"{'/' + str(tr['planned_steps']) if tr['planned_steps'] else ''} steps, median "
-              f"{tr['median_step_s'] * 1000:.0f} ms/step):", "",
+              f"{tr['median_step_s'] * 1000:.0f} ms/step{start}):", "",
               "| steps | " + " | ".join(f"{w['steps'][0]}-{w['steps'][1]}" for w in tr["windows"]) + " |",
               "|---|" + "---:|" * len(tr["windows"]),
               "| context tokens seen | " + " | ".join(_tokens(w["tokens_seen"]) for w in tr["windows"]) + " |",

@@ -177,6 +177,8 @@ def training_curve(train_dir: Path) -> dict | None:
     tail = recs[-max(1, n // 10):]
     walks = [r["tau_walk"] for r in tail if isinstance(r.get("tau_walk"), (int, float))]
     return {"records": n, "last_step": recs[-1]["step"] + 1, "planned_steps": planned,
+            # a later pass (train --init-from): the drafter it started from, and the pass's own seed and peak lr
+            "init_from": tr.get("init_from") or None, "seed": tr.get("seed"), "lr": tr.get("lr"),
             "tokens_seen": seen[-1], "tau_last_10pct": sum(r["tau"] for r in tail) / len(tail),
             "tau_walk_last_10pct": sum(walks) / len(walks) if walks else None,
             "median_step_s": step_s[len(step_s) // 2], "windows": windows,

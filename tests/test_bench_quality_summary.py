@@ -180,3 +180,19 @@ def test_the_report_sets_teacher_forced_tau_beside_the_decoded_one():
     assert "| prompt lookup | heldout | 2.200 | 2.900 | 1.600 |" in lines
     row["drafters"]["lossless"]["teacher_forced"] = row["ngram_teacher_forced"] = None
     assert rep._teacher_forced_table({"sets": {"heldout": row}}) == []
+
+
+def test_a_later_pass_says_which_drafter_it_started_from(tmp_path):
+    """train --init-from (issue 19's second pass): the summary keeps the starting drafter, seed and lr, so a report
+    of a pass cannot be read as a drafter trained from scratch on its tokens."""
+    run = tmp_path / "train-lossless"
+    run.mkdir()
+    recs = [{"step": i, "tau": 2.0 + i / 100, "acc": 0.5, "loss": 2.0, "tok_s": 1000.0, "step_s": 0.08}
+            for i in range(20)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    cfg = '[train]\nmax_steps = 20\nseed = 1\nlr = 0.0004\ninit_from = "/tmp/quality/init/lossless"\n'
+    (run / "resolved_config.toml").write_text(cfg)
+    tr = qr.training_curve(run)
+    assert (tr["init_from"], tr["seed"], tr["lr"]) == ("/tmp/quality/init/lossless", 1, 0.0004)
+    (run / "resolved_config.toml").write_text(cfg.replace('init_from = "/tmp/quality/init/lossless"', 'init_from = ""'))
+    assert qr.training_curve(run)["init_from"] is None                  # a first pass: nothing to say
