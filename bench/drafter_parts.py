@@ -100,7 +100,7 @@ def _safe_member(fname: str, tree: bool) -> bool:
     parts = fname.split("/")
     if not tree and len(parts) > 1:
         return False
-    return not fname.startswith("/") and all(p not in ("", ".", "..") for p in parts) and not parts[0].startswith(".")
+    return all(p not in ("", ".", "..") for p in parts) and not parts[0].startswith(".")   # "" catches a leading /
 
 
 def unpack(parts_dir: Path, name: str, dest: Path, kind: str = "drafter") -> dict:

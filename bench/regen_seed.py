@@ -35,12 +35,22 @@ import tarfile
 from pathlib import Path
 
 
+def _complete_rows(file: Path, upto: int | None = None) -> list[bytes]:
+    """The first `upto` (None: all) complete lines of `file` (a writer may be appending behind them)."""
+    rows = []
+    with open(file, "rb") as f:
+        for line in f:
+            if len(rows) == upto or not line.endswith(b"\n"):
+                break
+            rows.append(line)
+    return rows
+
+
 def write_parts(file: Path, skip: int, out: Path, rows_per_file: int, max_files: int,
                 name: str = "regen_rows") -> list[Path]:
     """Rows of `file` after the first `skip`, xz-compressed in files of `rows_per_file` rows (at most max_files)."""
     out.mkdir(parents=True, exist_ok=True)
-    with open(file, "rb") as f:
-        rows = [line for line in f if line.endswith(b"\n")][skip:]   # a partial last line is not a row
+    rows = _complete_rows(file)[skip:]                   # a partial last line is not a row
     parts = []
     for i, start in enumerate(range(0, len(rows), rows_per_file)):
         if i == max_files:
@@ -54,17 +64,6 @@ def write_parts(file: Path, skip: int, out: Path, rows_per_file: int, max_files:
     print(f"regen_seed: {len(rows)} rows after the first {skip} in {len(parts)} file(s): "
           + ", ".join(f"{p.name} {p.stat().st_size / 2**20:.1f} MiB" for p in parts))
     return parts
-
-
-def _complete_rows(file: Path, upto: int) -> list[bytes]:
-    """The first `upto` complete lines of `file` (a writer may be appending behind them)."""
-    rows = []
-    with open(file, "rb") as f:
-        for line in f:
-            if len(rows) == upto or not line.endswith(b"\n"):
-                break
-            rows.append(line)
-    return rows
 
 
 def ship(file: Path, seed_rows: int, out: Path, name: str, rows_per_file: int, max_files: int) -> list[Path]:
@@ -127,14 +126,15 @@ def _read_tar_parts(parts: list[Path], first: int) -> tuple[list[bytes], dict]:
     seen: dict[tuple[int, int], bytes] = {}
     for p in sorted(parts, key=_part_range):
         a, b = _part_range(p)
-        if (a, b) in seen and seen[(a, b)] == p.read_bytes():
+        blob = p.read_bytes()
+        if seen.get((a, b)) == blob:
             continue                                     # the same part twice (two copies of one call's $OUT)
-        seen[(a, b)] = p.read_bytes()
+        seen[(a, b)] = blob
         if a != at:
             what = (f"overlaps rows {a}-{min(b, at)}, which the seed or an earlier part holds" if a < at
                     else f"leaves rows {at}-{a} out (a part missing?)")
             sys.exit(f"regen_seed: {p} starts at row {a} and {what} (the seed has {first} rows)")
-        with tarfile.open(p) as t:
+        with tarfile.open(fileobj=io.BytesIO(blob)) as t:
             chunk = lzma.decompress(t.extractfile("rows.jsonl.xz").read()).splitlines(keepends=True)
             names = t.getnames()
             side = json.loads(t.extractfile("progress.json").read()) if "progress.json" in names else None
