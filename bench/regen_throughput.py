@@ -18,6 +18,11 @@ rates, their ratio, the prefilled tokens, identical rows), the A/B that issue 18
     python bench/regen_throughput.py --data /tmp/quality/carry/data/sharegpt_all_turns.jsonl --max-turns 0 \
         --samples 4 --temperature 1.0 --top-p 0.95 --greedy-after 4 --max-length 1280 --prompts 4000 \
         --batch 1024 --hf-prompts 0 --reuse-history --reuse-history-ab --json ab.json          # H200
+--overlap off,on times regen in both modes (regenerate --overlap-prefill: prefills on a second CUDA stream under
+the decode, answers collected a few steps before a launch ends; regen_staging.py) against the same bare loop, each
+with its ratios, and counts the rows identical between them (`overlap_ab`):
+    python bench/regen_throughput.py --data /tmp/quality/carry/data/sharegpt_first_turns.jsonl \
+        --model-cache /tmp/quality/models --prompts 16384 --batch 1024 --overlap off,on --hf-prompts 0 --json ov.json
 Two ratios: `ratio_regen_to_bare` is regen / the bare loop's decode-only rate (the issue's goal >= 0.9; it
 pays for prefills, EOS-idle slots until the next check, the tail where slots run empty, and host work);
 `ratio_regen_to_bare_with_prefill` is regen / the bare loop's rate with its own prefill (eager, 64 prompts a
@@ -143,7 +148,7 @@ def _split_line(t: dict) -> str:
     """The regen run's time split as one line: host phases, device time, occupancy."""
     keys = ("setup_s", "wall_s", "launch_s", "collect_s", "tokenize_s", "detokenize_s", "write_s", "device_prefill_s",
             "device_decode_s", "decode_steps", "occupancy", "mean_live_rows", "prefill_calls", "prefill_pad_share",
-            "prefill_graphs", "decode_graphs")
+            "prefill_graphs", "decode_graphs", "staged_rows", "staging_device_waits", "device_staged_prefill_s")
     return ", ".join(f"{k} {t[k]}" for k in keys if k in t)
 
 
@@ -173,27 +178,56 @@ def reuse_ab(args, bundle, timed_out: Path, batch: int, attention: str, timed: d
     return out
 
 
+def overlap_ab(tmp: Path, batch: int, attention: str, runs: dict) -> dict:
+    """The overlap modes' rates, ratio and identical rows (the same answers by design; bf16 rounding of another
+    prefill shape may flip a near-tie)."""
+    off, on = runs["off"], runs["on"]
+    a = (tmp / f"regen{batch}-{attention}.jsonl").read_text().splitlines()
+    b = (tmp / f"regen{batch}-{attention}-overlap.jsonl").read_text().splitlines()
+    out = {"ratio_on_to_off": round(on["tok_s"] / off["tok_s"], 3),
+           "rows_identical": f"{sum(x == y for x, y in zip(a, b))}/{max(len(a), len(b))}"}
+    print(f"SUMMARY overlap A/B, batch {batch}, attention {attention}: on {on['tok_s']:,.0f} tok/s, off "
+          f"{off['tok_s']:,.0f} (ratio {out['ratio_on_to_off']}); identical rows {out['rows_identical']}", flush=True)
+    return out
+
+
 def one_batch(args, bundle, tmp: Path, batch_arg: int, attention: str) -> dict:
-    """regen (after an untimed warm-up run) and the bare loop at one batch and engine attention; ratios; one
-    SUMMARY line."""
+    """regen (after an untimed warm-up run; each --overlap mode) and the bare loop at one batch and engine
+    attention; ratios; one SUMMARY line per mode."""
     batch = batch_arg or auto_batch_size(bundle.model, args.max_length)
     timed_out = tmp / f"regen{batch}-{attention}.jsonl"
-    res = {"batch": batch, "attention": attention, "regen": warm_then_time(args, bundle, timed_out, batch, attention)}
-    print("regen", res["regen"], flush=True)
+    modes = args.overlap.split(",")
+    res = {"batch": batch, "attention": attention, "regen_by_overlap": {}}
+    for mode in modes:
+        out = timed_out if mode == "off" else timed_out.with_name(timed_out.stem + "-overlap.jsonl")
+        res["regen_by_overlap"][mode] = warm_then_time(args, bundle, out, batch, attention, overlap=mode == "on")
+        print(f"regen (overlap {mode})", res["regen_by_overlap"][mode], flush=True)
+    res["regen"] = res["regen_by_overlap"][modes[0]]
     res["bare"] = bare_loop(args, bundle, batch, attention)
     print("bare", res["bare"], flush=True)
     if args.reuse_history_ab:
         res["reuse_ab"] = reuse_ab(args, bundle, timed_out, batch, attention, res["regen"])
-    res["ratio_regen_to_bare"] = round(res["regen"]["tok_s"] / res["bare"]["tok_s"], 3)
-    res["ratio_regen_to_bare_with_prefill"] = round(res["regen"]["tok_s"] / res["bare"]["tok_s_with_prefill"], 3)
-    print(f"SUMMARY batch {batch}, attention {attention}: regenerate {res['regen']['tok_s']:,.0f} tok/s "
-          f"({res['regen']['conversations']} answers, {res['regen']['generated_tokens']:,} tokens in {res['regen']['wall_s']} s), bare loop "
-          f"{res['bare']['tok_s']:,.0f} tok/s ({res['bare']['ms_per_step']} ms/step; "
-          f"{res['bare']['tok_s_with_prefill']:,.0f} with its prefill), ratio {res['ratio_regen_to_bare']} "
-          f"to the decode loop (goal >= 0.9), {res['ratio_regen_to_bare_with_prefill']} to the loop with its prefill "
-          f"(the ceiling of a scheduler that must prefill); regen split: {_split_line(res['regen'].get('split', {}))}",
-          flush=True)
+    if set(modes) == {"off", "on"}:
+        res["overlap_ab"] = overlap_ab(tmp, batch, attention, res["regen_by_overlap"])
+    for mode in modes:
+        _summary(res, res["regen_by_overlap"][mode], mode, batch, attention)
     return res
+
+
+def _summary(res: dict, regen: dict, mode: str, batch: int, attention: str) -> None:
+    """The ratios of one regen run to the bare loop (kept in `regen`, and at the top of `res` for the first mode)."""
+    regen["ratio_regen_to_bare"] = round(regen["tok_s"] / res["bare"]["tok_s"], 3)
+    regen["ratio_regen_to_bare_with_prefill"] = round(regen["tok_s"] / res["bare"]["tok_s_with_prefill"], 3)
+    if regen is res["regen"]:
+        res["ratio_regen_to_bare"] = regen["ratio_regen_to_bare"]
+        res["ratio_regen_to_bare_with_prefill"] = regen["ratio_regen_to_bare_with_prefill"]
+    print(f"SUMMARY batch {batch}, attention {attention}, overlap {mode}: regenerate {regen['tok_s']:,.0f} tok/s "
+          f"({regen['conversations']} answers, {regen['generated_tokens']:,} tokens in {regen['wall_s']} s), bare loop "
+          f"{res['bare']['tok_s']:,.0f} tok/s ({res['bare']['ms_per_step']} ms/step; "
+          f"{res['bare']['tok_s_with_prefill']:,.0f} with its prefill), ratio {regen['ratio_regen_to_bare']} "
+          f"to the decode loop (goal >= 0.9), {regen['ratio_regen_to_bare_with_prefill']} to the loop with its "
+          f"prefill (the ceiling of a scheduler that must prefill); regen split: {_split_line(regen.get('split', {}))}",
+          flush=True)
 
 
 def main() -> None:
@@ -221,6 +255,8 @@ def main() -> None:
     ap.add_argument("--reuse-history", action="store_true", help="regenerate --reuse-history (with --max-turns 0)")
     ap.add_argument("--reuse-history-ab", action="store_true",
                     help="also time regen with --reuse-history flipped on the same prompts (an A/B in one run)")
+    ap.add_argument("--overlap", default="off", help="comma list of regenerate's overlap modes (off, on: "
+                                                     "--overlap-prefill), each timed at every batch and attention")
     ap.add_argument("--hf-prompts", type=int, default=256)
     ap.add_argument("--hf-batch", type=int, default=256)
     ap.add_argument("--smoke", action="store_true", help="CPU, random tiny-llama, toy sizes")

@@ -105,6 +105,11 @@ def regenerate_cmd(cfg: RunConfig, output: Path = typer.Option(..., "--output", 
                                                       "answer's row keeps its K/V and the conversation's next turn "
                                                       "prefills only its new tokens (the same answers up to "
                                                       "rounding; eval/regen_backends.py)."),
+                   overlap_prefill: bool = typer.Option(False, help="Static-KV engine on CUDA: prefill waiting "
+                                                        "prompts on a second stream under the decode and collect "
+                                                        "answers a few steps before a launch ends, so neither "
+                                                        "stops the decode (the same output; "
+                                                        "eval/regen_staging.py)."),
                    first_sample: int = typer.Option(0, help="Number the samples from K (ids <id>#K..): more "
                                                        "answers per prompt in a new file, each equal to what a "
                                                        "run with more --samples writes for that id."),
@@ -123,7 +128,7 @@ def regenerate_cmd(cfg: RunConfig, output: Path = typer.Option(..., "--output", 
     run_regenerate(cfg, output, max_new_tokens=max_new_tokens, batch_size=batch_size, device=device,
                    max_turns=max_turns, samples=samples, temperature=temperature, top_p=top_p, seed=seed,
                    engine=engine, attention=engine_attention, greedy_after=greedy_after, reuse_history=reuse_history,
-                   max_seconds=max_seconds, first_sample=first_sample)
+                   overlap=overlap_prefill, max_seconds=max_seconds, first_sample=first_sample)
 
 
 @app.command("export")

@@ -26,7 +26,12 @@ request comes within two launches, the slot is freed. Later turns then cost thei
 their whole history (session 14's every-turn data: 19 % of the prefilled tokens). The held history's K/V were
 written by decode steps instead of one prefill: the same values up to rounding.
 
-`HFBackend` (any target; the fallback for hybrid / recurrent ones): `batch` requests at a time in
+Overlap mode (``overlap=True``, regen_staging.py): once rows decode, waiting prompts are prefilled on a second,
+low-priority CUDA stream into a staging engine and copied into free slots as they free up, and `collect` reads
+a copy of the state taken `lag` steps before the launch's end, so neither the prefills nor the host's work
+between launches stop the decode. The answers are the direct path's.
+
+`HFBackend` (regen_hf.py; any target, the fallback for hybrid / recurrent ones): `batch` requests at a time in
 one left-padded greedy `generate` call, as regenerate did before the engine.
 
 An answer depends only on its prompt and its key (regen_sampling), never on the slot or the batch,
@@ -36,55 +41,20 @@ smaller batch (the driver's `rebuild`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import time
-from dataclasses import dataclass
 
 import torch
 
 from ..errors import UsageError
 from ..target.static_forward import StaticKVEngine, to_device
 from .regen_refill import RefillPolicy, plan_refill
+from .regen_requests import Completion, Held, TurnRequest, auto_batch_size  # noqa: F401 - re-exported
 from .regen_sampling import Decoding, next_tokens
+from .regen_staging import Snapshot, StagingArea, mark
 
 log = logging.getLogger("dflash_pipe.eval")
 GREEDY = Decoding()
-
-
-@dataclass
-class TurnRequest:
-    state: object          # the conversation (regenerate._ConvState)
-    prompt: list[int]
-    key: int               # sampling key (regen_sampling.answer_key)
-    order: int             # the conversation's input position: the ready list's sort key
-
-
-@dataclass
-class _Held:
-    """A finished row kept for its conversation's next turn (history reuse)."""
-    state: object          # the conversation (regenerate._ConvState)
-    fed: list[int]         # the tokens whose K/V the row holds: the prompt and the answer but its last token
-    launches: int = 0      # launches since the answer finished
-
-
-@dataclass
-class Completion:
-    request: TurnRequest
-    tokens: list[int]      # the answer without its end-of-turn token
-    ended: bool            # True when an EOS token ended it, False when it hit max_new_tokens
-    end_token: int | None = None   # the EOS token that ended it (engine backend; the eval keeps it in its output)
-
-
-def auto_batch_size(model: torch.nn.Module, max_len: int, cap: int = 1024) -> int:
-    """CPU: 16. CUDA: as many rows as fit in half the free memory with K/V for max_len tokens each."""
-    p = next(model.parameters())
-    if p.device.type != "cuda":
-        return 16
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    per_row = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (max_len + 1) * head_dim * p.element_size()
-    free, _ = torch.cuda.mem_get_info(p.device)
-    return max(1, min(cap, int(0.5 * free) // per_row))
 
 
 class EngineBackend:
@@ -95,7 +65,8 @@ class EngineBackend:
     def __init__(self, model, eos: list[int], batch: int, max_len: int, max_new_tokens: int, dec: Decoding,
                  check_every: int = 8, prefill_tokens: int | None = None, use_graphs: str = "auto",
                  compact: bool | None = None, min_free: int | None = None, attention: str = "auto",
-                 reuse_history: bool = False):
+                 reuse_history: bool = False, overlap: bool = False, staging_rows: int | None = None,
+                 snapshot_lag: int = 2):
         cuda = next(model.parameters()).device.type == "cuda"     # padding rows to 8 saves graphs, not CPU time
         self.engine = StaticKVEngine(model, batch, max_len, use_graphs=use_graphs, bucketed_prefill=True,
                                      prefill_min_rows=8 if cuda else 1, attention=attention,
@@ -110,7 +81,7 @@ class EngineBackend:
         if reuse_history and compact:
             raise UsageError("history reuse keeps finished rows in place; tail compaction moves rows")
         self.reuse_history = reuse_history
-        self.held: dict[int, _Held] = {}
+        self.held: dict[int, Held] = {}
         self.reused_tokens = self.delta_prefills = 0
         # tail compaction: with nothing waiting, live rows move down and steps run on the first `width` rows.
         # Off by default: the one H200 run with it on (session 7) regenerated at 18.8 k tok/s against 42.8 k
@@ -138,11 +109,30 @@ class EngineBackend:
         self.gpu_s = {"prefill": 0.0, "decode": 0.0}     # device time (CUDA events; host time on the CPU)
         mode = "CUDA graphs" if self.engine.use_graphs else "eager"
         attn = "per-row attention" if self.engine.row_attention(batch) else "SDPA attention"
+        # overlap mode (module docstring): staged prefills on a side stream, the decode on a high-priority stream
+        self.main = torch.cuda.Stream(device=dev, priority=-1) if overlap and self.cuda else None
+        self.staging = self.snap = None
+        self.lag = 0
+        if overlap:
+            self.staging = StagingArea(model, staging_rows or max(self.engine.prefill_min_rows, batch // 8), max_len,
+                                       dec, use_graphs=use_graphs, attention=attention,
+                                       min_rows=self.engine.prefill_min_rows, budget=prefill_tokens)
+            self.snap = Snapshot(batch, max_new_tokens + 1, dev)
+            self.lag = max(0, min(self.check_every - 1, snapshot_lag))
+        if self.main is not None:
+            self.main.wait_stream(torch.cuda.current_stream())     # the buffers above were made on this one
+        over = (f", prefills under the decode ({self.staging.rows} staging rows, collect {self.lag} steps early)"
+                if overlap else "")
         self.describe = (f"{self.name} ({mode}, batch {batch}, {attn}, check every {self.check_every} steps, "
-                         f"refill at {self.policy.min_free} free slots{', history reuse' if reuse_history else ''})")
+                         f"refill at {self.policy.min_free} free slots{', history reuse' if reuse_history else ''}"
+                         f"{over})")
 
     def busy(self) -> bool:
-        return any(s is not None for s in self.slots)
+        return self._live() or bool(self.staging and len(self.staging))
+
+    def _on_main(self):
+        """The stream all of this backend's device work goes to (overlap mode on CUDA; else the current one)."""
+        return torch.cuda.stream(self.main) if self.main is not None else contextlib.nullcontext()
 
     def _free_rows(self) -> list[int]:
         return [i for i, s in enumerate(self.slots) if s is None and i not in self.held]
@@ -155,24 +145,40 @@ class EngineBackend:
     def take_back(self) -> list[TurnRequest]:
         """The requests in flight (to rerun elsewhere); the slots are emptied."""
         back = [s for s in self.slots if s is not None]
+        if self.staging is not None:
+            with self._on_main():
+                back += self.staging.take_back()
         self.slots = [None] * self.B
         self.held.clear()                  # the rerun prefills whole prompts
         return back
 
-    def _mark(self):
-        if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            return ev
-        return time.perf_counter()
-
     @torch.inference_mode()
     def launch(self, ready: list[TurnRequest]) -> None:
         """Fill free slots from the front of `ready` and queue check_every decode steps (no host sync)."""
-        m0 = self._mark()
+        with self._on_main():
+            self._launch(ready)
+
+    def _launch(self, ready: list[TurnRequest]) -> None:
+        m0 = mark(self.cuda)
         if self.held:
             self._continue_held(ready)
         free = self._free_rows()
+        if self.staging is not None and free and len(self.staging):
+            self._land(free, wait=not self._live() or len(free) >= self.policy.min_free)
+            free = self._free_rows()
+        # overlap mode: straight into the slots only when nothing decodes (the first fill) or when at least
+        # `min_free` slots would still idle (the staging area ran dry: a burst of ends, next turns just queued)
+        if self.staging is None or not self._live() or len(free) >= self.policy.min_free:
+            self._refill(free, ready)
+        self._decode_launch(m0, ready)
+        if self.staging is not None:
+            self.staging.top_up(ready)      # on the side stream, under the steps just queued
+
+    def _live(self) -> bool:
+        return any(s is not None for s in self.slots)
+
+    def _refill(self, free: list[int], ready: list[TurnRequest]) -> None:
+        """Prefill prompts from `ready` straight into the `free` slots, as regen_refill plans it."""
         window = [len(r.prompt) for r in ready[:max(len(free), self.policy.lookahead)]]
         calls = plan_refill(len(free), window, len(ready), self.B - len(free), self.policy)
         if calls:
@@ -187,13 +193,32 @@ class EngineBackend:
                 self._prefill(rows, reqs)
                 taken.update(call)
             ready[:] = [r for i, r in enumerate(ready) if i not in taken]
-        if self.compact and not ready:
+
+    def _decode_launch(self, m0, ready: list[TurnRequest]) -> None:
+        """check_every decode steps on the slots (after tail compaction where it applies); in overlap mode the
+        state snapshot after step check_every - lag."""
+        if self.compact and not ready and not (self.staging and len(self.staging)):
             self._shrink()
-        m1 = self._mark()
-        if self.busy():
-            for _ in range(self.check_every):
+        m1 = mark(self.cuda)
+        if self._live():
+            for i in range(self.check_every):
                 self._decode()
-        self._events.append((m0, m1, self._mark()))
+                if self.snap is not None and i == self.check_every - 1 - self.lag:
+                    self.snap.take(self.active, self.n_gen, self.ended, self.out, self.live_row_steps)
+        self._events.append((m0, m1, mark(self.cuda)))
+
+    def _land(self, free: list[int], wait: bool) -> None:
+        """Staged prompts into free slots (regen_staging.StagingArea.land), started like freshly prefilled rows."""
+        rows, reqs, first = self.staging.land(self.engine, free, wait)
+        if not rows:
+            return
+        for r, req in zip(rows, reqs):
+            self.slots[r] = req
+        if max(rows) >= self.width:
+            self.width = self.B
+        dev = self.engine.device
+        self._start(first, to_device(rows, dev), to_device([r.key for r in reqs], dev))
+        self.sample_until = max(self.sample_until, self.decode_steps + self.dec.greedy_after - 1)
 
     def _continue_held(self, ready: list[TurnRequest]) -> None:
         """History reuse: the next requests of held rows' conversations go back into their rows, prefilling only
@@ -255,20 +280,36 @@ class EngineBackend:
         self.width = w
 
     def _account(self) -> None:
-        """Add the device time of the launches waited for (call after a sync)."""
+        """Add the device time of the launches done on the device (in overlap mode the last one may still run)."""
+        keep = []
         for m0, m1, m2 in self._events:
-            if self.cuda:
+            if not self.cuda:
+                self.gpu_s["prefill"] += m1 - m0
+                self.gpu_s["decode"] += m2 - m1
+            elif m2.query():
                 self.gpu_s["prefill"] += m0.elapsed_time(m1) / 1e3
                 self.gpu_s["decode"] += m1.elapsed_time(m2) / 1e3
             else:
-                self.gpu_s["prefill"] += m1 - m0
-                self.gpu_s["decode"] += m2 - m1
-        self._events.clear()
+                keep.append((m0, m1, m2))
+        self._events = keep
+        if self.staging is not None:
+            self.staging.account()
 
     def stats(self) -> dict:
-        """Counters of the run so far (one host sync): decode steps, mean live rows per step, prefill work."""
+        """Counters of the run so far: decode steps, mean live rows per step, prefill work. One host sync, except in
+        overlap mode (the occupancy as of the last snapshot read: exact once every answer is collected)."""
+        if self.snap is not None:
+            live = self.snap.live_row_steps
+        else:
+            live = int(self.live_row_steps)
+        self._account()
         steps = max(1, self.decode_steps)
-        live = int(self.live_row_steps)
+        st = self.staging
+        staged = {} if st is None else {
+            "staged_prefill_calls": st.calls, "staged_rows": st.prefilled_rows, "staged_tokens": st.real_tokens,
+            "staged_pad_share": round(1 - st.real_tokens / max(1, st.padded_tokens), 3),
+            "staged_landed": st.landed, "staging_device_waits": st.device_waits,
+            "device_staged_prefill_s": round(st.device_s, 3)}
         return {"decode_steps": self.decode_steps, "mean_live_rows": round(live / steps, 1),
                 "occupancy": round(live / (steps * self.B), 3),
                 "mean_decode_width": round(self.width_row_steps / steps, 1),
@@ -279,11 +320,10 @@ class EngineBackend:
                 "history_reused_tokens": self.reused_tokens, "history_prefills": self.delta_prefills,
                 "decode_graphs": self.engine.graph_count - self.engine.prefill_graph_count,
                 "device_prefill_s": round(self.gpu_s["prefill"], 3),
-                "device_decode_s": round(self.gpu_s["decode"], 3)}
+                "device_decode_s": round(self.gpu_s["decode"], 3), **staged}
 
-    def _start(self, logits, rows: torch.Tensor, keys: torch.Tensor) -> None:
-        """First token of freshly prefilled `rows`."""
-        tok = next_tokens(logits, keys, torch.zeros_like(keys), self.dec)
+    def _start(self, tok: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor) -> None:
+        """Freshly prefilled `rows` start with their first tokens `tok` (chosen at token index 0 by their keys)."""
         hit = (tok[:, None] == self.eos).any(dim=-1)
         self.out[rows, 0] = tok
         self.cur[rows] = tok
@@ -315,7 +355,8 @@ class EngineBackend:
             self.engine.reset(rows)
         tokens = deltas if deltas is not None else [r.prompt for r in reqs]
         logits = self.engine.prefill(tokens, rows)
-        self._start(logits, to_device(rows, dev), to_device([r.key for r in reqs], dev))   # no host sync
+        keys = to_device([r.key for r in reqs], dev)                                    # no host sync
+        self._start(next_tokens(logits, keys, torch.zeros_like(keys), self.dec), to_device(rows, dev), keys)
         self.sample_until = max(self.sample_until, self.decode_steps + self.dec.greedy_after - 1)
         lens = [len(t) for t in tokens]
         self.prefill_rows += len(reqs)
@@ -334,75 +375,41 @@ class EngineBackend:
 
     @torch.inference_mode()
     def collect(self) -> list[Completion]:
-        """Wait for the queued steps; the finished answers (their slots are freed)."""
+        """Wait for the queued steps (overlap mode: for the snapshot `lag` steps before their end); the finished
+        answers (their slots are freed)."""
+        with self._on_main():
+            return self._collect()
+
+    def _finished(self) -> list[tuple[int, int, bool, list[int]]]:
+        """(row, tokens generated, ended by EOS, the answer buffer's first tokens) of each finished live row."""
         live = [i for i, s in enumerate(self.slots) if s is not None]
+        if self.snap is not None:
+            snap = self.snap.read()                            # the one host wait of a launch
+            if snap is None:
+                return []
+            active, n_gen, ended, out = snap
+            return [(r, n_gen[r], ended[r], out[r, :n_gen[r]].tolist()) for r in live if not active[r]]
         flags = self.active.tolist()                           # the one sync of a step
-        self._account()
         done = [i for i in live if not flags[i]]
         if not done:
             return []
         dt = to_device(done, self.engine.device)
         table = torch.cat([self.n_gen[dt, None], self.ended[dt, None].long(), self.out[dt]], dim=1).tolist()
-        comps = []
-        for r, row in zip(done, table):
-            n, ended, toks = row[0], bool(row[1]), row[2:2 + row[0]]
+        return [(r, row[0], bool(row[1]), row[2:2 + row[0]]) for r, row in zip(done, table)]
+
+    def _collect(self) -> list[Completion]:
+        finished = self._finished()
+        self._account()
+        if not finished:
+            return []
+        comps, done = [], []
+        for r, n, ended, toks in finished:
+            done.append(r)
             req = self.slots[r]
             comps.append(Completion(req, toks[:-1] if ended else toks, ended, toks[-1] if ended else None))
             self.slots[r] = None
             if self.reuse_history:         # the last token chosen is never fed: the K/V hold the prompt + the rest
-                self.held[r] = _Held(req.state, req.prompt + toks[:-1])
+                self.held[r] = Held(req.state, req.prompt + toks[:-1])
         gone = [r for r in done if r not in self.held]
         self.engine.reset(gone)            # idle rows then attend over nothing until refilled
         return comps
-
-
-class HFBackend:
-    """Greedy left-padded HF `generate`, `batch` requests per call (the fallback)."""
-
-    name = "HF generate"
-
-    def __init__(self, model, eos: list[int], pad: int, batch: int, max_new_tokens: int, why: str = ""):
-        self.model, self.eos, self.pad, self.B, self.max_new = model, eos, pad, batch, max_new_tokens
-        self.device = next(model.parameters()).device
-        self.describe = f"{self.name} (batch {batch}{'; ' + why if why else ''})"
-        self.decode_steps = 0
-        self._done: list[Completion] = []
-
-    def busy(self) -> bool:
-        return bool(self._done)
-
-    def take_back(self) -> list[TurnRequest]:
-        return []
-
-    def collect(self) -> list[Completion]:
-        done, self._done = self._done, []
-        return done
-
-    def launch(self, ready: list[TurnRequest]) -> None:
-        from transformers import GenerationConfig
-
-        take = ready[:self.B]
-        del ready[:len(take)]
-        if not take:
-            return
-        prompts = [r.prompt for r in take]
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), self.pad, dtype=torch.long)
-        attn = torch.zeros((len(prompts), width), dtype=torch.long)
-        for i, p in enumerate(prompts):                  # left padding
-            ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
-            attn[i, width - len(p):] = 1
-        gen = GenerationConfig(max_new_tokens=self.max_new, do_sample=False, eos_token_id=self.eos,
-                               pad_token_id=self.pad)
-        try:
-            with torch.inference_mode():
-                out = self.model.generate(input_ids=ids.to(self.device), attention_mask=attn.to(self.device),
-                                          generation_config=gen)
-        except torch.OutOfMemoryError:
-            ready[:0] = take
-            raise
-        comps = []
-        for req, row in zip(take, out[:, width:].tolist()):
-            cut = next((i for i, t in enumerate(row) if t in self.eos), None)
-            self._done.append(Completion(req, row[:cut] if cut is not None else row, cut is not None))
-        self.decode_steps += out.shape[1] - width

@@ -75,7 +75,8 @@ from ..io_utils import atomic_write_json
 from ..progress import progress_bar
 from ..target import load_target
 from ..target.static_forward import engine_support
-from .regen_backends import Completion, EngineBackend, HFBackend, TurnRequest, auto_batch_size
+from .regen_backends import Completion, EngineBackend, TurnRequest, auto_batch_size
+from .regen_hf import HFBackend
 from .regen_output import JsonlAppender, load_sidecar, scan_output, settings_of, sidecar_path  # noqa: F401
 from .regen_sampling import Decoding, answer_key
 from .runner import encode_prompts, resolve_device
@@ -185,7 +186,7 @@ def _queue(ready: list[TurnRequest], req: TurnRequest | None) -> None:
 
 
 def make_backend(bundle, eos: list[int], pad: int, batch: int, max_len: int, max_new: int, dec: Decoding,
-                 engine: str, attention: str = "auto", reuse_history: bool = False):
+                 engine: str, attention: str = "auto", reuse_history: bool = False, overlap: bool = False):
     """The engine backend where the target allows it (halving `batch` on OOM), else HF generate."""
     if engine not in ENGINES:
         raise UsageError(f"--engine must be one of {', '.join(ENGINES)}, got {engine!r}")
@@ -205,7 +206,7 @@ def make_backend(bundle, eos: list[int], pad: int, batch: int, max_len: int, max
     while True:
         try:
             return EngineBackend(bundle.model, eos, batch, max_len, max_new, dec, attention=attention,
-                                 reuse_history=reuse_history)
+                                 reuse_history=reuse_history, overlap=overlap)
         except torch.OutOfMemoryError:
             batch = _halve(batch)
 
@@ -246,7 +247,7 @@ def _validate(cfg: RunConfig, max_new_tokens: int, batch_size: int, dec: Decodin
 def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batch_size: int = 0,
                    device: str = "auto", *, bundle=None, max_turns: int = 0, samples: int = 1,
                    temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, engine: str = "auto",
-                   attention: str = "auto", greedy_after: int = 0, reuse_history: bool = False,
+                   attention: str = "auto", greedy_after: int = 0, reuse_history: bool = False, overlap: bool = False,
                    max_seconds: float = 0.0, first_sample: int = 0) -> dict:
     """Regenerate cfg.data's conversations into `output` (JSONL); returns the final sidecar dict.
 
@@ -254,6 +255,8 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
     bundle: an already loaded TargetBundle to use instead of loading cfg.target (tests, notebooks).
     reuse_history: later turns prefill only their new tokens into the row that generated the previous answer
     (engine backend; pointless with one turn: max_turns 1 turns it off).
+    overlap: prefill waiting prompts on a second CUDA stream under the decode and collect answers a few steps
+    before a launch's end (engine backend, regen_staging.py); the same output.
     max_seconds: stop admitting conversations this long after the call (0 = no limit) and finish the ones in
     flight; the sidecar then says ``stopped_early``.
     first_sample: the first sample index (ids <id>#first_sample ..): more answers per prompt in another file.
@@ -285,7 +288,7 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
     regen = Regenerator(bundle.tokenizer, eos, max_new_tokens, cfg.extract.max_length, max_turns, dec)
     reuse_history = reuse_history and max_turns != 1
     backend = make_backend(bundle, eos, pad, batch_size, cfg.extract.max_length, max_new_tokens, dec, engine,
-                           attention, reuse_history)
+                           attention, reuse_history, overlap)
     print(f"regenerate: decode path: {backend.describe}", flush=True)
     state["decode_path"] = backend.describe          # informational (not a pinned setting)
     stats = DataStats()
@@ -360,7 +363,7 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
                 smaller = backend.B
                 backend = None               # free its cache before allocating the smaller one
                 backend = make_backend(bundle, eos, pad, _halve(smaller), cfg.extract.max_length,
-                                       max_new_tokens, dec, engine, attention, reuse_history)
+                                       max_new_tokens, dec, engine, attention, reuse_history, overlap)
                 state["decode_path"] = backend.describe
             # host work while the device decodes: the last answers, the next turns, new prompts, the output
             going = [st for st in (regen.record(c) for c in completions) if st is not None]   # detokenizes

@@ -212,6 +212,25 @@ class StaticKVEngine:
             self._bound[b] = self._bound[a]
         self.reset(src)
 
+    @torch.inference_mode()
+    def copy_rows_from(self, other: StaticKVEngine, src: Sequence[int], dst: Sequence[int], width: int) -> None:
+        """Rows `src` of `other` (an engine over the same layers) into rows `dst` of this one: the K/V of their
+        first `width` positions (at least their lengths) and their lengths (no host sync; regenerate's staged
+        prefills, regen_staging.py)."""
+        if (other.k_cache.shape[0], other.k_cache.shape[2], other.k_cache.shape[4], other.dtype) != (
+                self.k_cache.shape[0], self.k_cache.shape[2], self.k_cache.shape[4], self.dtype):
+            raise UsageError("copy_rows_from: the engines' caches differ in layers, KV heads, head size or dtype")
+        if len(src) != len(dst) or any(not 0 <= r < self.max_batch for r in dst):
+            raise UsageError(f"copy_rows_from: {len(src)} rows into rows {list(dst)[:8]}... of a "
+                             f"{self.max_batch}-row cache")
+        w = min(width, self.size, other.size)
+        s, d = to_device(list(src), self.device), to_device(list(dst), self.device)
+        self.k_cache[:, d, :, :w] = other.k_cache[:, s, :, :w]
+        self.v_cache[:, d, :, :w] = other.v_cache[:, s, :, :w]
+        self.lengths[d] = other.lengths[s]
+        for a, b in zip(src, dst):
+            self._bound[b] = other._bound[a]
+
     def row_attention(self, batch: int, T: int = 1) -> bool:
         """Whether a call of `batch` rows x T <= 16 new tokens attends each row over its own keys only
         (decode_attention.py) rather than over the padded `kv_len`."""

@@ -1,0 +1,134 @@
+"""regenerate's overlap mode (regen_staging.py) on the CPU: the same answers as the direct path, through the staging
+area, the early snapshot, history reuse and an out-of-memory rerun. The streams themselves are GPU-only
+(tests/test_regen_overlap_gpu.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from dflash_pipe.eval import regen_backends
+from dflash_pipe.eval.regen_backends import EngineBackend, TurnRequest
+from dflash_pipe.eval.regen_sampling import Decoding
+from dflash_pipe.target.static_forward import StaticKVEngine
+from tests.eval_helpers import llama  # noqa: F401 - pytest fixture
+from tests.test_eval_regenerate import NEW, _rows, cfg  # noqa: F401 - pytest fixture
+
+EOS = list(range(2, 49152, 5))          # a fifth of the vocabulary ends an answer: answers end at many steps
+
+
+def _prompts(n: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(1, 40, (n,), generator=g).tolist()
+    return [torch.randint(3, 49152, (k,), generator=g).tolist() for k in lens]
+
+
+def _answers(model, prompts, dec, **kw) -> tuple[dict, EngineBackend]:
+    be = EngineBackend(model, EOS, batch=4, max_len=96, max_new_tokens=14, dec=dec, check_every=3, **kw)
+    ready = [TurnRequest(None, p, key=100 + i, order=i) for i, p in enumerate(prompts)]
+    got = {}
+    while ready or be.busy():
+        be.launch(ready)
+        for c in be.collect():
+            assert c.request.order not in got
+            got[c.request.order] = (c.tokens, c.ended, c.end_token)
+    return got, be
+
+
+def test_overlap_mode_gives_the_direct_paths_answers_through_the_staging_area(llama):
+    """30 prompts, 4 slots, 3 staging rows, the snapshot one step before a launch's end: every answer (sampled and
+    greedy) equals the direct path's, and the prefill counters add up: the first fill (nothing decodes yet) and
+    the slots the staging area cannot fill prefill straight into the slots, at least half the prompts go through
+    the staging area."""
+    prompts = _prompts(30, seed=11)
+    for dec in (Decoding(temperature=0.9, top_p=0.95, seed=3), Decoding()):
+        direct, _ = _answers(llama.model, prompts, dec)
+        over, be = _answers(llama.model, prompts, dec, overlap=True, staging_rows=3, snapshot_lag=1)
+        assert sorted(direct) == list(range(30)) and over == direct
+        st = be.stats()
+        assert st["staged_rows"] == st["staged_landed"], st
+        assert st["staged_rows"] >= 15 and st["staged_rows"] + st["prefill_rows"] == 30, st
+        assert len(be.staging) == 0 and sorted(be.staging.free) == [0, 1, 2]
+    greedy_direct, _ = _answers(llama.model, prompts, Decoding(), snapshot_lag=0)
+    assert greedy_direct == direct
+
+
+def test_the_snapshot_collects_answers_that_end_after_it_one_launch_later(llama):
+    """With the snapshot taken 2 steps before a launch's end, the answers come out in other launches than with the
+    snapshot at the end, and the same."""
+    prompts = _prompts(12, seed=4)
+    seen = {}
+    for lag in (0, 2):
+        be = EngineBackend(llama.model, EOS, batch=4, max_len=96, max_new_tokens=14, dec=Decoding(), check_every=3,
+                           overlap=True, staging_rows=4, snapshot_lag=lag)
+        ready = [TurnRequest(None, p, key=i, order=i) for i, p in enumerate(prompts)]
+        got, when, launches = {}, {}, 0
+        while ready or be.busy():
+            be.launch(ready)
+            launches += 1
+            for c in be.collect():
+                got[c.request.order], when[c.request.order] = c.tokens, launches
+        seen[lag] = (got, when)
+    assert seen[0][0] == seen[2][0] and sorted(seen[0][0]) == list(range(12))
+    assert seen[0][1] != seen[2][1]
+
+
+def test_a_landed_row_holds_the_keys_and_values_a_direct_prefill_writes(llama):
+    """copy_rows_from: K/V of the first `width` positions and the length, from a staging engine's row into a slot;
+    then both engines' next decode steps agree. Engines over other shapes are refused."""
+    prompt = _prompts(1, seed=2)[0]
+    direct = StaticKVEngine(llama.model, 3, 64, bucketed_prefill=True, prefill_min_rows=1)
+    stage = StaticKVEngine(llama.model, 2, 64, bucketed_prefill=True, prefill_min_rows=1)
+    main = StaticKVEngine(llama.model, 3, 64, bucketed_prefill=True, prefill_min_rows=1)
+    a = direct.prefill([prompt], [2])
+    b = stage.prefill([prompt], [1])
+    main.copy_rows_from(stage, [1], [2], stage.last_prefill_shape[1])
+    n = len(prompt)
+    assert torch.equal(a, b) and main.length(2) == direct.length(2) == n
+    assert torch.equal(main.k_cache[:, 2, :, :n], direct.k_cache[:, 2, :, :n])
+    assert torch.equal(main.v_cache[:, 2, :, :n], direct.v_cache[:, 2, :, :n])
+    step = torch.tensor([[5], [5], [7]])
+    assert torch.equal(main.forward(step, torch.tensor([0, 0, 1])).logits[2],
+                       direct.forward(step, torch.tensor([0, 0, 1])).logits[2])
+    import pytest
+
+    from dflash_pipe.errors import UsageError
+    with pytest.raises(UsageError, match="copy_rows_from"):
+        main.copy_rows_from(stage, [0, 1], [0], 8)
+
+
+def test_overlap_mode_through_regenerate_with_history_reuse_and_an_out_of_memory_rerun(cfg, llama, tmp_path,
+                                                                                       monkeypatch):
+    """run_regenerate(overlap=True): every turn, history reuse, sampling: the file equals the direct run's, also
+    when a staging prefill at batch 4 runs out of memory (the slots' and the staged requests are rerun at
+    batch 2)."""
+    kw = dict(max_new_tokens=NEW, device="cpu", bundle=llama, max_turns=0, samples=2, temperature=0.9, seed=5,
+              reuse_history=True)
+    regen = __import__("dflash_pipe.eval.regenerate", fromlist=["run_regenerate"]).run_regenerate
+    regen(cfg, tmp_path / "direct.jsonl", batch_size=4, **kw)
+    regen(cfg, tmp_path / "over.jsonl", batch_size=4, overlap=True, **kw)
+    assert (tmp_path / "over.jsonl").read_bytes() == (tmp_path / "direct.jsonl").read_bytes()
+
+    from dflash_pipe.eval.regen_staging import StagingArea
+
+    real_top_up, real_take = StagingArea.top_up, EngineBackend.take_back
+    backs, fired = [], []
+
+    def top_up_then_oom(self, ready):          # the staging prefill runs out of memory with requests staged
+        real_top_up(self, ready)
+        if len(self) and not fired:
+            fired.append(1)
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+    monkeypatch.setattr(StagingArea, "top_up", top_up_then_oom)
+    monkeypatch.setattr(EngineBackend, "take_back", lambda self: backs.append(len(self.staging)) or real_take(self))
+    regen(cfg, tmp_path / "oom.jsonl", batch_size=4, overlap=True, **kw)
+    assert backs == [1] and (tmp_path / "oom.jsonl").read_bytes() == (tmp_path / "direct.jsonl").read_bytes()
+    by_id, _ = _rows(tmp_path / "oom.jsonl")
+    assert len(by_id) >= 4
+
+
+def test_the_backend_describes_overlap_mode(llama):
+    be = EngineBackend(llama.model, [2], batch=16, max_len=64, max_new_tokens=8, dec=Decoding(), overlap=True)
+    assert "prefills under the decode (2 staging rows, collect 2 steps early)" in be.describe
+    assert regen_backends.EngineBackend(llama.model, [2], batch=8, max_len=64, max_new_tokens=8,
+                                        dec=Decoding()).staging is None
