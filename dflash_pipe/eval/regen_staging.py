@@ -90,6 +90,8 @@ class StagingArea:
         self.landed = self.device_waits = 0
         self.device_s = 0.0        # device time of the staging prefills (they overlap the decode)
         self._timed: list[_Group] = []
+        if self.cuda:
+            self.stream.wait_stream(torch.cuda.current_stream())   # the buffers above were made on that one
 
     def __len__(self) -> int:
         return sum(len(g.rows) for g in self.groups)
