@@ -129,6 +129,6 @@ def test_overlap_mode_through_regenerate_with_history_reuse_and_an_out_of_memory
 
 def test_the_backend_describes_overlap_mode(llama):
     be = EngineBackend(llama.model, [2], batch=16, max_len=64, max_new_tokens=8, dec=Decoding(), overlap=True)
-    assert "prefills under the decode (2 staging rows, collect 2 steps early)" in be.describe
+    assert "prefills under the decode (2 staging rows, collect 1 step early)" in be.describe
     assert regen_backends.EngineBackend(llama.model, [2], batch=8, max_len=64, max_new_tokens=8,
                                         dec=Decoding()).staging is None
