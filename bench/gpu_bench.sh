@@ -25,6 +25,8 @@
 #               regenerate's overlap mode (staged prefills on a side stream == the direct path, no syncs)
 #     decodeprof  bench/decode_step_profile.py: the batch-1024 decode step and a prefill call, per-row vs padded SDPA
 #               attention, with profiler tables (random SmolLM2-shaped weights: needs no carry)
+#     overlap   bench/prefill_overlap.py: how much of a staged prefill on the side stream still costs the decode
+#               (regenerate --overlap-prefill; random SmolLM2-shaped weights: needs no carry)
 #     regen     bench/regen_throughput.py: regenerate vs the bare graphed decode loop vs HF generate (needs smollm2);
 #               REGEN_FLAGS (default "--batch 1024,2048") e.g. "--batch 1024 --prompts 16384 --overlap off,on"
 # Wheels: .whl/gpu holds flash-linear-attention + fla-core 0.6.0 and zstandard (the image has neither);
@@ -90,6 +92,7 @@ print(json.dumps(rows, indent=1)); open('$OUT/loader_rate.json', 'w').write(json
                         tests/test_static_forward_gpu.py tests/test_decode_attention_gpu.py tests/test_regen_overlap_gpu.py ;;
         decodeprof) step decodeprof "${DECODEPROF_S:-180}" python3 bench/decode_step_profile.py \
                         --json "$OUT/decode_step_profile.json" ${DECODEPROF_FLAGS:-} ;;
+        overlap) step overlap "${OVERLAP_S:-150}" python3 bench/prefill_overlap.py --json "$OUT/prefill_overlap.json" ;;
         regen) step regen "${REGEN_S:-240}" python3 bench/regen_throughput.py \
                    --data "${SHAREGPT_FIRST_TURNS:?run the smollm2 step first}" --model-cache /tmp/quality/models \
                    --json "$OUT/regen_throughput.json" ${REGEN_FLAGS:---batch 1024,2048} ;;

@@ -125,8 +125,8 @@ class EngineBackend:
             self.lag = max(0, min(self.check_every - 1, snapshot_lag))
         if self.main is not None:
             self.main.wait_stream(torch.cuda.current_stream())     # the buffers above were made on this one
-        over = (f", prefills under the decode ({self.staging.rows} staging rows, collect {self.lag} step{'s' * (self.lag != 1)} early)"
-                if overlap else "")
+        steps = f"{self.lag} step{'s' * (self.lag != 1)}"
+        over = f", prefills under the decode ({self.staging.rows} staging rows, collect {steps} early)" if overlap else ""
         self.describe = (f"{self.name} ({mode}, batch {batch}, {attn}, check every {self.check_every} steps, "
                          f"refill at {self.policy.min_free} free slots{', history reuse' if reuse_history else ''}"
                          f"{over})")
