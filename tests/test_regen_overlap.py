@@ -132,3 +132,26 @@ def test_the_backend_describes_overlap_mode(llama):
     assert "prefills under the decode (2 staging rows, collect 1 step early)" in be.describe
     assert regen_backends.EngineBackend(llama.model, [2], batch=8, max_len=64, max_new_tokens=8,
                                         dec=Decoding()).staging is None
+
+
+def test_staged_groups_still_running_on_the_device_wait_or_land_later_and_the_answers_stay_the_same(llama,
+                                                                                                    monkeypatch):
+    """The CPU has no side stream, so every staged group is ready at once; here a group reports "still running" at
+    random (seeded), as on a busy GPU: some landings are put off, some make the decode wait (device_waits), compaction
+    and other lags and check intervals mix in, and every answer is still the direct path's."""
+    import random
+
+    from dflash_pipe.eval import regen_staging
+
+    prompts = _prompts(40, seed=21)
+    dec = Decoding(temperature=0.7, top_p=0.9, seed=9)
+    direct, _ = _answers(llama.model, prompts, dec)
+    rng = random.Random(0)
+    monkeypatch.setattr(regen_staging, "_done", lambda ev: rng.random() < 0.5)
+    waits = 0
+    for rows, lag, compact in ((2, 1, False), (5, 2, True), (8, 0, False)):
+        over, be = _answers(llama.model, prompts, dec, overlap=True, staging_rows=rows, snapshot_lag=lag,
+                            compact=compact, min_free=2)
+        assert over == direct, (rows, lag, compact)
+        waits += be.staging.device_waits
+    assert waits > 0
