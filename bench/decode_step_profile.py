@@ -10,6 +10,8 @@ buffer's). For each `--attention` mode, in the same process:
           kernel by kernel with CUPTI), grouped by name;
   prefill one bucketed prefill call of `--prefill-rows` x `--prefill-tokens` (graphed, after its warm-up
           and capture), median ms, and its profile.
+With --norm hf,fused each attention mode runs with HF's RMSNorm module and with the fused `F.rms_norm` (the
+engine's CUDA default since session 20; small_batch_ops.py), so the saving is measured in the same process.
 Also the K/V bytes a step must read (each row's own keys) and the time that takes at 4.0 TB/s, the floor of
 per-row attention.
 
@@ -75,9 +77,9 @@ def profile(fn, steps: int) -> list[dict]:
 
 
 @torch.inference_mode()
-def measure(model, args, attention: str, lengths: list[int]) -> dict:
+def measure(model, args, attention: str, lengths: list[int], norm: str = "auto") -> dict:
     cuda = args.device == "cuda"
-    eng = StaticKVEngine(model, args.batch, args.max_len, attention=attention, bucketed_prefill=True)
+    eng = StaticKVEngine(model, args.batch, args.max_len, attention=attention, bucketed_prefill=True, norm=norm)
     eng.k_cache.normal_()
     eng.v_cache.normal_()
     cur = torch.randint(0, 49152, (args.batch, 1), device=args.device)
@@ -96,7 +98,8 @@ def measure(model, args, attention: str, lengths: list[int]) -> dict:
     reset()
     for _ in range(40):                       # captures the graphs of every attended length the timing sees
         step()
-    res = {"attention": attention, "mode": "per-row" if eng.row_attention(args.batch) else "padded SDPA"}
+    res = {"attention": attention, "mode": "per-row" if eng.row_attention(args.batch) else "padded SDPA",
+           "norm": "fused" if eng.ops.fused_norm else "hf"}
     ms = median_ms(step, args.steps, warmup=2, device=args.device)
     res.update(step_ms=round(ms, 3), tok_s=round(args.batch / ms * 1e3, 1), graphs=eng.graph_count)
     if cuda and args.profile:
@@ -130,6 +133,7 @@ def main() -> None:
     ap.add_argument("--max-row-len", type=int, default=450)
     ap.add_argument("--steps", type=int, default=96)
     ap.add_argument("--attention", default="sdpa,rows", help="comma list of engine attention modes")
+    ap.add_argument("--norm", default="auto", help="comma list of the engine's RMSNorm modes (auto, fused, hf)")
     ap.add_argument("--prefill-rows", type=int, default=64)
     ap.add_argument("--prefill-tokens", type=int, default=128)
     ap.add_argument("--no-profile", dest="profile", action="store_false")
@@ -150,12 +154,12 @@ def main() -> None:
            "batch": args.batch, "max_len": args.max_len, "mean_row_len": round(sum(lengths) / len(lengths), 1),
            "row_kv_gb_per_step": round(kv_bytes / 1e9, 3),
            "row_kv_floor_ms_at_4tbs": round(kv_bytes / 4.0e12 * 1e3, 3), "runs": []}
-    for attention in args.attention.split(","):
-        r = measure(model, args, attention, lengths)
+    for attention, norm in ((a, n) for a in args.attention.split(",") for n in args.norm.split(",")):
+        r = measure(model, args, attention, lengths, norm)
         out["runs"].append(r)
-        print(f"SUMMARY attention {attention} ({r['mode']}): decode step {r['step_ms']} ms = {r['tok_s']:,.0f} tok/s "
-              f"at batch {args.batch}; prefill {args.prefill_rows}x{args.prefill_tokens} {r['prefill_ms']} ms "
-              f"({r['prefill_tok_s']:,.0f} tok/s)", flush=True)
+        print(f"SUMMARY attention {attention} ({r['mode']}), norm {r['norm']}: decode step {r['step_ms']} ms = "
+              f"{r['tok_s']:,.0f} tok/s at batch {args.batch}; prefill {args.prefill_rows}x{args.prefill_tokens} "
+              f"{r['prefill_ms']} ms ({r['prefill_tok_s']:,.0f} tok/s)", flush=True)
         for key in ("step_profile", "prefill_profile"):
             for row in r.get(key, [])[:10]:
                 print(f"  {key} {row}", flush=True)

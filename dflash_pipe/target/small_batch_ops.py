@@ -19,14 +19,19 @@
   (linear_choice.py): on CUDA the fastest formulation per (M, N, K) for M in `tune_rows` (the
   engine's default: 1 and 16 at max_batch 1, the eval; none otherwise), timed when the engine is
   built; `F.linear` for other M and on the CPU.
-* **RMSNorm** (fp32 models): `F.rms_norm`, one kernel instead of HF's six; **rotary**: `rope`, three
+* **RMSNorm** (``norm``): `F.rms_norm` with the module's weight (``fused``; ``auto`` = fp32 models, and every
+  model on CUDA, where it is one kernel, `aten::_fused_rms_norm`) instead of HF's module (``hf``): in bf16 HF
+  runs seven kernels over fp32 copies of the activations (to fp32, pow, mean, add, rsqrt, mul, to bf16, then
+  the weight's broadcast multiply, which cannot vectorize) and rounds twice; the fused op rounds once. In session
+  12's profile of a 64 x 128 prefill call those kernels were ~25 % of its device time. **rotary**: `rope`, three
   kernels per tensor instead of five (the signed sine made once per forward).
 
 * **per-row-length attention** (``rows``; decode_attention.py, a Triton kernel): bf16 / fp16 on CUDA at
   large batch (B x KV-heads >= the SM count: regenerate's decode), each row reads only its own keys
   instead of the padded `kv_len` that SDPA reads for every row.
 
-``attention`` = auto | sdpa | explicit | rows, ``linear`` = auto | linear, ``fused`` = True | False.
+``attention`` = auto | sdpa | explicit | rows, ``linear`` = auto | linear, ``fused`` = True | False,
+``norm`` = auto | fused | hf.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from .linear_choice import CANDIDATES, LinearChooser, extra_for, tf32_on
 log = logging.getLogger("dflash_pipe.target")
 
 ATTENTION_MODES = ("auto", "sdpa", "explicit", "rows")
+NORM_MODES = ("auto", "fused", "hf")
 DEFAULT_SM_COUNT = 132          # the CPU has none; the same rule as an H200, so CPU tests run the GPU's choice
 
 
@@ -158,9 +164,11 @@ class LayerOps:
     """Per-engine fused weights and op choices (module docstring)."""
 
     def __init__(self, layers, lm_head, device: torch.device, dtype: torch.dtype, *, attention: str = "auto",
-                 linear: str = "auto", fused: bool = True, tune_rows: Sequence[int] = (1, 16)):
+                 linear: str = "auto", fused: bool = True, tune_rows: Sequence[int] = (1, 16), norm: str = "auto"):
         if attention not in ATTENTION_MODES:
             raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {attention!r}")
+        if norm not in NORM_MODES:
+            raise ValueError(f"norm must be one of {NORM_MODES}, got {norm!r}")
         self.attention, self.dtype, self.device = attention, dtype, device
         if attention == "rows" and not (device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
                                         and decode_attention.triton_available()):
@@ -169,7 +177,8 @@ class LayerOps:
         self.sm_count = (torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda"
                          else DEFAULT_SM_COUNT)
         self.chooser = LinearChooser(device, linear)
-        self.fused_norm = dtype == torch.float32 and hasattr(F, "rms_norm")
+        self.fused_norm = hasattr(F, "rms_norm") and (
+            norm == "fused" or (norm == "auto" and (dtype == torch.float32 or device.type == "cuda")))
         rows, n, shared = sorted(set(int(r) for r in tune_rows)), len(layers), {}
         self.qkv, self.o, self.gate_up, self.down, self.act = [], [], [], [], []
         for layer in layers:
@@ -207,10 +216,10 @@ class LayerOps:
         return decode_attention.supported(self.device, self.dtype, query_rows, head_dim)
 
     def norm(self, module, x: torch.Tensor) -> torch.Tensor:
-        eps = getattr(module, "variance_epsilon", None)
-        if not self.fused_norm or eps is None or x.dtype != torch.float32:
+        eps, weight = getattr(module, "variance_epsilon", None), getattr(module, "weight", None)
+        if not self.fused_norm or eps is None or weight is None or weight.dtype != x.dtype:
             return module(x)
-        return F.rms_norm(x, (x.shape[-1],), module.weight, eps)
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
     def project_qkv(self, li: int, attn, h: torch.Tensor):
         """(q, k, v) of layer `li`, each [B, T, out]."""

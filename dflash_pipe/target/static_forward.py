@@ -41,7 +41,7 @@ same padded call runs eagerly (and no shape is reused: there is no graph to save
 Usage limits: a row's length + its real new tokens must stay <= max_len (writes beyond go to a
 single spare slot and are lost); ``truncate`` only shrinks.
 
-Small-batch ops (small_batch_ops.py, `LayerOps`; ``attention``, ``linear``, ``fused``, ``tune_rows`` pick
+Small-batch ops (small_batch_ops.py, `LayerOps`; ``attention``, ``linear``, ``fused``, ``tune_rows``, ``norm`` pick
 its modes): q|k|v and gate|up are fused once into one weight each, of which the HF parameters become
 views (no copy; the HF model still works); the projections, the head, few-query attention (explicit
 math below the SM count, else SDPA), RMSNorm and RoPE run through it rather than the HF modules.
@@ -123,7 +123,7 @@ class StaticKVEngine:
                  use_graphs: str = "auto", kv_bucket: int = 128, bucketed_prefill: bool = False,
                  prefill_min_rows: int = 8, max_prefill_graphs: int = 64, prefill_reuse_ratio: float = 2.0,
                  attention: str = "auto", linear: str = "auto", fused: bool = True,
-                 tune_rows: Sequence[int] | None = None):
+                 tune_rows: Sequence[int] | None = None, norm: str = "auto"):
         why = engine_support(model)
         if why is not None:
             raise UsageError(f"the static-KV engine cannot run this target: {why}")
@@ -169,7 +169,7 @@ class StaticKVEngine:
         self.use_graphs = self.device.type == "cuda" and use_graphs != "off"
         self.ops = LayerOps(self.layers, self.lm_head, self.device, self.dtype, attention=attention, linear=linear,
                             fused=fused, tune_rows=(1, GROUPED_QUERY_MAX_T) if tune_rows is None and max_batch == 1
-                            else tune_rows or ())      # small_batch_ops.py; linears timed for the eval's batch 1
+                            else tune_rows or (), norm=norm)   # small_batch_ops.py; linears timed for batch 1
         self._graphs: dict[tuple, tuple] = {}
         self._pool = None
         # calls per padded prefill shape; a larger used shape is reused only where it saves a graph
