@@ -39,6 +39,29 @@ def tiny_drafter(block_size: int = 4, layer_ids=(1, 3, 7), hidden: int = 64, num
     return DFlashDrafter(cfg, attention="sdpa"), cfg
 
 
+def drain_backend(be, prompts: list[list[int]], sync_each: bool = False, strict: bool = False) -> dict:
+    """Every prompt through a regenerate engine backend (key and order = its index): {order: answer tokens}. On CUDA,
+    `sync_each` synchronizes the device before each launch and `strict` runs each launch under sync-debug 'error'
+    (collect waits for the device by design)."""
+    from dflash_pipe.eval.regen_backends import TurnRequest
+
+    ready = [TurnRequest(None, p, key=i, order=i) for i, p in enumerate(prompts)]
+    got = {}
+    while ready or be.busy():
+        if sync_each:
+            torch.cuda.synchronize()
+        if strict:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            be.launch(ready)
+        finally:
+            if strict:
+                torch.cuda.set_sync_debug_mode(0)
+        for c in be.collect():
+            got[c.request.order] = c.tokens
+    return got
+
+
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_ids: list[int]) -> list[int]:
     """The independent reference: transformers' own greedy generate."""
     from transformers import GenerationConfig

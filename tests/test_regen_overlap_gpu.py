@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_pipe.eval.regen_backends import EngineBackend, TurnRequest
+from dflash_pipe.eval.regen_backends import EngineBackend
 from dflash_pipe.eval.regen_sampling import Decoding
+from tests.eval_helpers import drain_backend
 from tests.test_static_forward_gpu import _model
 
 pytestmark = pytest.mark.gpu
@@ -21,32 +22,15 @@ def _prompts(n: int, seed: int = 0) -> list[list[int]]:
     return [torch.randint(3, 49152, (int(k),), generator=g).tolist() for k in torch.randint(1, 90, (n,), generator=g)]
 
 
-def _run(be: EngineBackend, prompts, sync_each: bool = False, strict: bool = False) -> dict:
-    ready = [TurnRequest(None, p, key=i, order=i) for i, p in enumerate(prompts)]
-    got = {}
-    while ready or be.busy():
-        if sync_each:
-            torch.cuda.synchronize()
-        if strict:
-            torch.cuda.set_sync_debug_mode("error")
-        try:
-            be.launch(ready)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-        for c in be.collect():
-            got[c.request.order] = c.tokens
-    return got
-
-
 @pytest.mark.parametrize("dec", [Decoding(), Decoding(temperature=0.8, top_p=0.9, seed=2)], ids=["greedy", "sampled"])
 def test_overlap_gives_the_direct_paths_answers_in_fp32(dec):
     """fp32, CUDA graphs, 48 prompts through 16 slots and 8 staging rows: the same answers as the direct path."""
     model = _model(torch.float32)
     prompts = _prompts(48)
     kw = dict(batch=16, max_len=256, max_new_tokens=40, dec=dec, check_every=4)
-    direct = _run(EngineBackend(model, EOS, **kw), prompts)
+    direct = drain_backend(EngineBackend(model, EOS, **kw), prompts)
     be = EngineBackend(model, EOS, overlap=True, staging_rows=8, **kw)
-    over = _run(be, prompts)
+    over = drain_backend(be, prompts)
     assert sorted(over) == list(range(48)) and over == direct
     st = be.stats()
     assert st["staged_rows"] >= 16 and st["staged_rows"] + st["prefill_rows"] == 48, st
@@ -63,6 +47,6 @@ def test_overlap_launches_do_not_sync_the_host():
                        check_every=4, overlap=True, staging_rows=8, attention="rows")
     be.engine.prefill_shapes.reuse_ratio = be.staging.engine.prefill_shapes.reuse_ratio = 1.0
     prompts = _prompts(40, seed=1)
-    counts = [len(_run(be, prompts, sync_each=True, strict=strict)) for strict in (False, False, True)]
+    counts = [len(drain_backend(be, prompts, sync_each=True, strict=strict)) for strict in (False, False, True)]
     assert counts == [40, 40, 40]
     assert be.staging.landed >= 3 * 16

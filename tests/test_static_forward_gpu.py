@@ -12,7 +12,7 @@ from dflash_pipe.eval.regen_backends import EngineBackend, TurnRequest
 from dflash_pipe.eval.regen_sampling import Decoding
 from dflash_pipe.target.loading import build_random_model
 from dflash_pipe.target.static_forward import StaticKVEngine
-from tests.eval_helpers import liven
+from tests.eval_helpers import drain_backend, liven
 
 pytestmark = pytest.mark.gpu
 LENS = [5, 40, 17, 1, 33, 64, 9, 2]
@@ -125,18 +125,8 @@ def test_launches_with_refills_do_not_sync_the_host(attention):
                        check_every=4, attention=attention)
     be.engine.prefill_shapes.reuse_ratio = 1.0   # each call its own bucket shape: the same shapes in every pass
     for strict in (False, False, True):      # a prefill shape's graph is captured at its second call
-        ready = [TurnRequest(None, p, key=i, order=i) for i, p in enumerate(_prompts() + _prompts()[:4])]
-        answers = 0
-        while ready or be.busy():
-            torch.cuda.synchronize()
-            if strict:
-                torch.cuda.set_sync_debug_mode("error")
-            try:
-                be.launch(ready)
-            finally:
-                torch.cuda.set_sync_debug_mode(0)
-            answers += len(be.collect())                 # collect syncs by design (one read of the masks)
-        assert answers == 12
+        answers = drain_backend(be, _prompts() + _prompts()[:4], sync_each=True, strict=strict)
+        assert len(answers) == 12
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
