@@ -212,25 +212,27 @@ def test_max_turns_keeps_the_first_regenerated_turns_only(reference, cfg, llama,
 
 def test_max_length_flag_overrides_the_manifest_and_refuses_negatives(tmp_path, monkeypatch, capsys):
     """`regenerate --max-length N` is the conversation cap (multi-turn runs need more than the manifest's
-    first-turn 512); a negative value is a usage error (exit 2) naming the flag."""
+    first-turn 512); a negative value is a usage error (exit 2) naming the flag. `--overlap-prefill` reaches
+    run_regenerate (off by default)."""
     from typer.testing import CliRunner
 
     from dflash_pipe.cli import app
 
     seen = {}
-    monkeypatch.setattr(regen_mod, "run_regenerate", lambda cfg, out, **kw: seen.update(max_length=cfg.extract.max_length))
+    monkeypatch.setattr(regen_mod, "run_regenerate", lambda cfg, out, **kw: seen.update(
+        max_length=cfg.extract.max_length, overlap=kw["overlap"]))
     # (a negative value must stop before run_regenerate: 'seen' would change)
     out = str(tmp_path / "o.jsonl")
-    res = CliRunner().invoke(app, ["regenerate", "-o", out, "--max-length", "1280"])
+    res = CliRunner().invoke(app, ["regenerate", "-o", out, "--max-length", "1280", "--overlap-prefill"])
     assert res.exit_code == 0, res.output
-    assert seen == {"max_length": 1280}
+    assert seen == {"max_length": 1280, "overlap": True}
     res = CliRunner().invoke(app, ["regenerate", "-o", out])
-    assert res.exit_code == 0 and seen == {"max_length": RunConfig().extract.max_length}
+    assert res.exit_code == 0 and seen == {"max_length": RunConfig().extract.max_length, "overlap": False}
     from dflash_pipe.cli import main
 
     with pytest.raises(SystemExit) as err:
         main(["regenerate", "-o", out, "--max-length", "-1"])
-    assert err.value.code == 2 and seen == {"max_length": RunConfig().extract.max_length}
+    assert err.value.code == 2 and seen == {"max_length": RunConfig().extract.max_length, "overlap": False}
     assert "--max-length must be >= 0" in capsys.readouterr().err
 
 
