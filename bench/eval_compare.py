@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lookup_compare import lookup_split, pooled_tau  # noqa: E402
+from lookup_compare import lookup_split, pooled_tau, turn_split  # noqa: E402
 from quality_summary import _counts, paired  # noqa: E402
 
 
@@ -54,6 +54,9 @@ def main() -> None:
            "ci95": p["ci95"]}
     if "ngram" in b:
         out["lookup_tau_b"] = pooled_tau(b["ngram"], [i for i in ids if i in b["ngram"]])
+    by_turn = turn_split({"ngram": b.get("ngram", {}), args.b_method: cb}, args.b_method)
+    if by_turn:
+        out["b_by_turn"] = by_turn
     if args.split_lookup:
         split = lookup_split({"ngram": b["ngram"], args.b_method: cb}, args.b_method, args.split_lookup)
         for side in ("below", "at_or_above"):

@@ -26,6 +26,20 @@ def lookup_split(counts: dict[str, dict[str, tuple[int, int]]], method: str, at:
     return out
 
 
+def turn_split(counts: dict[str, dict[str, tuple[int, int]]], method: str) -> dict | None:
+    """The method's and prompt lookup's pooled tau per MT-Bench turn (ids ending in /turn2 are second turns; None
+    when the set has none). A second turn repeats much of the first answer, which lookup copies (session 19:
+    DFlash / lookup 1.21x on first turns, 0.98x on second turns)."""
+    look, mine = counts.get("ngram"), counts.get(method)
+    if not look or not mine or not any(i.endswith("/turn2") for i in mine):
+        return None
+    out = {}
+    for turn, sel in (("1", lambda i: not i.endswith("/turn2")), ("2", lambda i: i.endswith("/turn2"))):
+        part = [i for i in mine if i in look and sel(i)]
+        out[turn] = {"prompts": len(part), "method_tau": pooled_tau(mine, part), "lookup_tau": pooled_tau(look, part)}
+    return out
+
+
 COPY_BINS = ((0, 0), (1, 7), (8, 14), (15, 15))   # drafts lookup matched in a teacher-forced block (of 15)
 
 

@@ -69,6 +69,23 @@ def _lookup_split_table(summary: dict) -> list[str]:
             "DFlash tau | lookup tau |", "|---|---|---:|---:|---:|---:|---:|---:|", *rows]
 
 
+def _turn_table(summary: dict) -> list[str]:
+    """Each drafter against prompt lookup on MT-Bench's first and second turns (a second turn repeats the first
+    answer: lookup copies it)."""
+    rows = []
+    for s, row in summary["sets"].items():
+        for name, r in row.get("drafters", {}).items():
+            for turn, t in sorted((r.get("turn_split") or {}).items()):
+                ratio = t["method_tau"] / t["lookup_tau"] if t["method_tau"] and t["lookup_tau"] else None
+                rows.append(f"| {name} | {s} | {turn} | {t['prompts']} | {_f(t['method_tau'])} | "
+                            f"{_f(t['lookup_tau'])} | {_f(ratio, '.2f', 'x')} |")
+    if not rows:
+        return []
+    return ["", "DFlash and prompt lookup per turn:", "",
+            "| drafter | set | turn | prompts | DFlash tau | lookup tau | DFlash / lookup |",
+            "|---|---|---:|---:|---:|---:|---:|", *rows]
+
+
 def _copy_table(summary: dict) -> list[str]:
     """Teacher-forced blocks grouped by how much prompt lookup copied at the same anchor: the drafter's tau there."""
     rows = []
@@ -117,6 +134,7 @@ def markdown(summary: dict) -> str:
               "the held-out simulated tau is measured on the same documents' cached features (cache-val)."]
     L += _teacher_forced_table(summary)
     L += _lookup_split_table(summary)
+    L += _turn_table(summary)
     L += _copy_table(summary)
     met = {True: "**met**", False: "**not met**", None: "not yet measured"}
     L += ["", f"DFlash vs prompt lookup, goal >= 2x on MT-Bench and HumanEval: {met[g['dflash_vs_lookup_2x_met']]} "

@@ -25,7 +25,7 @@ from dflash_pipe.eval.specdecode import SpecResult  # noqa: E402
 from dflash_pipe.io_utils import read_jsonl  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lookup_compare import copy_bins, lookup_split, teacher_forced_scans  # noqa: E402
+from lookup_compare import copy_bins, lookup_split, teacher_forced_scans, turn_split  # noqa: E402
 
 CODECS = ("lossless", "fp8")
 GOAL_SETS = ("mtbench", "humaneval")          # the sets issue 5's goals are stated on
@@ -291,6 +291,7 @@ def build(d: Path) -> dict:
                                      "acceptance": r["acceptance"], "tok_s": r["tokens_per_s"],
                                      "teacher_forced": r.get("teacher_forced"),   # eval --teacher-forced-every
                                      "lookup_split": lookup_split(e["prompts"], m),
+                                     "turn_split": turn_split(e["prompts"], m),
                                      "copy_bins": copy_bins(e["scans"], m),
                                      "ratio_vs_lookup": r["tau"] / row["ngram_tau"] if r["tau"] and row["ngram_tau"]
                                      else None}

@@ -146,6 +146,22 @@ def test_lookup_split_pools_each_side_by_lookups_own_tau():
     assert lc.pooled_tau(counts["ngram"], []) is None
 
 
+def test_turn_split_pools_mtbench_first_and_second_turns_and_the_report_shows_them():
+    counts = {"ngram": {"m/81": (20, 10), "m/81/turn2": (40, 10), "m/82": (10, 10), "m/82/turn2": (30, 10)},
+              "dflash:x": {"m/81": (25, 10), "m/81/turn2": (35, 10), "m/82": (15, 10), "m/82/turn2": (33, 11)}}
+    sp = lc.turn_split(counts, "dflash:x")
+    assert sp["1"] == {"prompts": 2, "method_tau": pytest.approx(40 / 20), "lookup_tau": pytest.approx(30 / 20)}
+    assert sp["2"] == {"prompts": 2, "method_tau": pytest.approx(68 / 21), "lookup_tau": pytest.approx(70 / 20)}
+    single = {m: {k: v for k, v in c.items() if not k.endswith("/turn2")} for m, c in counts.items()}
+    assert lc.turn_split(single, "dflash:x") is None                                    # one turn: no split
+    import quality_report
+
+    summary = {"sets": {"mtbench": {"drafters": {"x": {"turn_split": sp}}}, "humaneval": {"drafters": {"x": {}}}}}
+    table = "\n".join(quality_report._turn_table(summary))
+    assert "| x | mtbench | 1 | 2 | 2.000 | 1.500 | 1.33x |" in table and "humaneval" not in table
+    assert "| x | mtbench | 2 | 2 | 3.238 | 3.500 | 0.93x |" in table
+
+
 def test_copy_bins_pair_each_block_with_lookups_at_the_same_anchor():
     rows = [{"set": "s", "id": "g1", "method": "ngram", "scan_matched": [0, 15, 3, 15]},
             {"set": "s", "id": "g1", "method": "dflash:x", "scan_matched": [2, 15, 1, 4]},
