@@ -149,6 +149,9 @@ def test_hybrid_target_falls_back_to_hf_generate_and_refuses_sampling(cfg, tmp_p
         _run(cfg, hybrid, tmp_path / "h2.jsonl", temperature=1.0)
     with pytest.raises(UsageError, match="--engine static"):
         _run(cfg, hybrid, tmp_path / "h3.jsonl", engine="static")
+    _run(cfg, hybrid, tmp_path / "h4.jsonl", overlap=True)          # the flag is named as ignored, not dropped
+    assert "--overlap-prefill ignored: it needs the static-KV engine" in capsys.readouterr().out
+    assert (tmp_path / "h4.jsonl").read_bytes() == (tmp_path / "h.jsonl").read_bytes()
 
 
 

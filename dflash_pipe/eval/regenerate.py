@@ -201,7 +201,7 @@ def make_backend(bundle, eos: list[int], pad: int, batch: int, max_len: int, max
             raise UsageError(f"--temperature {dec.temperature}: sampling needs the static-KV engine, which cannot "
                              f"run this target ({why})", "regenerate greedily (--temperature 0)")
         return HFBackend(bundle.model, eos, pad, batch or auto_batch_size(bundle.model, max_len, 256), max_new,
-                         why=why)
+                         why=why + ("; --overlap-prefill ignored: it needs the static-KV engine" if overlap else ""))
     batch = batch or auto_batch_size(bundle.model, max_len)
     while True:
         try:
