@@ -59,6 +59,7 @@ def drain_backend(be, prompts: list[list[int]], sync_each: bool = False, strict:
                 torch.cuda.set_sync_debug_mode(0)
         for c in be.collect():
             got[c.request.order] = c.tokens
+    be.close()                            # overlap mode: the last launch's final step may still be queued
     return got
 
 

@@ -155,3 +155,26 @@ def test_staged_groups_still_running_on_the_device_wait_or_land_later_and_the_an
         assert over == direct, (rows, lag, compact)
         waits += be.staging.device_waits
     assert waits > 0
+
+
+def test_run_regenerate_closes_its_backend_even_when_the_run_fails(cfg, llama, tmp_path, monkeypatch):
+    """Overlap mode queues work on its own streams that can outlive a launch; run_regenerate closes the backend (waits
+    for them) on the way out, also when the run raises, so no queued step writes into memory freed behind it."""
+    from dflash_pipe.eval.regenerate import run_regenerate
+
+    closed = []
+    real_close = EngineBackend.close
+    monkeypatch.setattr(EngineBackend, "close", lambda self: closed.append(self.staging is not None) or real_close(self))
+    run_regenerate(cfg, tmp_path / "a.jsonl", max_new_tokens=NEW, batch_size=4, device="cpu", bundle=llama, overlap=True)
+    assert closed == [True]
+
+    def boom(self):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(EngineBackend, "collect", boom)
+    import pytest
+
+    with pytest.raises(RuntimeError, match="injected"):
+        run_regenerate(cfg, tmp_path / "b.jsonl", max_new_tokens=NEW, batch_size=4, device="cpu", bundle=llama,
+                       overlap=True)
+    assert closed == [True, True]

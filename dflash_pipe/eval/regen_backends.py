@@ -134,6 +134,14 @@ class EngineBackend:
     def busy(self) -> bool:
         return self._live() or bool(self.staging and len(self.staging))
 
+    def close(self) -> None:
+        """Wait for this backend's streams (overlap mode on CUDA): its buffers were made on the default stream, and
+        once freed the allocator may hand them to work there while steps queued on the main stream still run."""
+        if self.main is not None:
+            self.main.synchronize()
+        if self.staging is not None:
+            self.staging.sync()
+
     def _on_main(self):
         """The stream all of this backend's device work goes to (overlap mode on CUDA; else the current one)."""
         return torch.cuda.stream(self.main) if self.main is not None else contextlib.nullcontext()
@@ -152,6 +160,7 @@ class EngineBackend:
         if self.staging is not None:
             with self._on_main():
                 back += self.staging.take_back()
+        self.close()                       # the caller frees this backend next (a smaller batch)
         self.slots = [None] * self.B
         self.held.clear()                  # the rerun prefills whole prompts
         return back

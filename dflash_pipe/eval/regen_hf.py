@@ -25,6 +25,9 @@ class HFBackend:
     def take_back(self) -> list[TurnRequest]:
         return []
 
+    def close(self) -> None:
+        """Nothing runs after `launch` returns."""
+
     def collect(self) -> list[Completion]:
         done, self._done = self._done, []
         return done

@@ -417,6 +417,8 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
     finally:
         writer.close()
         bar.close()
+        if backend is not None:
+            backend.close()                  # no queued device work outlives the run (overlap mode's streams)
     state["timing"] = _timing(split, backend, time.perf_counter() - t0)    # informational, this run only
     atomic_write_json(sidecar_path(output), state)
     print("regenerate: time split: " + ", ".join(f"{k} {v}" for k, v in state["timing"].items()), flush=True)
