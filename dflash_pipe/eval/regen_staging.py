@@ -13,10 +13,10 @@ stream, so the decode stopped for them. Two changes take them off that path:
   forward. A staged group lands once its prefill is done on the device (an event query; the host does not
   wait), or, when at least `min_free` slots idle with nothing landable, after a device-side wait for the
   oldest group. The side stream writes a staging row again only after the main stream's copy of it (an event).
-* `Snapshot`: the backend's state (active, tokens generated, ended, answers) is copied to pinned host memory
-  after step ``check_every - lag`` of a launch and the host waits for that copy only, so the last `lag`
-  steps are still queued while the host collects, writes and queues the next launch. An answer that ends
-  in those steps is collected one launch later.
+* `Snapshot`: the backend's state (active, tokens generated, ended, answers: ~2 MB at batch 1,024 and 256 new
+  tokens) is copied to pinned host memory after step ``check_every - lag`` of a launch (lag 1 by default) and
+  the host waits for that copy only, so the last `lag` steps are still queued while the host collects, writes
+  and queues the next launch. An answer that ends in those steps is collected one launch later.
 
 On the CPU there is no second stream and no event: the same code runs in order (the tests compare its
 answers with the direct path's). An answer depends only on its prompt and key, never on where it was
