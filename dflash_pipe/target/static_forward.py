@@ -345,20 +345,26 @@ class StaticKVEngine:
         if mode == "explicit":
             mask = few_query_bias(mask, KVH, self.dtype)                             # [B*KVH, G*T, kv], additive
         x = self.embed(ids)
-        cos, sin = self.rotary(x, pos)
-        cos, sin = cos[:, None], sin[:, None]                                        # [B, 1, T, D]
+        cos, sin = self.rotary(x, pos)                                               # [B, T, D]
         sin_signed = signed_sin(sin)                                                 # once per forward
+        by_token = cos[:, :, None], sin_signed[:, :, None]                           # [B, T, 1, D]: q|k at once
+        cos, sin_signed = cos[:, None], sin_signed[:, None]                          # [B, 1, T, D]: q, k apart
         captured = []
         last = len(self.layers) - 1
         for li, layer in enumerate(self.layers):
             attn = layer.self_attn
             h = self.ops.norm(layer.input_layernorm, x)
-            q, k, v = self.ops.project_qkv(li, attn, h)
-            q, k, v = q.view(B, T, H, D), k.view(B, T, KVH, D), v.view(B, T, KVH, D)
-            if getattr(attn, "q_norm", None) is not None:                          # Qwen3
-                q, k = attn.q_norm(q), attn.k_norm(k)
-            q, k = q.transpose(1, 2), k.transpose(1, 2)
-            q, k = rope(q, cos, sin_signed), rope(k, cos, sin_signed)
+            joint = None if getattr(attn, "q_norm", None) is not None else self.ops.project_qk_v(li, h)
+            if joint is not None:       # q and k adjacent in the fused projection: rotated in one pass (3 kernels)
+                qk = rope(joint[0].view(B, T, H + KVH, D), *by_token)                # [B, T, H + KVH, D]
+                q, k, v = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2), joint[1].view(B, T, KVH, D)
+            else:
+                q, k, v = self.ops.project_qkv(li, attn, h)
+                q, k, v = q.view(B, T, H, D), k.view(B, T, KVH, D), v.view(B, T, KVH, D)
+                if getattr(attn, "q_norm", None) is not None:                      # Qwen3
+                    q, k = attn.q_norm(q), attn.k_norm(k)
+                q, k = q.transpose(1, 2), k.transpose(1, 2)
+                q, k = rope(q, cos, sin_signed), rope(k, cos, sin_signed)
             kc, vc = self.k_cache[li], self.v_cache[li]
             kc[ri[:, None], :, write_pos] = k.transpose(1, 2)
             vc[ri[:, None], :, write_pos] = v
