@@ -14,6 +14,7 @@ sys.path.insert(0, str(ROOT))
 
 def _args(**kw):
     base = dict(batch=64, prompts=400, new_tokens=256, max_length=512, check_every=8, step_ms=4.92, host_gap_ms=4.3,
+                attention_share=0.38,
                 call_ms=1.0, token_us=2.0, model_cache="~/.cache/dflash-pipe/models")
     return argparse.Namespace(**{**base, **kw})
 
