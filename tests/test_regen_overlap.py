@@ -35,12 +35,13 @@ def _answers(model, prompts, dec, **kw) -> tuple[dict, EngineBackend]:
 
 
 def test_overlap_mode_gives_the_direct_paths_answers_through_the_staging_area(llama):
-    """30 prompts, 4 slots, 3 staging rows, the snapshot one step before a launch's end: every answer (sampled and
-    greedy) equals the direct path's, and the prefill counters add up: the first fill (nothing decodes yet) and
+    """30 prompts, 4 slots, 3 staging rows, the snapshot one step before a launch's end: every answer (sampled,
+    sampled for its first 3 tokens then greedy, and greedy) equals the direct path's, and the prefill counters add up: the first fill (nothing decodes yet) and
     the slots the staging area cannot fill prefill straight into the slots, at least half the prompts go through
     the staging area."""
     prompts = _prompts(30, seed=11)
-    for dec in (Decoding(temperature=0.9, top_p=0.95, seed=3), Decoding()):
+    for dec in (Decoding(temperature=0.9, top_p=0.95, seed=3), Decoding(temperature=1.2, greedy_after=3, seed=1),
+                Decoding()):
         direct, _ = _answers(llama.model, prompts, dec)
         over, be = _answers(llama.model, prompts, dec, overlap=True, staging_rows=3, snapshot_lag=1)
         assert sorted(direct) == list(range(30)) and over == direct
