@@ -196,7 +196,15 @@ stash() {
 # regen settings; 65,520 rows, 38.3 M generated tokens after session 17); bench/quality19i.env continues from it.
 seed_regenerated() {
     local seed=${QUALITY_REGEN_SEED-$REPO/bench/data/smollm2_regenerated_sharegpt.jsonl.gz} rows
+    # a regen file seeded under another env (e.g. a tool that ran setup without this run's QUALITY_ENV) would be
+    # continued as if it were this run's: stop here instead of training on the wrong data
+    if [ -n "$seed" ] && [ -s "$Q/regenerated.jsonl" ] && [ -f "$Q/seed.from" ] &&
+            [ "$(cat "$Q/seed.from")" != "$(basename "$seed")" ]; then
+        fail "setup: $Q/regenerated.jsonl was seeded from $(cat "$Q/seed.from"), this run's seed is" \
+             "$(basename "$seed"): run with the env that made it, or in another QUALITY_DIR"
+    fi
     seed_file "$seed" "$Q/regenerated.jsonl" regen || return 0
+    basename "$seed" > "$Q/seed.from"
     rows=$(wc -l < "$Q/regenerated.jsonl"); echo "$rows" > "$Q/seed.rows"   # regen_rows_out skips these
     say "setup: regen seeded with $rows conversations from ${seed#$REPO/}"
     # the held-out rows are the seed's first $HELDOUT: in a file of their own, extract-val needs no regen and

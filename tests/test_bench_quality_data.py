@@ -115,3 +115,28 @@ def test_a_second_run_shares_the_first_runs_carry_under_its_own_path(tmp_path):
     assert r.returncode == 1 and "is this run's own QUALITY_DIR" in r.stdout
     r = _share(second, tmp_path / "fresh")   # a fresh machine: nothing stashed there
     assert r.returncode == 3 and "has no carry/" in r.stdout and "start again at call A" in r.stdout
+
+
+def test_setup_refuses_a_regen_file_seeded_under_another_env(tmp_path):
+    """A regen file seeded from one seed (recorded in seed.from) is not continued by a setup whose env names
+    another seed: it stops with the two names. The same seed, or no seed file recorded, goes on."""
+    q = tmp_path / "q"
+    (q / "logs").mkdir(parents=True)
+    (q / "regenerated.jsonl").write_text(_rows(["a#0"]))
+
+    def setup(seed_name):
+        script = f"""
+            say() {{ echo "$*"; }}; fail() {{ echo "FAIL: $*"; exit 1; }}
+            Q={q}; CARRY={q}/carry; PY={sys.executable}; HELDOUT=2; REGEN_MORE_FLAGS=(); REPO={ROOT}
+            export QUALITY_REGEN_SEED={tmp_path}/{seed_name}
+            cd {ROOT}; source bench/quality_home.sh
+            seed_regenerated && echo SEEDED-OK
+        """
+        return subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
+
+    assert "SEEDED-OK" in setup("first_turns.jsonl.gz").stdout            # nothing recorded: goes on
+    (q / "seed.from").write_text("first_turns.jsonl.gz\n")
+    assert "SEEDED-OK" in setup("first_turns.jsonl.gz").stdout
+    r = setup("all_turns_greedy4.jsonl.xz")
+    assert r.returncode == 1 and "seeded from first_turns.jsonl.gz" in r.stdout and "all_turns_greedy4" in r.stdout
+    assert (q / "regenerated.jsonl").read_text() == _rows(["a#0"])          # untouched
