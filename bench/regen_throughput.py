@@ -18,7 +18,7 @@ rates, their ratio, the prefilled tokens, identical rows), the A/B that issue 18
     python bench/regen_throughput.py --data /tmp/quality/carry/data/sharegpt_all_turns.jsonl --max-turns 0 \
         --samples 4 --temperature 1.0 --top-p 0.95 --greedy-after 4 --max-length 1280 --prompts 4000 \
         --batch 1024 --hf-prompts 0 --reuse-history --reuse-history-ab --json ab.json          # H200
---overlap off,on times regen in both modes (regenerate --overlap-prefill: prefills on a second CUDA stream under
+--overlap off,on times regen in both modes (off,on,on+compact adds --compact-tail to overlap mode) (regenerate --overlap-prefill: prefills on a second CUDA stream under
 the decode, answers collected a few steps before a launch ends; regen_staging.py) against the same bare loop, each
 with its ratios, and counts the rows identical between them (`overlap_ab`):
     python bench/regen_throughput.py --data /tmp/quality/carry/data/sharegpt_first_turns.jsonl \
@@ -179,15 +179,20 @@ def reuse_ab(args, bundle, timed_out: Path, batch: int, attention: str, timed: d
 
 
 def overlap_ab(tmp: Path, batch: int, attention: str, runs: dict) -> dict:
-    """The overlap modes' rates, ratio and identical rows (the same answers by design; bf16 rounding of another
-    prefill shape may flip a near-tie)."""
-    off, on = runs["off"], runs["on"]
+    """Each mode against the direct path ("off"): the rate ratio and the rows identical to it (the same answers by
+    design; bf16 rounding of another prefill shape may flip a near-tie)."""
+    off = runs["off"]
     a = (tmp / f"regen{batch}-{attention}.jsonl").read_text().splitlines()
-    b = (tmp / f"regen{batch}-{attention}-overlap.jsonl").read_text().splitlines()
-    out = {"ratio_on_to_off": round(on["tok_s"] / off["tok_s"], 3),
-           "rows_identical": f"{sum(x == y for x, y in zip(a, b))}/{max(len(a), len(b))}"}
-    print(f"SUMMARY overlap A/B, batch {batch}, attention {attention}: on {on['tok_s']:,.0f} tok/s, off "
-          f"{off['tok_s']:,.0f} (ratio {out['ratio_on_to_off']}); identical rows {out['rows_identical']}", flush=True)
+    out = {}
+    for mode, r in runs.items():
+        if mode == "off":
+            continue
+        b = (tmp / f"regen{batch}-{attention}-{mode.replace('+', '-')}.jsonl").read_text().splitlines()
+        out[mode] = {"ratio_to_off": round(r["tok_s"] / off["tok_s"], 3),
+                     "rows_identical": f"{sum(x == y for x, y in zip(a, b))}/{max(len(a), len(b))}"}
+        print(f"SUMMARY {mode} against off, batch {batch}, attention {attention}: {r['tok_s']:,.0f} tok/s against "
+              f"{off['tok_s']:,.0f} (ratio {out[mode]['ratio_to_off']}); identical rows {out[mode]['rows_identical']}",
+              flush=True)
     return out
 
 
@@ -199,15 +204,16 @@ def one_batch(args, bundle, tmp: Path, batch_arg: int, attention: str) -> dict:
     modes = args.overlap.split(",")
     res = {"batch": batch, "attention": attention, "regen_by_overlap": {}}
     for mode in modes:
-        out = timed_out if mode == "off" else timed_out.with_name(timed_out.stem + "-overlap.jsonl")
-        res["regen_by_overlap"][mode] = warm_then_time(args, bundle, out, batch, attention, overlap=mode == "on")
+        out = timed_out if mode == "off" else timed_out.with_name(f"{timed_out.stem}-{mode.replace('+', '-')}.jsonl")
+        res["regen_by_overlap"][mode] = warm_then_time(args, bundle, out, batch, attention,
+                                                       overlap=mode.split("+")[0] == "on", compact="compact" in mode)
         print(f"regen (overlap {mode})", res["regen_by_overlap"][mode], flush=True)
     res["regen"] = res["regen_by_overlap"][modes[0]]
     res["bare"] = bare_loop(args, bundle, batch, attention)
     print("bare", res["bare"], flush=True)
     if args.reuse_history_ab:
         res["reuse_ab"] = reuse_ab(args, bundle, timed_out, batch, attention, res["regen"])
-    if set(modes) == {"off", "on"}:
+    if "off" in modes and len(modes) > 1:
         res["overlap_ab"] = overlap_ab(tmp, batch, attention, res["regen_by_overlap"])
     for mode in modes:
         _summary(res, res["regen_by_overlap"][mode], mode, batch, attention)
@@ -255,8 +261,9 @@ def main() -> None:
     ap.add_argument("--reuse-history", action="store_true", help="regenerate --reuse-history (with --max-turns 0)")
     ap.add_argument("--reuse-history-ab", action="store_true",
                     help="also time regen with --reuse-history flipped on the same prompts (an A/B in one run)")
-    ap.add_argument("--overlap", default="off", help="comma list of regenerate's overlap modes (off, on: "
-                                                     "--overlap-prefill), each timed at every batch and attention")
+    ap.add_argument("--overlap", default="off", help="comma list of regenerate's modes, each timed at every batch "
+                                                     "and attention: off, on (--overlap-prefill), and either with "
+                                                     "+compact (--compact-tail), e.g. off,on,on+compact")
     ap.add_argument("--hf-prompts", type=int, default=256)
     ap.add_argument("--hf-batch", type=int, default=256)
     ap.add_argument("--smoke", action="store_true", help="CPU, random tiny-llama, toy sizes")

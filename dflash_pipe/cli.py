@@ -110,6 +110,9 @@ def regenerate_cmd(cfg: RunConfig, output: Path = typer.Option(..., "--output", 
                                                         "answers a few steps before a launch ends, so neither "
                                                         "stops the decode (the same output; "
                                                         "eval/regen_staging.py)."),
+                   compact_tail: bool = typer.Option(False, help="Static-KV engine: once no prompt waits, move the "
+                                                     "live rows together and run the steps on batch/2, /4 or /8 "
+                                                     "rows (the same output; not with --reuse-history)."),
                    first_sample: int = typer.Option(0, help="Number the samples from K (ids <id>#K..): more "
                                                        "answers per prompt in a new file, each equal to what a "
                                                        "run with more --samples writes for that id."),
@@ -128,7 +131,7 @@ def regenerate_cmd(cfg: RunConfig, output: Path = typer.Option(..., "--output", 
     run_regenerate(cfg, output, max_new_tokens=max_new_tokens, batch_size=batch_size, device=device,
                    max_turns=max_turns, samples=samples, temperature=temperature, top_p=top_p, seed=seed,
                    engine=engine, attention=engine_attention, greedy_after=greedy_after, reuse_history=reuse_history,
-                   overlap=overlap_prefill, max_seconds=max_seconds, first_sample=first_sample)
+                   overlap=overlap_prefill, compact=compact_tail, max_seconds=max_seconds, first_sample=first_sample)
 
 
 @app.command("export")

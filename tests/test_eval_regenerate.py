@@ -212,15 +212,15 @@ def test_max_turns_keeps_the_first_regenerated_turns_only(reference, cfg, llama,
 
 def test_max_length_flag_overrides_the_manifest_and_refuses_negatives(tmp_path, monkeypatch, capsys):
     """`regenerate --max-length N` is the conversation cap (multi-turn runs need more than the manifest's
-    first-turn 512); a negative value is a usage error (exit 2) naming the flag. `--overlap-prefill` reaches
-    run_regenerate (off by default)."""
+    first-turn 512); a negative value is a usage error (exit 2) naming the flag. `--overlap-prefill` and
+    `--compact-tail` reach run_regenerate (off by default)."""
     from typer.testing import CliRunner
 
     from dflash_pipe.cli import app
 
     seen = {}
     monkeypatch.setattr(regen_mod, "run_regenerate", lambda cfg, out, **kw: seen.update(
-        max_length=cfg.extract.max_length, overlap=kw["overlap"]))
+        max_length=cfg.extract.max_length, overlap=kw["overlap"] or kw["compact"] and "compact"))
     # (a negative value must stop before run_regenerate: 'seen' would change)
     out = str(tmp_path / "o.jsonl")
     res = CliRunner().invoke(app, ["regenerate", "-o", out, "--max-length", "1280", "--overlap-prefill"])
@@ -234,6 +234,8 @@ def test_max_length_flag_overrides_the_manifest_and_refuses_negatives(tmp_path, 
         main(["regenerate", "-o", out, "--max-length", "-1"])
     assert err.value.code == 2 and seen == {"max_length": RunConfig().extract.max_length, "overlap": False}
     assert "--max-length must be >= 0" in capsys.readouterr().err
+    res = CliRunner().invoke(app, ["regenerate", "-o", out, "--compact-tail"])
+    assert res.exit_code == 0 and seen["overlap"] == "compact"
 
 
 def test_history_reuse_gives_the_same_conversations_prefilling_only_the_new_tokens(reference, cfg, llama, tmp_path):

@@ -179,3 +179,30 @@ def test_run_regenerate_closes_its_backend_even_when_the_run_fails(cfg, llama, t
         run_regenerate(cfg, tmp_path / "b.jsonl", max_new_tokens=NEW, batch_size=4, device="cpu", bundle=llama,
                        overlap=True)
     assert closed == [True, True]
+
+
+def test_tail_compaction_through_regenerate_gives_the_same_file_and_is_refused_with_history_reuse(cfg, llama,
+                                                                                                  tmp_path):
+    """run_regenerate(compact=True), with and without overlap mode: the direct run's bytes, and the decode path says
+    so; with --reuse-history (several turns) a usage error naming both flags, before anything is written. In float64:
+    a narrower step is another GEMM shape, and in float32 its rounding flipped one sampled near-tie of 108 tokens
+    (the same run in float64 flips none)."""
+    import copy
+    import dataclasses
+
+    import pytest
+
+    from dflash_pipe.errors import UsageError
+    from dflash_pipe.eval.regenerate import run_regenerate
+
+    bundle = dataclasses.replace(llama, model=copy.deepcopy(llama.model).to(torch.float64))
+    kw = dict(max_new_tokens=NEW, device="cpu", bundle=bundle, batch_size=4, max_turns=0, samples=2, temperature=0.9,
+              seed=3)
+    run_regenerate(cfg, tmp_path / "direct.jsonl", **kw)
+    for overlap in (False, True):
+        state = run_regenerate(cfg, tmp_path / f"c{overlap}.jsonl", compact=True, overlap=overlap, **kw)
+        assert "tail compaction" in state["decode_path"]
+        assert (tmp_path / f"c{overlap}.jsonl").read_bytes() == (tmp_path / "direct.jsonl").read_bytes()
+    with pytest.raises(UsageError, match="--compact-tail moves rows, --reuse-history"):
+        run_regenerate(cfg, tmp_path / "r.jsonl", compact=True, reuse_history=True, **kw)
+    assert not (tmp_path / "r.jsonl").exists()

@@ -129,7 +129,7 @@ class EngineBackend:
         over = f", prefills under the decode ({self.staging.rows} staging rows, collect {steps} early)" if overlap else ""
         self.describe = (f"{self.name} ({mode}, batch {batch}, {attn}, check every {self.check_every} steps, "
                          f"refill at {self.policy.min_free} free slots{', history reuse' if reuse_history else ''}"
-                         f"{over})")
+                         f"{', tail compaction' if self.compact else ''}{over})")
 
     def busy(self) -> bool:
         return self._live() or bool(self.staging and len(self.staging))

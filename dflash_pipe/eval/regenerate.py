@@ -186,7 +186,8 @@ def _queue(ready: list[TurnRequest], req: TurnRequest | None) -> None:
 
 
 def make_backend(bundle, eos: list[int], pad: int, batch: int, max_len: int, max_new: int, dec: Decoding,
-                 engine: str, attention: str = "auto", reuse_history: bool = False, overlap: bool = False):
+                 engine: str, attention: str = "auto", reuse_history: bool = False, overlap: bool = False,
+                 compact: bool = False):
     """The engine backend where the target allows it (halving `batch` on OOM), else HF generate."""
     if engine not in ENGINES:
         raise UsageError(f"--engine must be one of {', '.join(ENGINES)}, got {engine!r}")
@@ -201,12 +202,13 @@ def make_backend(bundle, eos: list[int], pad: int, batch: int, max_len: int, max
             raise UsageError(f"--temperature {dec.temperature}: sampling needs the static-KV engine, which cannot "
                              f"run this target ({why})", "regenerate greedily (--temperature 0)")
         return HFBackend(bundle.model, eos, pad, batch or auto_batch_size(bundle.model, max_len, 256), max_new,
-                         why=why + ("; --overlap-prefill ignored: it needs the static-KV engine" if overlap else ""))
+                         why=why + "".join(f"; {flag} ignored: it needs the static-KV engine" for flag, on in
+                                           (("--overlap-prefill", overlap), ("--compact-tail", compact)) if on))
     batch = batch or auto_batch_size(bundle.model, max_len)
     while True:
         try:
             return EngineBackend(bundle.model, eos, batch, max_len, max_new, dec, attention=attention,
-                                 reuse_history=reuse_history, overlap=overlap)
+                                 reuse_history=reuse_history, overlap=overlap, compact=compact)
         except torch.OutOfMemoryError:
             batch = _halve(batch)
 
@@ -248,6 +250,7 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
                    device: str = "auto", *, bundle=None, max_turns: int = 0, samples: int = 1,
                    temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, engine: str = "auto",
                    attention: str = "auto", greedy_after: int = 0, reuse_history: bool = False, overlap: bool = False,
+                   compact: bool = False,
                    max_seconds: float = 0.0, first_sample: int = 0) -> dict:
     """Regenerate cfg.data's conversations into `output` (JSONL); returns the final sidecar dict.
 
@@ -257,6 +260,8 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
     (engine backend; pointless with one turn: max_turns 1 turns it off).
     overlap: prefill waiting prompts on a second CUDA stream under the decode and collect answers a few steps
     before a launch's end (engine backend, regen_staging.py); the same output.
+    compact: tail compaction (engine backend): once no prompt waits, live rows move to the lowest slots and the
+    steps run on the first batch/2, /4 or /8 rows; refused with reuse_history. The same output.
     max_seconds: stop admitting conversations this long after the call (0 = no limit) and finish the ones in
     flight; the sidecar then says ``stopped_early``.
     first_sample: the first sample index (ids <id>#first_sample ..): more answers per prompt in another file.
@@ -268,6 +273,9 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
     _validate(cfg, max_new_tokens, batch_size, dec)
     if max_seconds < 0:
         raise UsageError(f"--max-seconds must be >= 0 (0 = no limit), got {max_seconds}")
+    if compact and reuse_history and max_turns != 1:
+        raise UsageError("--compact-tail moves rows, --reuse-history keeps a finished answer's row in place for its "
+                         "next turn: use one of them")
     if bundle is None:
         t = cfg.target
         bundle = load_target(t.model, device=resolve_device(device), dtype=t.dtype, revision=t.revision,
@@ -288,7 +296,7 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
     regen = Regenerator(bundle.tokenizer, eos, max_new_tokens, cfg.extract.max_length, max_turns, dec)
     reuse_history = reuse_history and max_turns != 1
     backend = make_backend(bundle, eos, pad, batch_size, cfg.extract.max_length, max_new_tokens, dec, engine,
-                           attention, reuse_history, overlap)
+                           attention, reuse_history, overlap, compact)
     print(f"regenerate: decode path: {backend.describe}", flush=True)
     state["decode_path"] = backend.describe          # informational (not a pinned setting)
     stats = DataStats()
@@ -363,7 +371,7 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
                 smaller = backend.B
                 backend = None               # free its cache before allocating the smaller one
                 backend = make_backend(bundle, eos, pad, _halve(smaller), cfg.extract.max_length,
-                                       max_new_tokens, dec, engine, attention, reuse_history, overlap)
+                                       max_new_tokens, dec, engine, attention, reuse_history, overlap, compact)
                 state["decode_path"] = backend.describe
             # host work while the device decodes: the last answers, the next turns, new prompts, the output
             going = [st for st in (regen.record(c) for c in completions) if st is not None]   # detokenizes
