@@ -126,6 +126,9 @@ class TrainConfig:
     context_tokens: int = opt(8192, "Fixed context token budget per batch per rank (documents packed, padded).")
     num_anchors: int = opt(512, "Fixed number of draft blocks per batch (padded blocks carry no loss).")
     max_anchors_per_doc: int = opt(512, "At most this many anchors drawn from one document.")
+    copy_anchor_weight: float = opt(0.0, "Extra sampling weight of anchors where prompt lookup could copy the next "
+                                         "token from earlier in the document (1 + this, against 1; 0 = uniform). "
+                                         "Validation keeps uniform anchors.")
     lr: float = opt(6e-4, "Peak AdamW learning rate.")
     warmup_frac: float = opt(0.04, "Linear warm-up as a fraction of the total steps.")
     min_lr_frac: float = opt(0.0, "Cosine decays to lr * min_lr_frac.")
@@ -430,6 +433,7 @@ def normalize(cfg: RunConfig) -> RunConfig:
         (dr.block_size >= 2, "--drafter-block-size must be >= 2"),
         (dr.num_layers >= 1, "--drafter-num-layers must be >= 1"),
         (tr.num_anchors >= 1, "--num-anchors must be >= 1"),
+        (tr.copy_anchor_weight >= 0, "--copy-anchor-weight must be >= 0"),
         (tr.context_tokens >= 2, "--context-tokens must be >= 2"),
         (tr.lr > 0, "--lr must be > 0"),
         (0 <= tr.warmup_frac < 1, "--warmup-frac must be in [0, 1)"),

@@ -37,6 +37,38 @@ def _lengths(seed, shards=3, rgs=4):
     return {s: [list(rng.integers(1, 60, rng.integers(1, 6))) for _ in range(rgs)] for s in range(shards)}
 
 
+def test_copyable_matches_a_loop_reference_and_copy_weighted_anchors_favour_it():
+    """copyable(t): the 3-gram ending at t occurred earlier (first occurrence ending at j < t) and was followed by
+    input_ids[t + 1] there, checked against a plain loop on random documents with repeats. With
+    --copy-anchor-weight 20 the sampled anchors hold far more copyable positions than uniform sampling (same
+    rng seed, 400 draws), stay eligible, sorted and unique; weight 0 is the uniform path, draw for draw."""
+    from dflash_pipe.train.anchors import copyable
+    from dflash_pipe.train.loader import block_targets
+
+    rng = np.random.default_rng(3)
+    for _ in range(20):
+        base = rng.integers(0, 6, size=int(rng.integers(1, 40)))
+        ids = np.concatenate([base, base[: rng.integers(0, len(base) + 1)], rng.integers(0, 6, size=5)])
+        ref = np.zeros(len(ids), bool)
+        for t in range(2, len(ids) - 1):
+            firsts = [j for j in range(2, t + 1) if tuple(ids[j - 2:j + 1]) == tuple(ids[t - 2:t + 1])]
+            ref[t] = firsts[0] < t and ids[firsts[0] + 1] == ids[t + 1]
+        assert np.array_equal(copyable(ids), ref), ids
+    doc = np.concatenate([rng.integers(0, 5000, size=300), rng.integers(0, 5000, size=300)])
+    doc[450:550] = doc[100:200]                                    # a repeated span: copyable positions
+    mask = np.ones(len(doc), bool)
+    cop = copyable(doc)
+    share = {}
+    for w in (0.0, 20.0):
+        picks = [block_targets(doc, [mask], [0], 64, 4, 64, np.random.default_rng(s), copy_weight=w)[0]
+                 for s in range(400)]
+        share[w] = np.mean([cop[a].mean() for a in picks])
+        assert all(np.all(np.diff(a) > 0) and mask[a].all() for a in picks)
+    assert share[0.0] < 0.25 < 0.6 < share[20.0], share
+    uni = block_targets(doc, [mask], [0], 64, 4, 64, np.random.default_rng(7))
+    assert np.array_equal(uni[0], block_targets(doc, [mask], [0], 64, 4, 64, np.random.default_rng(7), 0.0)[0])
+
+
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_schedule_covers_every_document_once(world):
     lengths = _lengths(0)
@@ -215,3 +247,26 @@ def test_shard_subset_trains_on_exactly_those_shards(tmp_path):
     state = {"train_shards": [0, 2], "cache_identity": {}}
     with pytest.raises(ValidationError, match="shards"):
         check_resume_identity(state, spec, tmp_path, None, None)   # resuming a subset run on all shards
+
+
+def test_the_loader_samples_copy_weighted_anchors_when_asked(tmp_path, monkeypatch):
+    """BatchLoader(copy_anchor_weight=W) hands W to every row's anchor draw (the trainer passes --copy-anchor-weight;
+    validation's loader keeps the default 0), and its batches still hold valid blocks."""
+    from dflash_pipe.train import loader as loader_mod
+
+    W, NL = 24, 2
+    docs = make_docs(6, W, seed=2, min_len=8, max_len=30)
+    write_cache(tmp_path, docs, W, NL, num_shards=1, row_group_bytes=3000)
+    index = CacheIndex(tmp_path)
+    index.refresh()
+    seen = []
+    real = loader_mod.block_targets
+    monkeypatch.setattr(loader_mod, "block_targets", lambda *a, **k: seen.append(a[-1]) or real(*a, **k))
+    for w in (0.0, 4.0):
+        ld = BatchLoader(index, rank=0, world=1, seed=0, context_tokens=64, num_anchors=12, max_anchors_per_doc=4,
+                         block_size=4, shuffle_rows=1, workers=1, want_topk=False, pin_memory=False,
+                         copy_anchor_weight=w)
+        batch = next(iter(ld.iterate(epoch=0, start_step=0)))
+        assert int(batch.block_valid_N.sum()) > 0
+        ld.close()
+    assert seen and set(seen) == {0.0, 4.0}

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ..cache.codec import FP8, planes_shape
-from .anchors import IGNORE, block_labels, sample_anchors
+from .anchors import IGNORE, block_labels, copyable, sample_anchors
 from .cache_index import CacheIndex
 from .row_groups import PlanePool, RowGroupCache
 from .schedule import DocRef, EpochSchedule, batch_rng, build_epoch_schedule
@@ -73,19 +73,21 @@ class TrainBatch:
 
 
 def block_targets(input_ids_S: np.ndarray, masks: list[np.ndarray], offsets: list[int], num_anchors: int,
-                  block_size: int, max_per_doc: int, rng: np.random.Generator):
+                  block_size: int, max_per_doc: int, rng: np.random.Generator, copy_weight: float = 0.0):
     """Anchors and labels of one packed row, padded to exactly `num_anchors` blocks.
 
-    Per document: up to `max_per_doc` anchors (uniform, without replacement); over the row: if
+    Per document: up to `max_per_doc` anchors (uniform, without replacement; with `copy_weight` > 0 an anchor
+    where prompt lookup could copy weighs 1 + copy_weight: anchors.py); over the row: if
     more than `num_anchors` were drawn, `num_anchors` of them uniformly, kept in context order.
     Returns (anchor_index_N, labels_NB, block_doc_N, block_valid_N, anchors_available).
     """
     anchors, labels, block_doc, available = [], [], [], 0
     for j, (mask, o) in enumerate(zip(masks, offsets)):
-        a = sample_anchors(mask, max_per_doc, rng)
+        doc = input_ids_S[o:o + len(mask)]
+        a = sample_anchors(mask, max_per_doc, rng, 1.0 + copy_weight * copyable(doc) if copy_weight > 0 else None)
         available += a.size
         anchors.append(a + o)
-        labels.append(block_labels(input_ids_S[o:o + len(mask)], mask, a, block_size))
+        labels.append(block_labels(doc, mask, a, block_size))
         block_doc.append(np.full(a.size, j, np.int32))
     anchor_index = np.concatenate(anchors) if anchors else np.zeros(0, np.int64)
     lab = np.concatenate(labels) if labels else np.zeros((0, block_size), np.int64)
@@ -104,8 +106,9 @@ class BatchLoader:
     def __init__(self, index: CacheIndex, *, rank: int, world: int, seed: int, context_tokens: int,
                  num_anchors: int, max_anchors_per_doc: int, block_size: int, shuffle_rows: int,
                  workers: int, want_topk: bool, pin_memory: bool, follow_poll_s: float = 2.0, prefetch: int = 3,
-                 read_ahead: int = -1):
+                 read_ahead: int = -1, copy_anchor_weight: float = 0.0):
         self.index = index
+        self.copy_weight = copy_anchor_weight     # anchors.py: extra weight of anchors prompt lookup could copy
         self.rank, self.world, self.seed = rank, world, seed
         self.S, self.N, self.B = context_tokens, num_anchors, block_size
         self.max_per_doc = max_anchors_per_doc
@@ -244,7 +247,7 @@ class BatchLoader:
             ctx_pos[o:o + T] = np.arange(T)
         masks = [row.loss_mask[:d.num_tokens].numpy() for row, d in zip(rows, docs)]
         anchor_index, lab, bdoc, valid, available = block_targets(input_ids, masks, offsets, N, B,
-                                                                  self.max_per_doc, rng)
+                                                                  self.max_per_doc, rng, self.copy_weight)
         with self._stat_lock:
             self.decode_s += time.perf_counter() - t0
         t = torch.from_numpy

@@ -104,7 +104,8 @@ def run_train(cfg: RunConfig) -> dict:
                          num_anchors=tr.num_anchors, max_anchors_per_doc=tr.max_anchors_per_doc,
                          block_size=dcfg.block_size, shuffle_rows=tr.shuffle_rows, workers=tr.loader_workers,
                          want_topk=tr.kd_weight > 0, pin_memory=device.type == "cuda",
-                         follow_poll_s=tr.follow_poll_s, prefetch=tr.loader_prefetch, read_ahead=tr.loader_read_ahead)
+                         follow_poll_s=tr.follow_poll_s, prefetch=tr.loader_prefetch, read_ahead=tr.loader_read_ahead,
+                         copy_anchor_weight=tr.copy_anchor_weight)
     coord = _window(cfg, index, out_dir, info, device, loader)
     window_lr = None
     if coord is not None:  # window mode: rounds instead of epochs; the LR curve runs over shard passes
