@@ -206,3 +206,76 @@ def test_tail_compaction_through_regenerate_gives_the_same_file_and_is_refused_w
     with pytest.raises(UsageError, match="--compact-tail moves rows, --reuse-history"):
         run_regenerate(cfg, tmp_path / "r.jsonl", compact=True, reuse_history=True, **kw)
     assert not (tmp_path / "r.jsonl").exists()
+
+
+class _FakeStream:
+    """Stands in for torch.cuda.Stream on the CPU (work runs in order anyway); counts the cross-stream waits."""
+    waits = 0
+
+    def __init__(self, *a, **k):
+        pass
+
+    def wait_event(self, ev):
+        assert isinstance(ev, _FakeEvent) and ev.recorded
+        _FakeStream.waits += 1
+
+    def wait_stream(self, s):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+class _FakeEvent:
+    """torch.cuda.Event on the CPU: recorded, then "done" at its second query (a prefill still running at first)."""
+
+    def __init__(self, enable_timing=False):
+        self.recorded, self.queries = False, 0
+
+    def record(self, stream=None):
+        self.recorded = True
+
+    def query(self):
+        self.queries += 1
+        return self.queries > 1
+
+    def synchronize(self):
+        assert self.recorded
+
+    def elapsed_time(self, other):
+        return 1.0
+
+
+def test_the_cuda_branches_of_overlap_mode_run_with_stand_in_streams_and_events(llama, monkeypatch):
+    """The CUDA-only branches (streams, events, timing, the snapshot's event) on the CPU with stand-ins for
+    torch.cuda's Stream / Event / stream(): the answers are the direct path's, the main stream waited for staged
+    groups (cross-stream waits counted), some groups were still 'running' at their first look, and the device
+    times add up from the events."""
+    import contextlib
+
+    from dflash_pipe.eval import regen_staging
+
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "Stream", _FakeStream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: _FakeStream())
+    prompts = _prompts(24, seed=13)
+    dec = Decoding(temperature=0.8, seed=4)
+    direct, _ = _answers(llama.model, prompts, dec)
+    be = EngineBackend(llama.model, EOS, batch=4, max_len=96, max_new_tokens=14, dec=dec, check_every=3,
+                       overlap=True, staging_rows=3)
+    be.cuda = be.staging.cuda = be.snap.cuda = True          # the CUDA branches, on CPU tensors
+    be.main, be.staging.stream = _FakeStream(), _FakeStream()
+    _FakeStream.waits = 0
+    ready = [TurnRequest(None, p, key=100 + i, order=i) for i, p in enumerate(prompts)]
+    got = {}
+    while ready or be.busy():
+        be.launch(ready)
+        for c in be.collect():
+            got[c.request.order] = (c.tokens, c.ended, c.end_token)
+    be.close()
+    st = be.stats()
+    assert got == direct
+    assert _FakeStream.waits >= st["staged_landed"] // 3 > 0 and st["staging_device_waits"] > 0
+    assert regen_staging._done(None)
+    assert st["device_decode_s"] > 0 and st["device_staged_prefill_s"] > 0
