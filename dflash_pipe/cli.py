@@ -107,7 +107,7 @@ def regenerate_cmd(cfg: RunConfig, output: Path = typer.Option(..., "--output", 
                                                       "rounding; eval/regen_backends.py)."),
                    overlap_prefill: bool = typer.Option(False, help="Static-KV engine on CUDA: prefill waiting "
                                                         "prompts on a second stream under the decode and collect "
-                                                        "answers a few steps before a launch ends, so neither "
+                                                        "answers a step before a launch ends, so neither "
                                                         "stops the decode (the same output; "
                                                         "eval/regen_staging.py)."),
                    compact_tail: bool = typer.Option(False, help="Static-KV engine: once no prompt waits, move the "
