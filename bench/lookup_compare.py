@@ -13,17 +13,23 @@ def pooled_tau(counts: dict[str, tuple[int, int]], ids) -> float | None:
     return sum(counts[i][0] for i in ids) / sum(counts[i][1] for i in ids) if ids else None
 
 
+def _pooled_sides(mine: dict, look: dict, sides) -> dict:
+    """{side: the prompts (both methods decoded) that `keep(id)` selects, and both methods' pooled tau there}."""
+    out = {}
+    for side, keep in sides:
+        part = [i for i in mine if i in look and keep(i)]
+        out[side] = {"prompts": len(part), "method_tau": pooled_tau(mine, part), "lookup_tau": pooled_tau(look, part)}
+    return out
+
+
 def lookup_split(counts: dict[str, dict[str, tuple[int, int]]], method: str, at: float = LOOKUP_SPLIT) -> dict | None:
     """The method's and prompt lookup's pooled tau on the prompts where lookup's own tau is below `at`, and on
     the rest: where the output repeats, lookup copies whole blocks (issue 19, session 15)."""
     look, mine = counts.get("ngram"), counts.get(method)
     if not look or not mine:
         return None
-    out = {"at": at}
-    for side, sel in (("below", lambda t: t < at), ("at_or_above", lambda t: t >= at)):
-        part = [i for i in mine if i in look and sel(look[i][0] / look[i][1])]
-        out[side] = {"prompts": len(part), "method_tau": pooled_tau(mine, part), "lookup_tau": pooled_tau(look, part)}
-    return out
+    below = lambda i: look[i][0] / look[i][1] < at  # noqa: E731
+    return {"at": at, **_pooled_sides(mine, look, (("below", below), ("at_or_above", lambda i: not below(i))))}
 
 
 def turn_split(counts: dict[str, dict[str, tuple[int, int]]], method: str) -> dict | None:
@@ -33,11 +39,8 @@ def turn_split(counts: dict[str, dict[str, tuple[int, int]]], method: str) -> di
     look, mine = counts.get("ngram"), counts.get(method)
     if not look or not mine or not any(i.endswith("/turn2") for i in mine):
         return None
-    out = {}
-    for turn, sel in (("1", lambda i: not i.endswith("/turn2")), ("2", lambda i: i.endswith("/turn2"))):
-        part = [i for i in mine if i in look and sel(i)]
-        out[turn] = {"prompts": len(part), "method_tau": pooled_tau(mine, part), "lookup_tau": pooled_tau(look, part)}
-    return out
+    second = lambda i: i.endswith("/turn2")  # noqa: E731
+    return _pooled_sides(mine, look, (("1", lambda i: not second(i)), ("2", second)))
 
 
 COPY_BINS = ((0, 0), (1, 7), (8, 14), (15, 15))   # drafts lookup matched in a teacher-forced block (of 15)

@@ -100,15 +100,11 @@ def main() -> None:
             for _ in range(args.steps):
                 main_eng.forward(cur)
 
-    def prefill(calls):
-        for _ in range(calls):
-            stage.top_up([SimpleNamespace(prompt=p, key=i) for i, p in enumerate(prompts)])
-            stage.take_back()                        # rows free again (syncs the side stream on CUDA: host only)
-
-    def prefill_queued(calls):                       # queue every call before waiting (take_back would sync)
+    def prefill(calls):      # every call queued before any wait (take_back would sync the side stream)
         for _ in range(calls):
             stage.top_up([SimpleNamespace(prompt=p, key=i) for i, p in enumerate(prompts)])
             stage.groups.clear()
+            stage._timed.clear()
             stage.free = list(range(rows))
             with stage._side():
                 stage.engine.reset()
@@ -118,10 +114,10 @@ def main() -> None:
         decode()
         prefill(3)
     t_dec = [timed(cuda, streams, decode) for _ in range(args.repeats)]
-    per_call = statistics.median(timed(cuda, streams, lambda: prefill_queued(1)) for _ in range(args.repeats))
+    per_call = statistics.median(timed(cuda, streams, lambda: prefill(1)) for _ in range(args.repeats))
     calls = args.calls or max(1, round(0.26 * statistics.median(t_dec) / per_call))
-    t_pre = [timed(cuda, streams, lambda: prefill_queued(calls)) for _ in range(args.repeats)]
-    t_both = [timed(cuda, streams, lambda: (decode(), prefill_queued(calls))) for _ in range(args.repeats)]
+    t_pre = [timed(cuda, streams, lambda: prefill(calls)) for _ in range(args.repeats)]
+    t_both = [timed(cuda, streams, lambda: (decode(), prefill(calls))) for _ in range(args.repeats)]
     d, p, b = statistics.median(t_dec), statistics.median(t_pre), statistics.median(t_both)
     res = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
            "batch": args.batch, "steps": args.steps, "step_ms": round(d / args.steps * 1e3, 3),

@@ -18,9 +18,9 @@ rates, their ratio, the prefilled tokens, identical rows), the A/B that issue 18
     python bench/regen_throughput.py --data /tmp/quality/carry/data/sharegpt_all_turns.jsonl --max-turns 0 \
         --samples 4 --temperature 1.0 --top-p 0.95 --greedy-after 4 --max-length 1280 --prompts 4000 \
         --batch 1024 --hf-prompts 0 --reuse-history --reuse-history-ab --json ab.json          # H200
---overlap off,on times regen in both modes (off,on,on+compact adds --compact-tail to overlap mode) (regenerate --overlap-prefill: prefills on a second CUDA stream under
-the decode, answers collected a few steps before a launch ends; regen_staging.py) against the same bare loop, each
-with its ratios, and counts the rows identical between them (`overlap_ab`):
+--overlap off,on times regen in both modes (regenerate --overlap-prefill: prefills on a second CUDA stream under
+the decode, answers collected a step before a launch ends; regen_staging.py; on+compact adds --compact-tail)
+against the same bare loop, each with its ratios, and counts the rows identical to the direct path's (`overlap_ab`):
     python bench/regen_throughput.py --data /tmp/quality/carry/data/sharegpt_first_turns.jsonl \
         --model-cache /tmp/quality/models --prompts 16384 --batch 1024 --overlap off,on --hf-prompts 0 --json ov.json
 Two ratios: `ratio_regen_to_bare` is regen / the bare loop's decode-only rate (the issue's goal >= 0.9; it
@@ -159,13 +159,24 @@ def warm_then_time(args, bundle, out: Path, batch: int, attention: str, **kw) ->
     return run_regen(args, bundle, out, args.prompts, batch_size=batch, attention=attention, **kw)
 
 
-def reuse_ab(args, bundle, timed_out: Path, batch: int, attention: str, timed: dict) -> dict:
-    """The timed regen run (its rows in `timed_out`) again on the same prompts with --reuse-history flipped (after
-    its own warm-up): both rates, their ratio, the prefilled tokens and whether the rows are the same (bf16
-    rounding may flip some)."""
+def mode_flags(mode: str) -> dict:
+    """run_regenerate's flags of an --overlap mode: off, on, off+compact, on+compact."""
+    base, *extra = mode.split("+")
+    return {"overlap": base == "on", "compact": "compact" in extra}
+
+
+def regen_file(tmp: Path, batch: int, attention: str, mode: str = "off") -> Path:
+    """Where the timed regen run of (batch, attention, --overlap mode) writes its rows."""
+    return tmp / (f"regen{batch}-{attention}" + ("" if mode == "off" else "-" + mode.replace("+", "-")) + ".jsonl")
+
+
+def reuse_ab(args, bundle, timed_out: Path, batch: int, attention: str, timed: dict, mode: str = "off") -> dict:
+    """The timed regen run (its rows in `timed_out`, its --overlap `mode`) again on the same prompts with
+    --reuse-history flipped (after its own warm-up): both rates, their ratio, the prefilled tokens and whether the
+    rows are the same (bf16 rounding may flip some)."""
     flip = not args.reuse_history
     ab_out = timed_out.with_name(timed_out.stem + "-ab.jsonl")
-    other = warm_then_time(args, bundle, ab_out, batch, attention, reuse_history=flip)
+    other = warm_then_time(args, bundle, ab_out, batch, attention, reuse_history=flip, **mode_flags(mode))
     on, off = (other, timed) if flip else (timed, other)
     a, b = timed_out.read_text().splitlines(), ab_out.read_text().splitlines()
     out = {"with_reuse": on, "without_reuse": off, "ratio_with_to_without": round(on["tok_s"] / off["tok_s"], 3),
@@ -182,12 +193,12 @@ def overlap_ab(tmp: Path, batch: int, attention: str, runs: dict) -> dict:
     """Each mode against the direct path ("off"): the rate ratio and the rows identical to it (the same answers by
     design; bf16 rounding of another prefill shape may flip a near-tie)."""
     off = runs["off"]
-    a = (tmp / f"regen{batch}-{attention}.jsonl").read_text().splitlines()
+    a = regen_file(tmp, batch, attention).read_text().splitlines()
     out = {}
     for mode, r in runs.items():
         if mode == "off":
             continue
-        b = (tmp / f"regen{batch}-{attention}-{mode.replace('+', '-')}.jsonl").read_text().splitlines()
+        b = regen_file(tmp, batch, attention, mode).read_text().splitlines()
         out[mode] = {"ratio_to_off": round(r["tok_s"] / off["tok_s"], 3),
                      "rows_identical": f"{sum(x == y for x, y in zip(a, b))}/{max(len(a), len(b))}"}
         print(f"SUMMARY {mode} against off, batch {batch}, attention {attention}: {r['tok_s']:,.0f} tok/s against "
@@ -200,19 +211,18 @@ def one_batch(args, bundle, tmp: Path, batch_arg: int, attention: str) -> dict:
     """regen (after an untimed warm-up run; each --overlap mode) and the bare loop at one batch and engine
     attention; ratios; one SUMMARY line per mode."""
     batch = batch_arg or auto_batch_size(bundle.model, args.max_length)
-    timed_out = tmp / f"regen{batch}-{attention}.jsonl"
     modes = args.overlap.split(",")
     res = {"batch": batch, "attention": attention, "regen_by_overlap": {}}
     for mode in modes:
-        out = timed_out if mode == "off" else timed_out.with_name(f"{timed_out.stem}-{mode.replace('+', '-')}.jsonl")
-        res["regen_by_overlap"][mode] = warm_then_time(args, bundle, out, batch, attention,
-                                                       overlap=mode.split("+")[0] == "on", compact="compact" in mode)
+        res["regen_by_overlap"][mode] = warm_then_time(args, bundle, regen_file(tmp, batch, attention, mode), batch,
+                                                       attention, **mode_flags(mode))
         print(f"regen (overlap {mode})", res["regen_by_overlap"][mode], flush=True)
     res["regen"] = res["regen_by_overlap"][modes[0]]
     res["bare"] = bare_loop(args, bundle, batch, attention)
     print("bare", res["bare"], flush=True)
     if args.reuse_history_ab:
-        res["reuse_ab"] = reuse_ab(args, bundle, timed_out, batch, attention, res["regen"])
+        res["reuse_ab"] = reuse_ab(args, bundle, regen_file(tmp, batch, attention, modes[0]), batch, attention,
+                                   res["regen"], modes[0])
     if "off" in modes and len(modes) > 1:
         res["overlap_ab"] = overlap_ab(tmp, batch, attention, res["regen_by_overlap"])
     for mode in modes:
@@ -283,9 +293,9 @@ def main() -> None:
         tmp = Path(tmp)
         res["runs"] = [one_batch(args, bundle, tmp, b, a) for b in batches for a in args.attention.split(",")]
         res.update(res["runs"][0])               # the first batch also at the top level (earlier JSON layout)
-        first = {}
+        first, first_mode = {}, args.overlap.split(",")[0]     # each run's first --overlap mode stands for it
         for r in res["runs"]:                    # the same answers whatever the attention? (bf16: rounding differs)
-            lines = (tmp / f"regen{r['batch']}-{r['attention']}.jsonl").read_text().splitlines()
+            lines = regen_file(tmp, r["batch"], r["attention"], first_mode).read_text().splitlines()
             ref = first.setdefault(r["batch"], lines)
             r["rows_identical_to_first_attention"] = f"{sum(x == y for x, y in zip(lines, ref))}/{len(ref)}"
         if args.hf_prompts:
@@ -295,7 +305,7 @@ def main() -> None:
             # identical greedy answers on the shared prompts? (bf16: batch-dependent rounding may flip a few;
             # not asked when regen sampled or answered more turns)
             a = (tmp / "hf.jsonl").read_text().splitlines()
-            b = (tmp / f"regen{res['batch']}-{res['attention']}.jsonl").read_text().splitlines()[:len(a)]
+            b = regen_file(tmp, res["batch"], res["attention"], first_mode).read_text().splitlines()[:len(a)]
             same_task = args.temperature == 0 and args.max_turns == 1
             res["hf_identical_rows"] = f"{sum(x == y for x, y in zip(a, b))}/{len(a)}" if same_task else "n/a"
             print(f"SUMMARY HF generate {res['hf']['tok_s']:,.0f} tok/s at batch {args.hf_batch}, identical rows "

@@ -39,13 +39,15 @@ def tiny_drafter(block_size: int = 4, layer_ids=(1, 3, 7), hidden: int = 64, num
     return DFlashDrafter(cfg, attention="sdpa"), cfg
 
 
-def drain_backend(be, prompts: list[list[int]], sync_each: bool = False, strict: bool = False) -> dict:
-    """Every prompt through a regenerate engine backend (key and order = its index): {order: answer tokens}. On CUDA,
-    `sync_each` synchronizes the device before each launch and `strict` runs each launch under sync-debug 'error'
-    (collect waits for the device by design)."""
+def drain_backend(be, prompts: list[list[int]], sync_each: bool = False, strict: bool = False,
+                  key_offset: int = 0) -> dict:
+    """Every prompt through a regenerate engine backend (order = its index, sampling key = key_offset + index):
+    {order: (answer tokens, ended by EOS, the EOS token)}, each answer once. On CUDA, `sync_each` synchronizes the
+    device before each launch and `strict` runs each launch under sync-debug 'error' (collect waits for the
+    device by design)."""
     from dflash_pipe.eval.regen_backends import TurnRequest
 
-    ready = [TurnRequest(None, p, key=i, order=i) for i, p in enumerate(prompts)]
+    ready = [TurnRequest(None, p, key=key_offset + i, order=i) for i, p in enumerate(prompts)]
     got = {}
     while ready or be.busy():
         if sync_each:
@@ -58,7 +60,8 @@ def drain_backend(be, prompts: list[list[int]], sync_each: bool = False, strict:
             if strict:
                 torch.cuda.set_sync_debug_mode(0)
         for c in be.collect():
-            got[c.request.order] = c.tokens
+            assert c.request.order not in got
+            got[c.request.order] = (c.tokens, c.ended, c.end_token)
     be.close()                            # overlap mode: the last launch's final step may still be queued
     return got
 

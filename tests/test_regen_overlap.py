@@ -10,7 +10,7 @@ from dflash_pipe.eval import regen_backends
 from dflash_pipe.eval.regen_backends import EngineBackend, TurnRequest
 from dflash_pipe.eval.regen_sampling import Decoding
 from dflash_pipe.target.static_forward import StaticKVEngine
-from tests.eval_helpers import llama  # noqa: F401 - pytest fixture
+from tests.eval_helpers import drain_backend, llama  # noqa: F401 - pytest fixture
 from tests.test_eval_regenerate import NEW, _rows, cfg  # noqa: F401 - pytest fixture
 
 EOS = list(range(2, 49152, 5))          # a fifth of the vocabulary ends an answer: answers end at many steps
@@ -24,14 +24,7 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
 
 def _answers(model, prompts, dec, **kw) -> tuple[dict, EngineBackend]:
     be = EngineBackend(model, EOS, batch=4, max_len=96, max_new_tokens=14, dec=dec, check_every=3, **kw)
-    ready = [TurnRequest(None, p, key=100 + i, order=i) for i, p in enumerate(prompts)]
-    got = {}
-    while ready or be.busy():
-        be.launch(ready)
-        for c in be.collect():
-            assert c.request.order not in got
-            got[c.request.order] = (c.tokens, c.ended, c.end_token)
-    return got, be
+    return drain_backend(be, prompts, key_offset=100), be
 
 
 def test_overlap_mode_gives_the_direct_paths_answers_through_the_staging_area(llama):
@@ -268,13 +261,7 @@ def test_the_cuda_branches_of_overlap_mode_run_with_stand_in_streams_and_events(
     be.cuda = be.staging.cuda = be.snap.cuda = True          # the CUDA branches, on CPU tensors
     be.main, be.staging.stream = _FakeStream(), _FakeStream()
     _FakeStream.waits = 0
-    ready = [TurnRequest(None, p, key=100 + i, order=i) for i, p in enumerate(prompts)]
-    got = {}
-    while ready or be.busy():
-        be.launch(ready)
-        for c in be.collect():
-            got[c.request.order] = (c.tokens, c.ended, c.end_token)
-    be.close()
+    got = drain_backend(be, prompts, key_offset=100)
     st = be.stats()
     assert got == direct
     assert _FakeStream.waits >= st["staged_landed"] // 3 > 0 and st["staging_device_waits"] > 0

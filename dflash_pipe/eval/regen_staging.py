@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -61,8 +61,8 @@ class _Group:
     rows: list[int]
     reqs: list
     width: int                 # K/V columns to copy: the call's padded token count
-    done: object = None        # CUDA event after the prefill and the first tokens (None on the CPU)
-    timing: tuple = field(default=())   # (start, end) timing events on CUDA, (start, end) seconds on the CPU
+    start: object              # timing marks (`mark`): CUDA events, or host seconds on the CPU; on CUDA `end`
+    end: object                # is also the event the landing waits for (after the first tokens)
 
 
 class StagingArea:
@@ -121,7 +121,7 @@ class StagingArea:
                                                                               self.dec)
                 rb, tb = self.engine.last_prefill_shape
                 t1 = mark(self.cuda)
-                g = _Group(rows, reqs, tb, done=t1 if self.cuda else None, timing=(t0, t1))
+                g = _Group(rows, reqs, tb, t0, t1)
                 self.groups.append(g)
                 self._timed.append(g)
                 taken.update(call)
@@ -141,12 +141,12 @@ class StagingArea:
         main = torch.cuda.current_stream() if self.cuda else None
         while self.groups and len(src) < len(slots):
             g = self.groups[0]
-            if not _done(g.done):
+            if not _done(g.end if self.cuda else None):
                 if not (wait and not src):
                     break
                 self.device_waits += 1
             if self.cuda:
-                main.wait_event(g.done)                  # free when done; orders the copy after it either way
+                main.wait_event(g.end)                   # free when done; orders the copy after it either way
             n = min(len(g.rows), len(slots) - len(src))
             src += g.rows[:n]
             reqs += g.reqs[:n]
@@ -184,11 +184,10 @@ class StagingArea:
         """Add the device time of the finished staging calls."""
         keep = []
         for g in self._timed:
-            t0, t1 = g.timing
             if not self.cuda:
-                self.device_s += t1 - t0
-            elif t1.query():
-                self.device_s += t0.elapsed_time(t1) / 1e3
+                self.device_s += g.end - g.start
+            elif g.end.query():
+                self.device_s += g.start.elapsed_time(g.end) / 1e3
             else:
                 keep.append(g)
         self._timed = keep

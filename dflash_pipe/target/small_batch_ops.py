@@ -24,8 +24,9 @@
   runs seven kernels over fp32 copies of the activations (to fp32, pow, mean, add, rsqrt, mul, to bf16, then
   the weight's broadcast multiply, which cannot vectorize) and rounds twice; the fused op rounds once. In session
   12's profile of a 64 x 128 prefill call those kernels were ~25 % of its device time. **rotary**: `rope`, three
-  kernels per tensor instead of five (the signed sine made once per forward); where q|k|v is one fused projection (no q / k norm), q and k
-  are rotated together, as one [B, T, H + KVH, D] view of its output: three kernels a layer instead of six.
+  kernels per tensor instead of five (the signed sine made once per forward); where q|k|v is one fused
+  projection (no q / k norm), q and k are rotated together, as one [B, T, H + KVH, D] view of its output:
+  three kernels a layer instead of six.
 
 * **per-row-length attention** (``rows``; decode_attention.py, a Triton kernel): bf16 / fp16 on CUDA at
   large batch (B x KV-heads >= the SM count: regenerate's decode), each row reads only its own keys
@@ -224,11 +225,10 @@ class LayerOps:
 
     def project_qkv(self, li: int, attn, h: torch.Tensor):
         """(q, k, v) of layer `li`, each [B, T, out]."""
-        fused = self.qkv[li]
-        if fused is None:
+        if self.qkv[li] is None:
             return attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
-        lin, sizes = fused
-        return lin(h).split(sizes, dim=-1)
+        qk, v = self.project_qk_v(li, h)
+        return (*qk.split(self.qkv[li][1][:2], dim=-1), v)
 
     def project_qk_v(self, li: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(q|k [B, T, (H + KVH) D], v [B, T, KVH D]) of layer `li`: views of the one fused projection's output,
@@ -237,8 +237,7 @@ class LayerOps:
         if fused is None:
             return None
         lin, sizes = fused
-        out = lin(h)
-        return out[..., :sizes[0] + sizes[1]], out[..., sizes[0] + sizes[1]:]
+        return lin(h).split([sizes[0] + sizes[1], sizes[2]], dim=-1)
 
     def mlp(self, li: int, mlp, h: torch.Tensor) -> torch.Tensor:
         fused = self.gate_up[li]

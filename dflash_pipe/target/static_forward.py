@@ -354,14 +354,15 @@ class StaticKVEngine:
         for li, layer in enumerate(self.layers):
             attn = layer.self_attn
             h = self.ops.norm(layer.input_layernorm, x)
-            joint = None if getattr(attn, "q_norm", None) is not None else self.ops.project_qk_v(li, h)
+            qk_norm = getattr(attn, "q_norm", None) is not None                    # Qwen3
+            joint = None if qk_norm else self.ops.project_qk_v(li, h)
             if joint is not None:       # q and k adjacent in the fused projection: rotated in one pass (3 kernels)
                 qk = rope(joint[0].view(B, T, H + KVH, D), *by_token)                # [B, T, H + KVH, D]
                 q, k, v = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2), joint[1].view(B, T, KVH, D)
             else:
                 q, k, v = self.ops.project_qkv(li, attn, h)
                 q, k, v = q.view(B, T, H, D), k.view(B, T, KVH, D), v.view(B, T, KVH, D)
-                if getattr(attn, "q_norm", None) is not None:                      # Qwen3
+                if qk_norm:
                     q, k = attn.q_norm(q), attn.k_norm(k)
                 q, k = q.transpose(1, 2), k.transpose(1, 2)
                 q, k = rope(q, cos, sin_signed), rope(k, cos, sin_signed)
