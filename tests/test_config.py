@@ -57,6 +57,15 @@ def test_cross_field_rules_name_the_flags():
         normalize(cfg)
 
 
+def test_a_negative_copy_anchor_weight_is_refused_naming_the_flag():
+    cfg = RunConfig()
+    cfg.train.copy_anchor_weight = -1.0
+    with pytest.raises(UsageError, match="--copy-anchor-weight must be >= 0"):
+        normalize(cfg)
+    cfg.train.copy_anchor_weight = 2.0
+    assert normalize(cfg).train.copy_anchor_weight == 2.0
+
+
 def test_shards_shorthand_and_subsets():
     cfg = RunConfig()
     cfg.extract.shards = "16"
