@@ -44,8 +44,9 @@ def load_structure():
     return [(ids[s:s + n], masks[s:s + n]) for s, n in zip(starts, lens)]
 
 
-def structure_batches(shape: SeedShape, count: int, seed: int = 0):
-    """`count` packed rows: dicts of numpy arrays (input_ids, ctx_doc, ctx_pos, anchors, labels...)."""
+def structure_batches(shape: SeedShape, count: int, seed: int = 0, max_doc: int = 0):
+    """`count` packed rows: dicts of numpy arrays (input_ids, ctx_doc, ctx_pos, anchors, labels...); documents cut
+    to `max_doc` tokens when given (the quality runs extract at --max-length 1280), else to the context."""
     docs = load_structure()
     rng = np.random.default_rng(seed)
     out = []
@@ -53,7 +54,7 @@ def structure_batches(shape: SeedShape, count: int, seed: int = 0):
         order = rng.permutation(len(docs))
         packer = Packer(shape.context)
         for i in order:
-            packer.add(DocRef(0, 0, int(i), min(len(docs[i][0]), shape.context)))
+            packer.add(DocRef(0, 0, int(i), min(len(docs[i][0]), max_doc or shape.context, shape.context)))
         packer.finish()
         for batch in packer.batches:
             S = shape.context

@@ -29,6 +29,7 @@ from dflash_pipe.cache.codec import LOSSLESS, encode_hidden  # noqa: E402
 from dflash_pipe.config import RunConfig  # noqa: E402
 from dflash_pipe.drafter import DrafterModelConfig, lock_compilation, unlock_compilation  # noqa: E402
 from dflash_pipe.drafter.attention import set_flex_tuning  # noqa: E402
+from dflash_pipe.drafter.grouped import set_group_blocks  # noqa: E402
 from dflash_pipe.train.components import build_model, build_optimizer  # noqa: E402
 from dflash_pipe.train.master_weights import MasterWeights  # noqa: E402
 from dflash_pipe.train.loader import TrainBatch  # noqa: E402
@@ -48,6 +49,8 @@ VARIANTS = {
     "compiled-fused-mlp5": dict(compile=True, fused=True, mlp=5, param="bf16"),
     # the quality runs' setting (manifests/quality-smollm2-gpu.toml): dense-mask SDPA, nothing compiled
     "eager-sdpa": dict(compile=False, fused=True, mlp=0, param="bf16", attention="sdpa"),
+    # the same without the dense grid: SDPA over each group of blocks' context span (drafter/grouped.py)
+    "eager-grouped": dict(compile=False, fused=True, mlp=0, param="bf16", attention="sdpa-grouped"),
 }
 # --shape smollm2: the quality runs' drafter (SmolLM2-135M target: hidden 576, 9/3 heads of 64, 3 layers)
 SMOLLM2 = dict(context=4096, anchors=256, block=16, hidden=576, layers=3, heads=9, kv_heads=3, head_dim=64,
@@ -72,9 +75,9 @@ class BenchHead:
         return blocks.reshape(n * block_size, h).to(self.device, dtype=dtype, non_blocking=True)
 
 
-def make_batches(shape: SeedShape, count: int, planes_pool: list[torch.Tensor]) -> list[TrainBatch]:
+def make_batches(shape: SeedShape, count: int, planes_pool: list[torch.Tensor], max_doc: int = 0) -> list[TrainBatch]:
     out = []
-    for i, b in enumerate(structure_batches(shape, count)):
+    for i, b in enumerate(structure_batches(shape, count, max_doc=max_doc)):
         t = torch.from_numpy
         out.append(TrainBatch(0, i, planes_pool[i % len(planes_pool)], None, t(b["input_ids"]), t(b["ctx_doc"]),
                               t(b["ctx_pos"]), t(b["anchor_index"]), t(b["block_doc"]), t(b["block_valid"]),
@@ -92,7 +95,8 @@ def run_variant(name: str, shape: SeedShape, head: BenchHead, batches: list[Trai
                               block_size=shape.block, mask_token_id=shape.mask_token_id,
                               target_layer_ids=[1, 16, 31, 46, 61][: shape.target_layers], num_target_layers=64,
                               vocab_size=shape.vocab,
-                              attention=v.get("attention", "flex") if device.type == "cuda" else "sdpa")
+                              attention=v.get("attention", "flex") if device.type == "cuda"
+                              else ("sdpa-grouped" if v.get("attention") == "sdpa-grouped" else "sdpa"))
     cfg = RunConfig()
     cfg.train.fused_loss = v["fused"]
     if device.type == "cuda":
@@ -294,6 +298,12 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=0, help="context tokens per step (default: the shape's)")
     ap.add_argument("--anchors", type=int, default=0, help="anchors per step (default: the shape's)")
     ap.add_argument("--layers", type=int, default=0, help="drafter layers (default: the shape's)")
+    ap.add_argument("--max-doc", type=int, default=-1,
+                    help="cut the ShareGPT documents to this many tokens (default: 1280 for --shape smollm2, as the "
+                         "quality runs extract; the context for the seed shape)")
+    ap.add_argument("--device", default="cuda", help="cuda, or cpu for the eager variants at a real shape")
+    ap.add_argument("--group-blocks", type=int, default=0,
+                    help="blocks per group of the eager-grouped variant (default: drafter/grouped.py's)")
     ap.add_argument("--in-process", action="store_true",
                     help="run all variants in this process (default: one child process per variant when there are "
                          "several, so no variant's memory or compiled code leaks into the next one's numbers)")
@@ -302,20 +312,22 @@ def main() -> None:
     names = args.variants.split(",")
     if len(names) > 1 and not args.in_process:
         return run_isolated(args, names)
-    device = torch.device("cpu" if args.cpu_smoke else "cuda")
+    device = torch.device("cpu" if args.cpu_smoke else args.device)
     shape = bench_shape(args)
     if args.flex_from:
         qb, kb, kernel_options = best_flex_variant(args.flex_from)
     else:
         (qb, kb), kernel_options = (int(x) for x in args.flex_block.split(",")), None
     set_flex_tuning(qb, kb, kernel_options)
+    if args.group_blocks:
+        set_group_blocks(args.group_blocks)
     print(f"flex tiles {qb}x{kb} kernel_options {kernel_options}", flush=True)
     width = shape.hidden * shape.target_layers
     pool = [encode_hidden(heavy_tailed_features(shape.context, width, s), LOSSLESS, shape.target_layers).planes
             for s in range(3)]
     if device.type == "cuda":
         pool = [p.pin_memory() for p in pool]
-    batches = make_batches(shape, max(args.lock_steps, args.steps + args.warmup), pool)
+    batches = make_batches(shape, max(args.lock_steps, args.steps + args.warmup), pool, max_doc_tokens(args))
     head = BenchHead(shape, device)
     lr = {} if args.no_loader else loader_rate(shape, args.loader_workers)  # first: needs no compile
     print(json.dumps({"loader": lr}), flush=True)
@@ -343,6 +355,10 @@ def bench_shape(args) -> SeedShape:
                                layers=args.layers or shape.layers)
 
 
+def max_doc_tokens(args) -> int:
+    return (1280 if args.shape == "smollm2" else 0) if args.max_doc < 0 else args.max_doc
+
+
 def run_isolated(args, names: list[str]) -> None:
     """Each variant in its own process (the first also runs the lock steps); the loader measured once here."""
     import subprocess
@@ -356,7 +372,9 @@ def run_isolated(args, names: list[str]) -> None:
                "--flex-block", args.flex_block, "--json", str(out)] + (["--flex-from", args.flex_from]
                                                                       if args.flex_from else []) \
             + (["--cpu-smoke"] if args.cpu_smoke else []) + ([] if i == 0 else ["--no-loader"]) \
-            + ["--shape", args.shape, "--context", str(args.context), "--anchors", str(args.anchors)]
+            + ["--shape", args.shape, "--context", str(args.context), "--anchors", str(args.anchors),
+               "--layers", str(args.layers), "--group-blocks", str(args.group_blocks), "--max-doc", str(args.max_doc),
+               "--device", args.device]
         rc = subprocess.run(cmd).returncode
         got = json.loads(out.read_text()) if out.is_file() else {}
         results += got.get("variants") or [{"variant": name, "ok": False, "error": f"child exited {rc}, no result"}]

@@ -113,8 +113,9 @@ class DrafterConfig:
     intermediate_size: int = opt(0, "MLP width (0 = target's).")
     rope_theta: float = opt(0.0, "Plain RoPE base (0 = 1e7 for Qwen3.5-family, 1e6 for Qwen3, else target's).")
     rms_norm_eps: float = opt(1e-6, "RMSNorm epsilon.")
-    attention: str = opt("auto", "'flex' (compiled flex_attention, CUDA), 'sdpa' (explicit mask; CPU) or 'auto'.",
-                         ("auto", "flex", "sdpa"))
+    attention: str = opt("auto", "'flex' (compiled flex_attention, CUDA), 'sdpa' (dense explicit mask; CPU), "
+                         "'sdpa-grouped' (the same SDPA over each group of blocks' context span; eager, any device) "
+                         "or 'auto'.", ("auto", "flex", "sdpa", "sdpa-grouped"))
 
 
 @dataclass

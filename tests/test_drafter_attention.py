@@ -90,7 +90,7 @@ def test_padding_blocks_attend_only_to_themselves():
 def test_shape_and_path_errors():
     row = random_packed_row(0)
     q, k, v = qkv(row)
-    with pytest.raises(UsageError, match="flex' or 'sdpa"):
+    with pytest.raises(UsageError, match="'flex', 'sdpa' or 'sdpa-grouped', got 'dense'"):
         attend(q, k, v, mask_of(row), "dense")
     with pytest.raises(UsageError, match="do not match the mask"):
         attend(q[:, :, :-1], k, v, mask_of(row), "sdpa")

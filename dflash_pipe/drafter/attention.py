@@ -7,6 +7,9 @@
 * sdpa (CPU, and a reference on CUDA): `F.scaled_dot_product_attention` with the dense [Q, KV]
   bool mask; KV heads are repeated to the query heads. flex has no CPU backward (torch 2.13),
   so CPU training uses this path; tests prove both equal.
+* sdpa-grouped (eager, any device): the same SDPA, batched over groups of consecutive blocks, each
+  group scoring only the context span its blocks can see and its own blocks (grouped.py). Same
+  softmax as the dense mask, without its Q x (S + N*B) grid; no compile.
 
 Recompiles: with fixed shapes the compiled flex function and the compiled BlockMask builder
 compile once. A new shape would silently recompile, and after `recompile_limit` (8) dynamo
@@ -27,6 +30,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 
 from ..errors import RuntimeFailure, UsageError
+from .grouped import GROUP_BLOCKS, grouped_attend
 from .masks import AttentionMask
 
 FLEX_ATTENTION = torch.compile(flex_attention, dynamic=False)
@@ -146,4 +150,6 @@ def attend(q_BHQD: torch.Tensor, k_BKVD: torch.Tensor, v_BKVD: torch.Tensor, mas
         return flex_attend(q_BHQD, k_BKVD, v_BKVD, mask, compiled=flex_compiled, dtype=flex_dtype)
     if path == "sdpa":
         return sdpa_attend(q_BHQD, k_BKVD, v_BKVD, mask)
-    raise UsageError(f"attention path must be 'flex' or 'sdpa', got {path!r}")
+    if path == "sdpa-grouped":
+        return grouped_attend(q_BHQD, k_BKVD, v_BKVD, mask.grouped(GROUP_BLOCKS["blocks"]), q_BHQD.shape[-1] ** -0.5)
+    raise UsageError(f"attention path must be 'flex', 'sdpa' or 'sdpa-grouped', got {path!r}")

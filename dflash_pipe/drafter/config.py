@@ -31,7 +31,7 @@ from ..errors import UsageError, ValidationError
 QWEN35_MASK_TOKEN_ID = 248070
 QWEN3_MASK_TOKEN_ID = 151669
 DEFAULT_HEAD_DIM = 128
-ATTENTION_PATHS = ("flex", "sdpa")
+ATTENTION_PATHS = ("flex", "sdpa", "sdpa-grouped")
 
 
 def family_kind(family: str) -> str:

@@ -30,6 +30,7 @@ The rule depends on the query only through its block index. It is written twice:
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
@@ -103,10 +104,12 @@ class AttentionMask:
     anchor_index_N: int64 [N], packed context index of each block's anchor.
     block_doc_N: int32 [N], document of each block (ignored for padding blocks).
     block_valid_N: bool [N], False for padding blocks.
+    host: the same four tensors on the host (the batch's), when these are on a device: the grouped SDPA path's
+    spans come from them without a device sync (grouped.py).
     """
 
     def __init__(self, ctx_doc_S: torch.Tensor, anchor_index_N: torch.Tensor, block_doc_N: torch.Tensor,
-                 block_valid_N: torch.Tensor, block_size: int):
+                 block_valid_N: torch.Tensor, block_size: int, host: tuple | None = None):
         for name, t in (("ctx_doc_S", ctx_doc_S), ("anchor_index_N", anchor_index_N),
                         ("block_doc_N", block_doc_N), ("block_valid_N", block_valid_N)):
             if not isinstance(t, torch.Tensor) or t.dim() != 1:
@@ -127,6 +130,8 @@ class AttentionMask:
         self.ctx_lo, self.ctx_hi = context_ranges(self.ctx_doc, self.anchor_index, self.block_doc, self.block_valid)
         self._block_mask: BlockMask | None = None
         self._dense: torch.Tensor | None = None
+        self._host = host
+        self._grouped: dict = {}
         if self.ctx_doc.device.type == "cpu":  # cheap here; on CUDA it would force a sync
             self.check_contents()
 
@@ -171,8 +176,10 @@ class AttentionMask:
                                   "context length (packing writes each document as one run)")
 
     def to(self, device: torch.device | str) -> "AttentionMask":
+        host = self._host or ((self.ctx_doc, self.anchor_index, self.block_doc, self.block_valid)
+                              if self.device.type == "cpu" else None)
         return AttentionMask(self.ctx_doc.to(device), self.anchor_index.to(device), self.block_doc.to(device),
-                             self.block_valid.to(device), self.block_size)
+                             self.block_valid.to(device), self.block_size, host=host)
 
     # --- the two forms -----------------------------------------------------------------------
     @property
@@ -199,6 +206,24 @@ class AttentionMask:
                 self._block_mask = _build_block_mask(self.ctx_lo, self.ctx_hi, self.ctx_len, self.block_size,
                                                      flex_block)
         return self._block_mask
+
+    def host_ranges(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per block (lo, hi, valid) as host arrays: from the host tensors given, else from this mask's tensors
+        (a copy to the host: one device sync when they live on a GPU)."""
+        if self._host is not None:
+            lo, hi = context_ranges(*(torch.as_tensor(t) for t in self._host))
+            valid = torch.as_tensor(self._host[3]).to(torch.bool)
+        else:
+            lo, hi, valid = self.ctx_lo, self.ctx_hi, self.block_valid
+        return lo.cpu().numpy(), hi.cpu().numpy(), valid.cpu().numpy()
+
+    def grouped(self, group_blocks: int):
+        """The grouped SDPA path's key layout (grouped.py), cached per group size and shared by all layers."""
+        if group_blocks not in self._grouped:
+            from .grouped import layout_for
+
+            self._grouped[group_blocks] = layout_for(self, group_blocks)
+        return self._grouped[group_blocks]
 
     def dense_bool(self) -> torch.Tensor:
         """[Q, KV] bool, True = may attend (SDPA convention). Built per block, then repeated B times."""

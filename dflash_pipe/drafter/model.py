@@ -30,7 +30,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..errors import UsageError, ValidationError
 from .attention import attend
-from .config import DrafterModelConfig
+from .config import ATTENTION_PATHS, DrafterModelConfig
 from .masks import AttentionMask
 
 
@@ -131,7 +131,7 @@ class DrafterLayer(nn.Module):
 class DFlashDrafter(nn.Module):
     """fc + hidden_norm + `num_layers` draft layers + final norm. No embeddings, no lm_head.
 
-    attention: 'flex' | 'sdpa' (default cfg.attention). flex_compiled=False runs the uncompiled
+    attention: 'flex' | 'sdpa' | 'sdpa-grouped' (default cfg.attention). flex_compiled=False runs the uncompiled
     flex function (CPU tests only); flex_dtype=None keeps q/k/v in their dtype instead of bf16.
     gradient_checkpointing: recompute each layer in backward (saves activation memory).
     """
@@ -141,8 +141,8 @@ class DFlashDrafter(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.attention = attention or cfg.attention
-        if self.attention not in ("flex", "sdpa"):
-            raise UsageError(f"drafter attention must be 'flex' or 'sdpa', got {self.attention!r}")
+        if self.attention not in ATTENTION_PATHS:
+            raise UsageError(f"drafter attention must be one of {', '.join(ATTENTION_PATHS)}, got {self.attention!r}")
         self.flex_opts = {"flex_compiled": flex_compiled, "flex_dtype": flex_dtype}
         self.gradient_checkpointing = gradient_checkpointing
         self.fc = nn.Linear(cfg.num_target_features * cfg.hidden_size, cfg.hidden_size, bias=False)

@@ -30,7 +30,8 @@ def draft_inputs(t: dict, batch, head, dcfg, codec: str, n_layers: int, feature_
     hidden = planes_to_hidden(codec, t.pop("planes"), t.pop("scale", None), n_layers)
     if feature_codec == FP8:                  # (run_train refuses it on an fp8 cache)
         hidden = fp8_roundtrip(hidden, n_layers)
-    mask = AttentionMask(t["ctx_doc_S"], t["anchor_index_N"], t["block_doc_N"], t["block_valid_N"], dcfg.block_size)
+    mask = AttentionMask(t["ctx_doc_S"], t["anchor_index_N"], t["block_doc_N"], t["block_valid_N"], dcfg.block_size,
+                         host=(batch.ctx_doc_S, batch.anchor_index_N, batch.block_doc_N, batch.block_valid_N))
     if dcfg.attention == "flex":
         mask.block_mask(flex_block=flex_tuning()["block"])  # built outside the compiled layers, cached
     bpos = block_positions(t["ctx_pos_S"], t["anchor_index_N"], dcfg.block_size)
