@@ -6,6 +6,9 @@
 #     extract   bench/extract_throughput.py: 27B-shaped hybrid, full path vs forward-only (+ profile)
 #     flex      bench/flex_kernel.py: flex_attention tile sizes at the seed's mask
 #     train     bench/train_step.py at the seed's config with the fastest flex tiles from `flex`
+#     trainsmol the quality runs' 5-layer drafter step (SmolLM2 width, 8,192 context tokens), eager dense-mask SDPA
+#               against the grouped SDPA path at TRAINSMOL_ANCHORS (default "512 1024 2048") anchors, after the
+#               grouped path's GPU tests (random weights: needs no carry; zstandard from GPU_WHEELS or the quality site)
 #     topk      bench/topk_kernel.py: torch.topk vs the two-stage top-k on one logits block
 #     stats     bench/sanity_stats_kernel.py: batched feature_stats vs the per-document loop
 #     draft     bench/draft_step.py: one inference drafting step, context K/V cache vs recompute (both shapes)
@@ -79,6 +82,12 @@ for what in "$@"; do
                    --steps 20 --warmup 2 --lock-steps 50 --loader-workers "${LOADER_WORKERS:-12}" \
                    $( [ -s "$OUT/flex_kernel.json" ] && echo --flex-from "$OUT/flex_kernel.json" ) \
                    --json "$OUT/train_step.json" ;;
+        trainsmol) step trainsmol "${TRAINSMOL_S:-420}" bash -c "export PYTHONPATH=/tmp/quality/site:\$PYTHONPATH
+                       python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_drafter_grouped_gpu.py || exit 1
+                       for a in ${TRAINSMOL_ANCHORS:-512 1024 2048}; do python3 bench/train_step.py --shape smollm2 \
+                           --layers 5 --context 8192 --anchors \$a --variants ${TRAINSMOL_VARIANTS:-eager-sdpa,eager-grouped} \
+                           --steps 20 --warmup 3 --lock-steps 0 --loader-workers 8 \
+                           --json $OUT/train_step_smollm2_\$a.json || exit 1; done" ;;
         topk) step topk "${TOPK_S:-120}" python3 bench/topk_kernel.py --json "$OUT/topk_kernel.json" ;;
         stats) step stats "${STATS_S:-60}" python3 bench/sanity_stats_kernel.py --json "$OUT/sanity_stats_kernel.json" ;;
         draft) step draft "${DRAFT_S:-120}" bash -c "python3 bench/draft_step.py --shape smollm2 --device cuda \
@@ -115,6 +124,6 @@ print(json.dumps(rows, indent=1)); open('$OUT/loader_rate.json', 'w').write(json
         objstore) step objstore "${OBJSTORE_S:-400}" env PATH="/tmp/site/bin:$PATH" python3 bench/objstore_loader.py \
                       --batches "${OBJSTORE_BATCHES:-24}" --workers 12 --server rclone --json "$OUT/objstore_loader.json" ${OBJSTORE_FLAGS:-} ;;
         gputests) step gputests "${TESTS_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider tests ;;
-        *) echo "unknown step $what (smollm2 extract flex train topk stats draft loader regentests decodeprof regen hybrid evaltests window windowq smallgemm evalprofile evalspeed objstore gputests)"; exit 2 ;;
+        *) echo "unknown step $what (smollm2 extract flex train trainsmol topk stats draft loader regentests decodeprof regen hybrid evaltests window windowq smallgemm evalprofile evalspeed objstore gputests)"; exit 2 ;;
     esac
 done

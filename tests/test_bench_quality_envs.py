@@ -1,0 +1,45 @@
+"""Every bench/quality19*.env's QUALITY_TRAIN_FLAGS parse as `dflash-pipe train` flags on the GPU manifest (the
+driver passes them after its own, bench/quality_jobs.sh), and the grouped-attention env sets what its header says."""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+ROOT = Path(__file__).resolve().parents[1]
+ENVS = sorted((ROOT / "bench").glob("quality19*.env"))
+
+
+def train_flags(env: Path, extra: str = "") -> list[str]:
+    out = subprocess.run(["bash", "-c", f'{extra} source "{env}" >/dev/null; printf %s "${{QUALITY_TRAIN_FLAGS:-}}"'],
+                         capture_output=True, text=True, check=True, cwd=ROOT)
+    return shlex.split(out.stdout)
+
+
+def parsed(monkeypatch, flags: list[str]):
+    import dflash_pipe.train.trainer as trainer
+    from dflash_pipe.cli import app
+
+    seen = {}
+    monkeypatch.setattr(trainer, "run_train", lambda cfg: seen.setdefault("cfg", cfg))
+    res = CliRunner().invoke(app, ["train", "-m", str(ROOT / "manifests/quality-smollm2-gpu.toml"),
+                                   "--cache-dir", "/tmp/x", "--output-dir", "/tmp/y", *flags])
+    assert res.exit_code == 0, res.output
+    return seen["cfg"]
+
+
+@pytest.mark.parametrize("env", ENVS, ids=lambda p: p.name)
+def test_train_flags_parse(monkeypatch, env):
+    parsed(monkeypatch, train_flags(env))
+
+
+def test_grouped_env_doubles_the_anchors_on_the_grouped_path(monkeypatch):
+    cfg = parsed(monkeypatch, train_flags(ROOT / "bench/quality19n.env"))
+    assert (cfg.train.num_anchors, cfg.train.max_anchors_per_doc, cfg.drafter.attention) == (1024, 512, "sdpa-grouped")
+    assert cfg.train.context_tokens == 8192 and cfg.train.seed == 2 and cfg.train.init_from.endswith("init/lossless")
+    cfg = parsed(monkeypatch, train_flags(ROOT / "bench/quality19n.env", "QUALITY_ANCHORS=2048"))
+    assert cfg.train.num_anchors == 2048
