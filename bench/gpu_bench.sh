@@ -8,7 +8,8 @@
 #     train     bench/train_step.py at the seed's config with the fastest flex tiles from `flex`
 #     trainsmol the quality runs' 5-layer drafter step (SmolLM2 width, 8,192 context tokens), eager dense-mask SDPA
 #               against the grouped SDPA path at TRAINSMOL_ANCHORS (default "512 1024 2048") anchors, after the
-#               grouped path's GPU tests (random weights: needs no carry; zstandard from GPU_WHEELS or the quality site)
+#               grouped path's GPU tests (random weights: needs no carry; zstandard from GPU_WHEELS or the quality site;
+#               TRAINSMOL_FLAGS e.g. "--group-blocks 16")
 #     topk      bench/topk_kernel.py: torch.topk vs the two-stage top-k on one logits block
 #     stats     bench/sanity_stats_kernel.py: batched feature_stats vs the per-document loop
 #     draft     bench/draft_step.py: one inference drafting step, context K/V cache vs recompute (both shapes)
@@ -86,7 +87,7 @@ for what in "$@"; do
                        python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_drafter_grouped_gpu.py || exit 1
                        for a in ${TRAINSMOL_ANCHORS:-512 1024 2048}; do python3 bench/train_step.py --shape smollm2 \
                            --layers 5 --context 8192 --anchors \$a --variants ${TRAINSMOL_VARIANTS:-eager-sdpa,eager-grouped} \
-                           --steps 20 --warmup 3 --lock-steps 0 --loader-workers 8 \
+                           --steps 20 --warmup 3 --lock-steps 0 --loader-workers 8 ${TRAINSMOL_FLAGS:-} \
                            --json $OUT/train_step_smollm2_\$a.json || exit 1; done" ;;
         topk) step topk "${TOPK_S:-120}" python3 bench/topk_kernel.py --json "$OUT/topk_kernel.json" ;;
         stats) step stats "${STATS_S:-60}" python3 bench/sanity_stats_kernel.py --json "$OUT/sanity_stats_kernel.json" ;;
