@@ -104,6 +104,13 @@ def _copy_table(summary: dict) -> list[str]:
             "|---|---|---:|---:|---:|---:|---:|", *rows]
 
 
+def _anchors(tr: dict) -> str:
+    """', 975 real anchors a step of 1024' where the step records carry the count (metrics.jsonl, session 21+)."""
+    if tr.get("anchors_mean") is None:
+        return ""
+    return f", {tr['anchors_mean']:,.0f} real anchors a step of {tr.get('num_anchors') or '?'}"
+
+
 def _pct(p: dict | None) -> str:
     return "-" if not p else f"{p['diff']:+.2%} [{p['ci95'][0]:+.2%}, {p['ci95'][1]:+.2%}]"
 
@@ -180,7 +187,7 @@ def markdown(summary: dict) -> str:
                  f"lr {tr.get('lr')}: the tokens and steps below are this pass's only" if tr.get("init_from") else "")
         L += [f"Simulated tau against training tokens, {c} ({tr['last_step']}"
               f"{'/' + str(tr['planned_steps']) if tr['planned_steps'] else ''} steps, median "
-              f"{tr['median_step_s'] * 1000:.0f} ms/step{start}):", "",
+              f"{tr['median_step_s'] * 1000:.0f} ms/step{_anchors(tr)}{start}):", "",
               "| steps | " + " | ".join(f"{w['steps'][0]}-{w['steps'][1]}" for w in tr["windows"]) + " |",
               "|---|" + "---:|" * len(tr["windows"]),
               "| context tokens seen | " + " | ".join(_tokens(w["tokens_seen"]) for w in tr["windows"]) + " |",

@@ -176,7 +176,9 @@ def training_curve(train_dir: Path) -> dict | None:
     step_s = sorted(r["step_s"] for r in recs[min(3, n - 1):])
     tail = recs[-max(1, n // 10):]
     walks = [r["tau_walk"] for r in tail if isinstance(r.get("tau_walk"), (int, float))]
-    return {"records": n, "last_step": recs[-1]["step"] + 1, "planned_steps": planned,
+    anchors = [r["anchors"] for r in recs if isinstance(r.get("anchors"), int)]   # real blocks a step (session 21+)
+    return {"anchors_mean": sum(anchors) / len(anchors) if anchors else None,
+            "num_anchors": tr.get("num_anchors"), "records": n, "last_step": recs[-1]["step"] + 1, "planned_steps": planned,
             # a later pass (train --init-from): the drafter it started from, and the pass's own seed and peak lr
             "init_from": tr.get("init_from") or None, "seed": tr.get("seed"), "lr": tr.get("lr"),
             "tokens_seen": seen[-1], "tau_last_10pct": sum(r["tau"] for r in tail) / len(tail),

@@ -178,17 +178,24 @@ def test_copy_bins_pair_each_block_with_lookups_at_the_same_anchor():
     assert lc.copy_bins(lc.teacher_forced_scans(rows, "t"), "dflash:x") is None
 
 
-def test_the_report_sets_teacher_forced_tau_beside_the_decoded_one():
-    """eval --teacher-forced-every: bench/quality_report.py tabulates each method's scan beside its decoded tau (and
-    leaves the table out when no eval scanned)."""
+def report_module():
+    """bench/quality_report.py, loaded with bench/ on the path for its sibling imports."""
+    import sys
+
     spec = importlib.util.spec_from_file_location("quality_report", Path(__file__).parents[1] / "bench" / "quality_report.py")
     rep = importlib.util.module_from_spec(spec)
-    import sys
     sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
     try:
         spec.loader.exec_module(rep)
     finally:
         sys.path.remove(str(Path(__file__).parents[1] / "bench"))
+    return rep
+
+
+def test_the_report_sets_teacher_forced_tau_beside_the_decoded_one():
+    """eval --teacher-forced-every: bench/quality_report.py tabulates each method's scan beside its decoded tau (and
+    leaves the table out when no eval scanned)."""
+    rep = report_module()
     row = {"ngram_tau": 2.2, "ngram_teacher_forced": {"tau": 2.9, "tau_walk": 1.6, "blocks": 100},
            "drafters": {"lossless": {"tau": 1.9, "teacher_forced": {"tau": 3.2, "tau_walk": 1.7, "blocks": 100}}}}
     lines = rep._teacher_forced_table({"sets": {"heldout": row}})
@@ -212,3 +219,22 @@ def test_a_later_pass_says_which_drafter_it_started_from(tmp_path):
     assert (tr["init_from"], tr["seed"], tr["lr"]) == ("/tmp/quality/init/lossless", 1, 0.0004)
     (run / "resolved_config.toml").write_text(cfg.replace('init_from = "/tmp/quality/init/lossless"', 'init_from = ""'))
     assert qr.training_curve(run)["init_from"] is None                  # a first pass: nothing to say
+
+
+def test_the_summary_and_report_give_the_real_anchors_a_step(tmp_path):
+    """Step records with `anchors` (session 21+): their mean beside --num-anchors in the summary and the report's
+    training line; older records without it: nothing said."""
+    run = tmp_path / "train-lossless"
+    run.mkdir()
+    recs = [{"step": i, "tau": 2.0, "acc": 0.5, "loss": 2.0, "tok_s": 1000.0, "step_s": 0.08, "anchors": 900 + i}
+            for i in range(21)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (run / "resolved_config.toml").write_text("[train]\nmax_steps = 21\nnum_anchors = 1024\n")
+    tr = qr.training_curve(run)
+    assert (tr["anchors_mean"], tr["num_anchors"]) == (910.0, 1024)
+    rep = report_module()
+    assert rep._anchors(tr) == ", 910 real anchors a step of 1024"
+    for r in recs:
+        del r["anchors"]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert rep._anchors(qr.training_curve(run)) == ""

@@ -19,3 +19,22 @@ def test_eta_counts_the_time_between_steps_and_records_carry_it(tmp_path, monkey
     assert last.endswith("ETA 1m30s"), last   # 90 steps left at 1 s each
     recs = [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["time"] for r in recs] == [1000.0 + i for i in range(10)]
+
+
+def test_step_records_count_the_real_anchors_and_show_a_binding_per_document_cap(tmp_path):
+    """metrics.jsonl's `anchors`: the step's non-padding blocks. With one anchor per document the rows hold fewer
+    real blocks than --num-anchors; with the cap lifted every step fills them."""
+    from dflash_pipe.train.trainer import run_train
+    from tests.cache_helpers import write_train_cache
+    from tests.test_train_validation import _cfg
+
+    cache = tmp_path / "cache"
+    write_train_cache(cache, num_docs=16, seed=2)
+    got = {}
+    for cap in (1, 64):
+        cfg = _cfg(tmp_path, cache, tmp_path / f"cap{cap}")
+        cfg.train.num_anchors, cfg.train.max_anchors_per_doc = 8, cap
+        run_train(cfg)
+        got[cap] = [json.loads(ln)["anchors"] for ln in (tmp_path / f"cap{cap}" / "metrics.jsonl").read_text().splitlines()]
+    assert all(0 < a < 8 for a in got[1]), got[1]        # 96-token rows of 8-48-token documents: at most a few
+    assert all(a == 8 for a in got[64]), got[64]

@@ -78,8 +78,10 @@ class StepLogger:
         return torch.cuda.max_memory_allocated(self.device) / 2 ** 30 if self.device.type == "cuda" else None
 
     def log(self, step: int, epoch: int, metrics: dict, step_s: float, data_wait_s: float, tokens: int,
-            lr: float, grad_norm: float, shard_wait_s: float | None = None, peak_mem_gib: float | None = None) -> dict:
-        """One step's record; `peak_mem_gib` as read at that step (default: now)."""
+            lr: float, grad_norm: float, shard_wait_s: float | None = None, peak_mem_gib: float | None = None,
+            anchors: int | None = None) -> dict:
+        """One step's record; `peak_mem_gib` as read at that step (default: now); `anchors`: the step's real
+        (non-padding) blocks on this rank, of --num-anchors (the rest carry no loss)."""
         now = time.time()
         self._times.append(step_s)
         # the ETA runs on wall time between logged steps once past the warm-up, so that validation, checkpoints
@@ -96,6 +98,8 @@ class StepLogger:
                "step_s": step_s,
                "data_wait": data_wait_s / max(step_s, 1e-9), "tok_s": tokens / max(step_s, 1e-9),
                "tflops": self.flops / max(step_s, 1e-9) / 1e12}
+        if anchors is not None:
+            rec["anchors"] = anchors
         if shard_wait_s is not None:  # window mode: the part of data_wait spent waiting for extraction to commit
             rec["shard_wait"] = shard_wait_s / max(step_s, 1e-9)
         if self.peak:

@@ -230,6 +230,7 @@ def run_train(cfg: RunConfig) -> dict:
                     step += 1
                     step_in_epoch += 1
                     note = (dict(step=step - 1, epoch=epoch, data_wait_s=data_wait, tokens=batch.tokens,
+                                 anchors=int(batch.block_valid_N.sum()),  # a host tensor: no device sync
                                  lr=sched.get_last_lr()[0], shard_wait_s=shard_wait if coord is not None else None,
                                  peak_mem_gib=logger.peak_mem_gib())
                             if step % tr.log_every == 0 or step == total else None)
