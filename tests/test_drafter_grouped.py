@@ -191,3 +191,11 @@ def test_training_with_the_grouped_path_follows_the_dense_run(tmp_path, monkeypa
     for name, w in last["sdpa"].items():
         torch.testing.assert_close(last["sdpa-grouped"][name], w, rtol=1e-3, atol=1e-5)
     assert abs(hist["sdpa"][-1]["loss"] - hist["sdpa"][0]["loss"]) > 1e-2   # it trained: the check has teeth
+
+
+def test_repeat_each_is_repeat_interleave():
+    from dflash_pipe.drafter.grouped import _repeat_each
+
+    x = torch.arange(2 * 3 * 4).view(2, 3, 4)
+    for dim in range(3):
+        assert torch.equal(_repeat_each(x, 3, dim), x.repeat_interleave(3, dim=dim))

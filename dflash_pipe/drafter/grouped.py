@@ -75,6 +75,13 @@ class GroupedLayout:
         return self.key_index_GW.shape[1]
 
 
+def _repeat_each(x: torch.Tensor, r: int, dim: int) -> torch.Tensor:
+    """repeat_interleave(x, r, dim) as expand + reshape: the same tensor, certainly without a host sync."""
+    shape = list(x.shape)
+    out = x.unsqueeze(dim + 1).expand(*shape[:dim + 1], r, *shape[dim + 1:])
+    return out.reshape(*shape[:dim], shape[dim] * r, *shape[dim + 1:])
+
+
 def build_layout(ctx_lo_N: torch.Tensor, ctx_hi_N: torch.Tensor, span_lo_G: np.ndarray, span_hi_G: np.ndarray,
                  ctx_len: int, block_size: int, g: int) -> GroupedLayout:
     """The layout from the per-block intervals (device tensors) and the per-group spans (host arrays).
@@ -87,11 +94,11 @@ def build_layout(ctx_lo_N: torch.Tensor, ctx_hi_N: torch.Tensor, span_lo_G: np.n
     cols = start[:, None] + torch.arange(width_ctx, device=device)[None, :]                     # [G, Wc]
     blo, bhi = ctx_lo_N.view(G, g, 1), ctx_hi_N.view(G, g, 1)
     sees_ctx = (cols[:, None, :] >= blo) & (cols[:, None, :] < bhi)                              # [G, g, Wc]
-    own = torch.eye(g, dtype=torch.bool, device=device).repeat_interleave(B, dim=1)              # [g, g*B]
+    own = _repeat_each(torch.eye(g, dtype=torch.bool, device=device), B, 1)                      # [g, g*B]
     per_block = torch.cat((sees_ctx, own.expand(G, g, g * B)), dim=2)                            # [G, g, W]
     blocks = ctx_len + torch.arange(G * g * B, device=device).view(G, g * B)
     index = torch.cat((cols.clamp(max=ctx_len - 1), blocks), dim=1)                              # [G, W]
-    return GroupedLayout(G, g, index, per_block.repeat_interleave(B, dim=1))
+    return GroupedLayout(G, g, index, _repeat_each(per_block, B, 1))
 
 
 def layout_for(mask, target_blocks: int) -> GroupedLayout:
@@ -113,6 +120,6 @@ def grouped_attend(q_BHQD: torch.Tensor, k_BKVD: torch.Tensor, v_BKVD: torch.Ten
     v = v_BKVD[0].index_select(1, flat).view(-1, G, layout.width, D).transpose(0, 1)
     groups = H // k.shape[1]
     if groups > 1:
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        k, v = _repeat_each(k, groups, 1), _repeat_each(v, groups, 1)
     out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=layout.mask_GQW[:, None], scale=scale)
     return out.transpose(0, 1).reshape(1, H, Q, D)
