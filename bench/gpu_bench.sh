@@ -8,8 +8,8 @@
 #     train     bench/train_step.py at the seed's config with the fastest flex tiles from `flex`
 #     trainsmol the quality runs' 5-layer drafter step (SmolLM2 width, 8,192 context tokens), eager dense-mask SDPA
 #               against the grouped SDPA path at TRAINSMOL_ANCHORS (default "512 1024 2048") anchors, after the
-#               grouped path's GPU tests (random weights: needs no carry; zstandard from GPU_WHEELS or the quality site;
-#               TRAINSMOL_FLAGS e.g. "--group-blocks 16")
+#               grouped path's GPU tests (random weights; zstandard from GPU_WHEELS: after the quality stash calls,
+#               GPU_WHEELS=/tmp/quality/carry/whl; TRAINSMOL_FLAGS e.g. "--group-blocks 16")
 #     topk      bench/topk_kernel.py: torch.topk vs the two-stage top-k on one logits block
 #     stats     bench/sanity_stats_kernel.py: batched feature_stats vs the per-document loop
 #     draft     bench/draft_step.py: one inference drafting step, context K/V cache vs recompute (both shapes)
@@ -83,8 +83,7 @@ for what in "$@"; do
                    --steps 20 --warmup 2 --lock-steps 50 --loader-workers "${LOADER_WORKERS:-12}" \
                    $( [ -s "$OUT/flex_kernel.json" ] && echo --flex-from "$OUT/flex_kernel.json" ) \
                    --json "$OUT/train_step.json" ;;
-        trainsmol) step trainsmol "${TRAINSMOL_S:-420}" bash -c "export PYTHONPATH=/tmp/quality/site:\$PYTHONPATH
-                       python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_drafter_grouped_gpu.py || exit 1
+        trainsmol) step trainsmol "${TRAINSMOL_S:-420}" bash -c "python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_drafter_grouped_gpu.py || exit 1
                        for a in ${TRAINSMOL_ANCHORS:-512 1024 2048}; do python3 bench/train_step.py --shape smollm2 \
                            --layers 5 --context 8192 --anchors \$a --variants ${TRAINSMOL_VARIANTS:-eager-sdpa,eager-grouped} \
                            --steps 20 --warmup 3 --lock-steps 0 --loader-workers 8 ${TRAINSMOL_FLAGS:-} \
