@@ -86,7 +86,7 @@ for what in "$@"; do
         trainsmol) step trainsmol "${TRAINSMOL_S:-420}" bash -c "python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_drafter_grouped_gpu.py || exit 1
                        for a in ${TRAINSMOL_ANCHORS:-512 1024 2048}; do python3 bench/train_step.py --shape smollm2 \
                            --layers 5 --context 8192 --anchors \$a --variants ${TRAINSMOL_VARIANTS:-eager-sdpa,eager-grouped} \
-                           --steps 20 --warmup 3 --lock-steps 0 --loader-workers 8 ${TRAINSMOL_FLAGS:-} \
+                           --steps 20 --warmup 3 --lock-steps 0 --no-loader ${TRAINSMOL_FLAGS:-} \
                            --json $OUT/train_step_smollm2_\$a.json || exit 1; done" ;;
         topk) step topk "${TOPK_S:-120}" python3 bench/topk_kernel.py --json "$OUT/topk_kernel.json" ;;
         stats) step stats "${STATS_S:-60}" python3 bench/sanity_stats_kernel.py --json "$OUT/sanity_stats_kernel.json" ;;

@@ -307,7 +307,8 @@ def main() -> None:
     ap.add_argument("--in-process", action="store_true",
                     help="run all variants in this process (default: one child process per variant when there are "
                          "several, so no variant's memory or compiled code leaks into the next one's numbers)")
-    ap.add_argument("--no-loader", action="store_true", help=argparse.SUPPRESS)  # children: the parent measures it
+    ap.add_argument("--no-loader", action="store_true", help="skip the loader's decode-rate measurement (children of "
+                    "a multi-variant run get it from the first one)")
     args = ap.parse_args()
     names = args.variants.split(",")
     if len(names) > 1 and not args.in_process:
@@ -371,7 +372,7 @@ def run_isolated(args, names: list[str]) -> None:
                "--lock-steps", str(args.lock_steps if i == 0 else 0), "--loader-workers", str(args.loader_workers),
                "--flex-block", args.flex_block, "--json", str(out)] + (["--flex-from", args.flex_from]
                                                                       if args.flex_from else []) \
-            + (["--cpu-smoke"] if args.cpu_smoke else []) + ([] if i == 0 else ["--no-loader"]) \
+            + (["--cpu-smoke"] if args.cpu_smoke else []) + (["--no-loader"] if args.no_loader or i > 0 else []) \
             + ["--shape", args.shape, "--context", str(args.context), "--anchors", str(args.anchors),
                "--layers", str(args.layers), "--group-blocks", str(args.group_blocks), "--max-doc", str(args.max_doc),
                "--device", args.device]
