@@ -156,7 +156,8 @@ class TrainConfig:
                            "copies live in the optimizer; saves the autocast weight copies, 2 bytes per weight, at "
                            "identical arithmetic), 'fp32', or 'auto' (bf16 when precision is bf16).",
                            ("auto", "bf16", "fp32"))
-    compile: str = opt("auto", "Compile the draft layers ('auto' = on CUDA).", ("auto", "on", "off"))
+    compile: str = opt("auto", "Compile the draft layers ('auto' = on CUDA, off for the eager sdpa-grouped path).",
+                       ("auto", "on", "off"))
     checkpoint_every: int = opt(200, "Steps between checkpoints (0 = only at the end).")
     keep_checkpoints: int = opt(2, "Complete checkpoints to keep.")
     log_every: int = opt(1, "Steps between log lines / TensorBoard points.")
@@ -451,6 +452,10 @@ def normalize(cfg: RunConfig) -> RunConfig:
          "but --data-skip-samples is 0: set it > 0 (extraction then skips those) or drop 'heldout'"),
         (tr.window_checkpoint_rounds >= 1, "--window-checkpoint-rounds must be >= 1"),
         (tr.loader_workers >= 1 and tr.loader_prefetch >= 1, "--loader-workers and --loader-prefetch must be >= 1"),
+        (not (dr.attention == "sdpa-grouped" and tr.compile == "on"),
+         "--drafter-attention sdpa-grouped runs eagerly (its key width changes every step, so compiled layers would "
+         "recompile until the lock stops them): use --compile off (auto is off for it), or --drafter-attention flex "
+         "with --compile on"),
     ]
     for ok, message in checks:
         if not ok:

@@ -66,6 +66,16 @@ def test_a_negative_copy_anchor_weight_is_refused_naming_the_flag():
     assert normalize(cfg).train.copy_anchor_weight == 2.0
 
 
+def test_grouped_attention_with_compile_on_is_refused_naming_both_flags():
+    cfg = RunConfig()
+    cfg.drafter.attention, cfg.train.compile = "sdpa-grouped", "on"
+    with pytest.raises(UsageError, match="--drafter-attention sdpa-grouped .* --compile off"):
+        normalize(cfg)
+    for compile_ in ("auto", "off"):
+        cfg.train.compile = compile_
+        assert normalize(cfg).drafter.attention == "sdpa-grouped"
+
+
 def test_shards_shorthand_and_subsets():
     cfg = RunConfig()
     cfg.extract.shards = "16"

@@ -95,7 +95,9 @@ def run_train(cfg: RunConfig) -> dict:
     head = FrozenHead(cfg.train_cache_dir, spec["features"]["head_file"], device,
                       torch.bfloat16 if precision == "bf16" else torch.float32,
                       scratch=out_dir / ".cache_head")  # object storage only
-    compile_layers = tr.compile == "on" or (tr.compile == "auto" and device.type == "cuda")
+    # auto: compiled on CUDA, except the grouped SDPA path, whose shapes change every step (config refuses "on")
+    compile_layers = tr.compile == "on" or (tr.compile == "auto" and device.type == "cuda"
+                                            and dcfg.attention != "sdpa-grouped")
     resume = find_resume(out_dir, tr.resume)
     init = init_state_from_export(tr.init_from, dcfg) if tr.init_from and resume is None else None
     model = build_model(dcfg, device, tr.seed, compile_layers, tr.checkpoint_mlp_layers, init)
