@@ -4,6 +4,7 @@ Public API (see each module's docstring):
   config.py    DrafterModelConfig, derive_drafter_config
   masks.py     AttentionMask, block_positions
   attention.py attend, lock_compilation, unlock_compilation, compilation_unlocked
+  grouped.py   the 'sdpa-grouped' path's key layout (set_group_blocks)
   model.py     DFlashDrafter
   loss.py      draft_loss, KDTargets, gather_kd_targets, default_gamma, summarize_metrics
   export.py    export_drafter, load_exported_drafter
