@@ -44,7 +44,7 @@ def load_docs(path: str, max_length: int) -> list[tuple]:
 
 
 def pack(docs: list[tuple], context: int, seed: int = 0) -> list[list[int]]:
-    """Documents in a seeded order, greedily into rows of at most `context` tokens."""
+    """Documents in a seeded order, greedily into rows of at most `context` tokens (the last row partial)."""
     rows, cur, n = [], [], 0
     for i in np.random.default_rng(seed).permutation(len(docs)):
         L = len(docs[i][0])
@@ -53,7 +53,7 @@ def pack(docs: list[tuple], context: int, seed: int = 0) -> list[list[int]]:
             cur, n = [], 0
         cur.append(int(i))
         n += L
-    return rows
+    return rows + [cur] if cur else rows
 
 
 def main() -> None:
