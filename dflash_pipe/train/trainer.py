@@ -226,9 +226,10 @@ def run_train(cfg: RunConfig) -> dict:
                                              n_layers, gamma, cfg, on_device, after_backward=batches.prefetch)
                     data_wait += batches.take_wait_s()
                     trace_batch(step, epoch, info.rank, batch.sample_ids)
-                    if not compilation_locked() and device.type == "cuda":
+                    if not compilation_locked() and (device.type == "cuda" or compile_layers):
                         lock_compilation()  # after this process's first step everything is compiled: a
-                        # recompile is an error from here on, not a silent dense fallback
+                        # recompile is an error from here on, not a silent dense fallback (on the CPU only
+                        # compiled layers are at stake; the same lock lets the CPU tests run this flow)
                     step += 1
                     step_in_epoch += 1
                     note = (dict(step=step - 1, epoch=epoch, data_wait_s=data_wait, tokens=batch.tokens,
