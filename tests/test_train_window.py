@@ -285,3 +285,38 @@ def test_a_window_group_of_two_trainers_streams_one_extraction_each_as_if_alone(
     (tmp_path / "solo").mkdir()
     rc, log = finish(start_trainer(live, tmp_path / "solo" / "out", K, tmp_path / "solo-trace"))
     assert rc == 3 and "has consumed this cache" in log and "rerun `dflash-pipe extract`" in log, log[-2000:]
+
+
+@pytest.mark.slow
+def test_grouped_attention_and_compiled_layers_follow_the_window_reference(staged, reference, tmp_path):
+    """The two other step paths inside a streamed window, as one window group: the grouped SDPA path (eager) and
+    compiled draft layers on the dense path (the recompile lock engages after the first step, on the CPU too).
+    Each follows the dense eager solo run's losses, step by step, to rounding."""
+    from tests.test_train_compiled import NO_CXX
+
+    if NO_CXX:
+        pytest.skip("torch.compile on the CPU needs a C++ compiler")
+    cache, budget = staged
+    ref_losses = reference[0]
+    live = tmp_path / "live"
+    outs = {"grouped": tmp_path / "g" / "out", "compiled": tmp_path / "c" / "out"}
+    for o in outs.values():
+        o.parent.mkdir()
+    group = ["--window-group", ",".join(str(o) for o in outs.values())]
+    paths = {"grouped": ["--drafter-attention", "sdpa-grouped"],
+             "compiled": ["--drafter-attention", "sdpa", "--compile", "on"]}
+    ext = start_extractor(cache, live, budget, K)
+    _wait_for(live / "cache_spec.json", ext)
+    trainers = [start_trainer(live, o, K, o.parent / "trace", extra=group + paths[k]) for k, o in outs.items()]
+    for p in trainers:
+        rc, log = finish(p)
+        assert rc == 0, log[-3000:]
+    assert finish(ext)[0] == 0
+    for name, o in outs.items():
+        got = losses(o)
+        assert sorted(got) == sorted(ref_losses), name
+        for step, (epoch, loss, acc, _) in got.items():
+            ref = ref_losses[step]
+            assert epoch == ref[0] and loss == pytest.approx(ref[1], rel=2e-3, abs=1e-4), (name, step)
+    assert "attention sdpa-grouped" in (outs["grouped"].parent / "train.log").read_text()
+    assert "compile=True" in (outs["compiled"].parent / "train.log").read_text()
