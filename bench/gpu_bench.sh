@@ -6,8 +6,8 @@
 #     extract   bench/extract_throughput.py: 27B-shaped hybrid, full path vs forward-only (+ profile)
 #     flex      bench/flex_kernel.py: flex_attention tile sizes at the seed's mask
 #     train     bench/train_step.py at the seed's config with the fastest flex tiles from `flex`
-#     trainsmol the quality runs' 5-layer drafter step (SmolLM2 width, 8,192 context tokens), eager dense-mask SDPA
-#               against the grouped SDPA path at TRAINSMOL_ANCHORS (default "512 1024 2048") anchors, after the
+#     trainsmol the quality runs' 5-layer drafter step (SmolLM2 width, 8,192 context tokens): TRAINSMOL_RUNS, each
+#               "anchors:variants" (default "512:eager-sdpa,eager-grouped 1024:eager-grouped 2048:eager-grouped"), after the
 #               grouped path's GPU tests (random weights; zstandard from GPU_WHEELS: after the quality stash calls,
 #               GPU_WHEELS=/tmp/quality/carry/whl; TRAINSMOL_FLAGS e.g. "--group-blocks 16")
 #     topk      bench/topk_kernel.py: torch.topk vs the two-stage top-k on one logits block
@@ -84,10 +84,10 @@ for what in "$@"; do
                    $( [ -s "$OUT/flex_kernel.json" ] && echo --flex-from "$OUT/flex_kernel.json" ) \
                    --json "$OUT/train_step.json" ;;
         trainsmol) step trainsmol "${TRAINSMOL_S:-420}" bash -c "python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_drafter_grouped_gpu.py || exit 1
-                       for a in ${TRAINSMOL_ANCHORS:-512 1024 2048}; do python3 bench/train_step.py --shape smollm2 \
-                           --layers 5 --context 8192 --anchors \$a --variants ${TRAINSMOL_VARIANTS:-eager-sdpa,eager-grouped} \
-                           --steps 20 --warmup 3 --lock-steps 0 --no-loader ${TRAINSMOL_FLAGS:-} \
-                           --json $OUT/train_step_smollm2_\$a.json || exit 1; done" ;;
+                       for r in ${TRAINSMOL_RUNS:-512:eager-sdpa,eager-grouped 1024:eager-grouped 2048:eager-grouped}; do
+                           python3 bench/train_step.py --shape smollm2 --layers 5 --context 8192 --anchors \${r%%:*} \
+                           --variants \${r#*:} --steps 20 --warmup 3 --lock-steps 0 --no-loader ${TRAINSMOL_FLAGS:-} \
+                           --json $OUT/train_step_smollm2_\${r%%:*}.json || exit 1; done" ;;
         topk) step topk "${TOPK_S:-120}" python3 bench/topk_kernel.py --json "$OUT/topk_kernel.json" ;;
         stats) step stats "${STATS_S:-60}" python3 bench/sanity_stats_kernel.py --json "$OUT/sanity_stats_kernel.json" ;;
         draft) step draft "${DRAFT_S:-120}" bash -c "python3 bench/draft_step.py --shape smollm2 --device cuda \
