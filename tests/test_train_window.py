@@ -320,3 +320,19 @@ def test_grouped_attention_and_compiled_layers_follow_the_window_reference(stage
             assert epoch == ref[0] and loss == pytest.approx(ref[1], rel=2e-3, abs=1e-4), (name, step)
     assert "attention sdpa-grouped" in (outs["grouped"].parent / "train.log").read_text()
     assert "compile=True" in (outs["compiled"].parent / "train.log").read_text()
+
+
+def test_a_run_that_ends_before_its_planned_steps_still_logs_its_last_step(staged, reference, tmp_path):
+    """--max-steps above what the window gives and --log-every above both: the data ends first, and the step log
+    still gets the run's last step (it used to end with no record at all)."""
+    cache, budget = staged
+    live, out = tmp_path / "live", tmp_path / "out"
+    ext = start_extractor(cache, live, budget, K)
+    _wait_for(live / "cache_spec.json", ext)
+    rc, log = finish(start_trainer(live, out, K, tmp_path / "trace", extra=["--max-steps", "100000",
+                                                                           "--log-every", "100000"]))
+    assert rc == 0, log[-3000:]
+    assert finish(ext)[0] == 0
+    got = losses(out)
+    ref = reference[0]
+    assert list(got) == [max(ref)]                 # one record: the last step, the same step as the reference's

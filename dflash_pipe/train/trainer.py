@@ -174,8 +174,18 @@ def run_train(cfg: RunConfig) -> dict:
     def report(record) -> None:
         if record is not None:
             last.update(metrics=record.metrics, grad_norm=record.grad_norm)
-            if record.note is not None:  # a logging step
-                logger.log(metrics=record.metrics, step_s=record.seconds, grad_norm=record.grad_norm, **record.note)
+            note = dict(record.note)
+            if note.pop("log"):  # a logging step
+                logger.log(metrics=record.metrics, step_s=record.seconds, grad_norm=record.grad_norm, **note)
+                last.pop("unlogged", None)
+            else:  # logged after all if the run ends on it (data ran out before the planned last step)
+                last["unlogged"] = (record, note)
+
+    def log_last_step() -> None:
+        report(stats.drain())
+        if "unlogged" in last:
+            record, note = last.pop("unlogged")
+            logger.log(metrics=record.metrics, step_s=record.seconds, grad_norm=record.grad_norm, **note)
     # window mode: round-boundary checkpoints written off the step loop; the shards a boundary retired are
     # deleted (coord.collect) only once its checkpoint is COMPLETE, seen by `settle` between steps
     ckw = BackgroundCheckpoints(out_dir, tr.keep_checkpoints) if (coord is not None and info.is_main and
@@ -232,11 +242,11 @@ def run_train(cfg: RunConfig) -> dict:
                         # compiled layers are at stake; the same lock lets the CPU tests run this flow)
                     step += 1
                     step_in_epoch += 1
-                    note = (dict(step=step - 1, epoch=epoch, data_wait_s=data_wait, tokens=batch.tokens,
-                                 anchors=int(batch.block_valid_N.sum()),  # a host tensor: no device sync
-                                 lr=sched.get_last_lr()[0], shard_wait_s=shard_wait if coord is not None else None,
-                                 peak_mem_gib=logger.peak_mem_gib())
-                            if step % tr.log_every == 0 or step == total else None)
+                    note = dict(log=step % tr.log_every == 0 or step == total, step=step - 1, epoch=epoch,
+                                data_wait_s=data_wait, tokens=batch.tokens,
+                                anchors=int(batch.block_valid_N.sum()),  # a host tensor: no device sync
+                                lr=sched.get_last_lr()[0], shard_wait_s=shard_wait if coord is not None else None,
+                                peak_mem_gib=logger.peak_mem_gib())
                     report(stats.push(step_stats, note))  # reads the step before this one
                     shard_wait = 0.0
                     settle(False)
@@ -266,6 +276,7 @@ def run_train(cfg: RunConfig) -> dict:
                             _checkpoint(out_dir, step, epoch, 0, weights, opt, epoch_steps, total, spec, dcfg, cfg,
                                         info)
                             coord.collect(epoch)
+            log_last_step()
             sync_checkpoint(step, epoch, step_in_epoch)
             if coord is not None and epoch >= coord.rounds:
                 coord.finish()  # every shard read K times: delete the rest, mark the cache consumed
