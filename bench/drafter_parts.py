@@ -22,7 +22,14 @@ needs beyond what main's tree can carry (scripts/prepare_gpu_carry.sh DATA_PARTS
 bundle to /tmp/quality/carry/files/<name>/). `--kind kernels` packs a directory tree (kernels_<name>...): the
 trainer's compiled-kernel caches (Triton + Inductor), so a later machine starts from a warm compile cache
 (scripts/prepare_gpu_carry.sh KERNEL_PARTS=<dir>).
-Exit codes: 0 ok; 3 parts missing or damaged (carry them again); 2 usage.
+`pack-checkpoint` sends a train job's progress home while it still runs: its newest complete checkpoint, exported
+(`dflash-pipe export`'s code) and packed as above, with PARTIAL.json (the checkpoint's step and the run's planned
+steps) in the bundle. A machine lost before the job ends then costs the steps after that checkpoint, not the run;
+the parts restore like a finished drafter's (DRAFTER_PARTS at home), PARTIAL.json saying what they are:
+
+    python bench/drafter_parts.py pack-checkpoint --train-dir /tmp/quality/train-lossless --out "$OUT/partial" \
+        --name lossless --sent /tmp/quality/partial-lossless.step     # nothing (exit 0) when that step was sent
+Exit codes: 0 ok; 3 parts missing or damaged (carry them again), or no complete checkpoint yet; 2 usage.
 """
 
 from __future__ import annotations
@@ -146,6 +153,50 @@ def unpack(parts_dir: Path, name: str, dest: Path, kind: str = "drafter") -> dic
     return index
 
 
+def pack_checkpoint(train_dir: Path, out: Path, name: str, sent: Path | None = None, part_mib: float = 15.0,
+                    tries: int = 3) -> tuple[int, list[Path]] | None:
+    """The newest complete checkpoint of `train_dir`, exported -> parts in `out` (PARTIAL.json inside); returns
+    (step, part paths), or None when `sent` already names that step. The trainer prunes old checkpoints while
+    this runs, so the three files the export needs are copied first; a checkpoint pruned meanwhile is retried
+    with the next newest."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import tempfile
+
+    from dflash_pipe.train.checkpoint import MARKER, complete_checkpoints, read_state
+    from dflash_pipe.train.exporting import export_checkpoint
+
+    last = sent.read_text().strip() if sent is not None and sent.is_file() else ""
+    for attempt in range(tries):
+        ckpts = complete_checkpoints(train_dir) if train_dir.is_dir() else []
+        if not ckpts:
+            raise PartsError(f"{train_dir}: no complete checkpoint yet")
+        ckpt = ckpts[-1]
+        with tempfile.TemporaryDirectory(prefix="partial-") as tmp:
+            copy = Path(tmp) / ckpt.name
+            copy.mkdir()
+            try:
+                for f in ("model.safetensors", "state.json", MARKER):
+                    shutil.copyfile(ckpt / f, copy / f)
+            except FileNotFoundError:   # pruned under us: the next newest is complete by now
+                continue
+            state = read_state(copy)
+            step = int(state.get("step", ckpt.name.rsplit("-", 1)[-1]))
+            if last == str(step):
+                return None
+            export = Path(tmp) / "export"
+            export_checkpoint(copy, export)
+            planned = state.get("total_steps")   # the step curve's length (a window run re-plans it as data arrives)
+            (export / "PARTIAL.json").write_text(json.dumps(
+                {"checkpoint": ckpt.name, "step": step, "planned_steps": planned, "train_dir": str(train_dir)}, indent=1))
+            paths = pack(export, out, name, part_mib)
+        if sent is not None:
+            tmp_sent = sent.with_name(sent.name + ".tmp")
+            tmp_sent.write_text(f"{step}\n")
+            os.replace(tmp_sent, sent)
+        return step, paths
+    raise PartsError(f"{train_dir}: its newest checkpoint was pruned {tries} times while copying it")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -158,12 +209,25 @@ def main(argv: list[str] | None = None) -> int:
     u.add_argument("--parts", type=Path, required=True)
     u.add_argument("--name", required=True)
     u.add_argument("--dest", type=Path, required=True)
+    c = sub.add_parser("pack-checkpoint", help="a running train job's newest complete checkpoint, exported -> parts")
+    c.add_argument("--train-dir", type=Path, required=True, help="the train job's --output-dir")
+    c.add_argument("--out", type=Path, required=True)
+    c.add_argument("--name", required=True)
+    c.add_argument("--sent", type=Path, default=None, help="file holding the step sent last (skip it; updated)")
+    c.add_argument("--part-mib", type=float, default=15.0)
     for q in (p, u):
         q.add_argument("--kind", choices=KINDS, default="drafter",
                        help="drafter (an export), data (any flat directory) or kernels (a directory tree)")
     args = ap.parse_args(argv)
     try:
-        if args.cmd == "pack":
+        if args.cmd == "pack-checkpoint":
+            got = pack_checkpoint(args.train_dir, args.out, args.name, args.sent, args.part_mib)
+            if got is None:
+                print(f"drafter_parts: {args.name}: its newest checkpoint was sent already")
+            else:
+                print(f"drafter_parts: {args.name} at step {got[0]} (a checkpoint, PARTIAL.json inside) in "
+                      f"{len(got[1])} part(s) in {args.out}")
+        elif args.cmd == "pack":
             paths = pack(args.export, args.out, args.name, args.part_mib, args.kind)
             print(f"drafter_parts: {args.kind} {args.name} in {len(paths)} part(s) of "
                   + ", ".join(f"{p.stat().st_size / 2**20:.1f}" for p in paths) + " MiB")

@@ -9,7 +9,9 @@
 #   bash bench/quality_gpu.sh watch   waits until the run ends or this call's QUALITY_DEADLINE_S is near, then copies
 #                                     home what the run made: status, log tails, each finished drafter's parts (once),
 #                                     while an eval runs, results.tar.gz with its per-prompt progress, and the rows
-#                                     regen wrote since the last call (regen_*rows_<start>-<end>.tar, each row once)
+#                                     regen wrote since the last call (regen_*rows_<start>-<end>.tar, each row once),
+#                                     and every QUALITY_PARTIAL_HOME_S (360) a running trainer's newest checkpoint,
+#                                     exported, in $OUT/partial/ (bench/drafter_parts.py pack-checkpoint)
 # Exit codes: 75 the run goes on (call `watch` again within 30 s), else the run's own (0 complete, 3 carry missing,
 # 75 its deadline came with work left: `bg` again continues it, every job resumes). The machine still goes after 30 s
 # without a call: what went home is what bench/quality_home.sh's recovery starts from.
@@ -59,6 +61,8 @@ bg_watch() {
         timeout 40 "$PY" bench/quality_report.py --dir "$Q" --out "$OUT" >> "$Q/logs/report.log" 2>&1 ||
             say "bg: bench/quality_report.py failed (logs/report.log)"
     fi
+    # a running trainer's newest checkpoint, exported, every QUALITY_PARTIAL_HOME_S (one job a call: 3 of the 8 files)
+    if [ "$rc" = 75 ]; then for j in "${TRAINS[@]}"; do partial_out "$j" && break; done; fi
     # regen's rows so far go home in every call (bench/regen_seed.py ship, each row once): a machine lost
     # mid-regen costs the rows of its last call, not the session's (session 19 lost a data session's at its end)
     for j in regen regen-more; do

@@ -26,6 +26,19 @@ regen_rows_out() {   # job [out] [max files]: its rows written since the last sh
 
 parts_name() { local n; n=$(drafter_name "$1"); echo "${n//-/_}"; }   # train job -> its parts' name
 
+partial_out() {   # a running train job's newest checkpoint, exported -> $OUT/partial/ (PARTIAL.json inside), when
+    # QUALITY_PARTIAL_HOME_S (360 s) have passed since its last send: a machine lost before the job ends costs the
+    # steps after it (session 22 lost a pass 450 steps from its end), and the parts evaluate like a finished drafter's
+    local j=$1 d stamp="$Q/partial-$1.step" every=${QUALITY_PARTIAL_HOME_S:-360}
+    d=$(train_dir "$j")
+    [ "$every" -gt 0 ] && [ -d "$d" ] && ! [ -f "$d/export/config.json" ] || return 1
+    [ "$(find "$OUT" -maxdepth 3 -type f | wc -l)" -le 5 ] || return 1   # its 3 parts must fit the 8 files
+    [ -f "$stamp" ] && [ $(( $(date +%s) - $(stat -c %Y "$stamp") )) -lt "$every" ] && return 1
+    timeout 60 "$PY" bench/drafter_parts.py pack-checkpoint --train-dir "$d" --out "$OUT/partial" \
+        --name "$(parts_name "$j")" --sent "$stamp" 2>&1 | while read -r line; do say "$line"; done
+    compgen -G "$OUT/partial/drafter_*" > /dev/null
+}
+
 drafter_out() {   # train job: its export -> $OUT in parts
     "$PY" bench/drafter_parts.py pack --export "$(train_dir "$1")/export" --out "$OUT" --name "$(parts_name "$1")" \
         2>&1 | while read -r line; do say "$line"; done

@@ -117,3 +117,63 @@ def test_a_kernel_cache_tree_goes_out_and_back_whole_and_a_path_outside_dest_is_
     assert not (tmp_path / "d" / "escape").exists() and not (tmp_path / "d" / "dest").exists()
     assert not dp._safe_member("/etc/x", True) and not dp._safe_member("a/../../b", True)
     assert not dp._safe_member("a/b", False) and dp._safe_member("model.safetensors", False)
+
+
+def _checkpoint(train_dir: Path, step: int, seed: int):
+    """A real training checkpoint of a tiny drafter (fp32 masters + AdamW), as the trainer writes it."""
+    import torch
+
+    from dflash_pipe.config import RunConfig
+    from dflash_pipe.drafter.model import DFlashDrafter
+    from dflash_pipe.train.checkpoint import save_checkpoint
+    from dflash_pipe.train.components import build_optimizer
+    from dflash_pipe.train.master_weights import MasterWeights
+    from tests.test_drafter_support import randomize_, tiny_config
+
+    cfg = tiny_config(num_layers=1, hidden_size=32, intermediate_size=64)
+    model = DFlashDrafter(cfg)
+    randomize_(model, seed=seed, std=0.2)
+    weights = MasterWeights(model, torch.float32)
+    opt, _ = build_optimizer(weights.masters, RunConfig(), torch.device("cpu"), total_steps=8)
+    save_checkpoint(train_dir, step, weights, opt, {"step": step, "total_steps": 8, "drafter_config": cfg.to_dict()})
+    return {n: p.detach().clone() for n, p in model.state_dict().items()}
+
+
+def test_pack_checkpoint_sends_the_newest_checkpoint_once_and_it_restores_as_a_drafter(tmp_path, monkeypatch, capsys):
+    train = tmp_path / "train-lossless"
+    out, sent = tmp_path / "OUT" / "partial", tmp_path / "partial-lossless.step"
+    with pytest.raises(dp.PartsError, match="no complete checkpoint yet"):
+        dp.pack_checkpoint(train, out, "lossless", sent)
+    _checkpoint(train, 4, seed=1)
+    _checkpoint(train, 6, seed=2)                              # the newest of two complete checkpoints
+    (train / ".ckpt-00000008.tmp").mkdir()                     # a writer's unfinished temp dir: never taken
+    step, paths = dp.pack_checkpoint(train, out, "lossless", sent, part_mib=0.01)
+    assert step == 6 and sent.read_text().strip() == "6" and len(paths) > 1
+    dest = tmp_path / "fresh" / "train-lossless" / "export"
+    dp.unpack(out, "lossless", dest)
+    assert json.loads((dest / "PARTIAL.json").read_text())["step"] == 6
+    assert json.loads((dest / "PARTIAL.json").read_text())["planned_steps"] == 8
+    # byte for byte the export `dflash-pipe export` writes from checkpoint 6 (and not checkpoint 4's)
+    from dflash_pipe.train.exporting import export_checkpoint
+    ref6, ref4 = export_checkpoint(train / "ckpt-00000006", tmp_path / "ref6"), export_checkpoint(
+        train / "ckpt-00000004", tmp_path / "ref4")
+    for f in ("config.json", "model.safetensors"):
+        assert (dest / f).read_bytes() == (ref6 / f).read_bytes()
+    assert (dest / "model.safetensors").read_bytes() != (ref4 / "model.safetensors").read_bytes()
+    assert dp.pack_checkpoint(train, out, "lossless", sent) is None          # sent already: nothing to do
+    # a checkpoint pruned while being copied: the next newest is taken instead
+    _checkpoint(train, 7, seed=3)
+    real, calls = dp.shutil.copyfile, {"n": 0}
+
+    def pruned_once(src, dst, *a, **kw):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise FileNotFoundError(src)
+        return real(src, dst, *a, **kw)
+    monkeypatch.setattr(dp.shutil, "copyfile", pruned_once)
+    assert dp.pack_checkpoint(train, out, "lossless", sent)[0] == 7 and calls["n"] == 4
+    monkeypatch.setattr(dp.shutil, "copyfile", real)
+    assert dp.main(["pack-checkpoint", "--train-dir", str(train), "--out", str(out), "--name", "lossless",
+                    "--sent", str(sent)]) == 0
+    assert "sent already" in capsys.readouterr().out
+    assert dp.main(["pack-checkpoint", "--train-dir", str(tmp_path / "none"), "--out", str(out), "--name", "x"]) == 3

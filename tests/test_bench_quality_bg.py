@@ -70,3 +70,36 @@ def test_bg_starts_a_daemon_whose_exit_code_watch_reports(tmp_path):
     assert (q / "bg.rc").read_text().strip() == "3"
     assert (q / "repo" / "bench" / "quality_gpu.sh").is_file() and not (q / "repo" / ".git").exists()
     assert (out / "status.txt").is_file()
+
+
+def test_watch_sends_a_running_trainers_newest_checkpoint_home_at_most_every_interval(tmp_path):
+    """A machine lost mid-pass (session 22: 450 steps before the end) costs the steps after the last checkpoint
+    sent home, not the pass: the watch exports the newest one into $OUT/partial/ and it unpacks as a drafter."""
+    from tests.test_bench_drafter_parts import _checkpoint, dp
+    q = tmp_path / "q"
+    (q / "bgout").mkdir(parents=True)
+    _checkpoint(q / "train-lossless", 30, seed=1)
+    alive = subprocess.Popen(["sleep", "60"])
+    try:
+        (q / "bg.pid").write_text(f"{alive.pid}\n")
+        out = tmp_path / "out1"
+        r = _driver("watch", q, out, deadline=6)
+        assert r.returncode == 75, r.stdout + r.stderr
+        dest = tmp_path / "home" / "export"
+        dp.unpack(out / "partial", "lossless", dest)
+        assert '"step": 30' in (dest / "PARTIAL.json").read_text() and (dest / "model.safetensors").is_file()
+        _checkpoint(q / "train-lossless", 60, seed=2)
+        out = tmp_path / "out2"                                    # within QUALITY_PARTIAL_HOME_S: nothing again
+        assert _driver("watch", q, out, deadline=6).returncode == 75 and not (out / "partial").exists()
+        out = tmp_path / "out3"                                    # the interval passed: the newer one goes
+        assert _driver("watch", q, out, deadline=6, QUALITY_PARTIAL_HOME_S="1").returncode == 75
+        dp.unpack(out / "partial", "lossless", dest)
+        assert '"step": 60' in (dest / "PARTIAL.json").read_text()
+        (q / "train-lossless" / "export").mkdir()                  # finished: its real export goes, not a partial
+        (q / "train-lossless" / "export" / "config.json").write_text("{}")
+        out = tmp_path / "out4"
+        assert _driver("watch", q, out, deadline=6, QUALITY_PARTIAL_HOME_S="1").returncode == 75
+        assert not (out / "partial").exists()
+    finally:
+        alive.kill()
+        alive.wait()
