@@ -8,8 +8,9 @@ import time
 import torch
 
 
-def median_ms(fn, reps: int, warmup: int = 3, device: torch.device | str = "cuda") -> float:
-    """Median milliseconds of `fn()` over `reps` calls on `device` (CUDA events there, else wall time)."""
+def call_times_ms(fn, reps: int, warmup: int = 3, device: torch.device | str = "cuda") -> list[float]:
+    """Milliseconds of each of `reps` calls of `fn()` on `device` after `warmup` untimed ones (CUDA events there,
+    synchronised after each call, so host work inside a call counts; else wall time)."""
     cuda = torch.device(device).type == "cuda"
     for _ in range(warmup):
         fn()
@@ -26,4 +27,9 @@ def median_ms(fn, reps: int, warmup: int = 3, device: torch.device | str = "cuda
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
-    return sorted(times)[reps // 2]
+    return times
+
+
+def median_ms(fn, reps: int, warmup: int = 3, device: torch.device | str = "cuda") -> float:
+    """Median milliseconds of `fn()` over `reps` calls on `device` (CUDA events there, else wall time)."""
+    return sorted(call_times_ms(fn, reps, warmup, device))[reps // 2]

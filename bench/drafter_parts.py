@@ -162,15 +162,18 @@ def pack_checkpoint(train_dir: Path, out: Path, name: str, sent: Path | None = N
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import tempfile
 
-    from dflash_pipe.train.checkpoint import MARKER, complete_checkpoints, read_state
+    from dflash_pipe.train.checkpoint import MARKER, PREFIX, complete_checkpoints, read_state
     from dflash_pipe.train.exporting import export_checkpoint
 
     last = sent.read_text().strip() if sent is not None and sent.is_file() else ""
-    for attempt in range(tries):
+    for _ in range(tries):
         ckpts = complete_checkpoints(train_dir) if train_dir.is_dir() else []
         if not ckpts:
             raise PartsError(f"{train_dir}: no complete checkpoint yet")
         ckpt = ckpts[-1]
+        step = int(ckpt.name[len(PREFIX):])   # ckpt-<step>: a step sent already is skipped before any copy
+        if last == str(step):
+            return None
         with tempfile.TemporaryDirectory(prefix="partial-") as tmp:
             copy = Path(tmp) / ckpt.name
             copy.mkdir()
@@ -180,9 +183,6 @@ def pack_checkpoint(train_dir: Path, out: Path, name: str, sent: Path | None = N
             except FileNotFoundError:   # pruned under us: the next newest is complete by now
                 continue
             state = read_state(copy)
-            step = int(state.get("step", ckpt.name.rsplit("-", 1)[-1]))
-            if last == str(step):
-                return None
             export = Path(tmp) / "export"
             export_checkpoint(copy, export)
             planned = state.get("total_steps")   # the step curve's length (a window run re-plans it as data arrives)

@@ -19,16 +19,16 @@ and prints a profiler table of one grouped call (top kernels and host ops).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.cuda_timing import call_times_ms  # noqa: E402
 from bench.seed_shape import SeedShape, structure_batches  # noqa: E402
 from dflash_pipe.drafter.attention import sdpa_attend  # noqa: E402
 from dflash_pipe.drafter.grouped import grouped_attend  # noqa: E402
@@ -46,20 +46,6 @@ def masks_for(rows, device, block):
                 torch.from_numpy(r["block_doc"]), torch.from_numpy(r["block_valid"]))
         out.append((host, AttentionMask(*(t.to(device) for t in host), block, host=host)))
     return out
-
-
-def timed(fn, device, iters: int) -> list[float]:
-    """Milliseconds per call, host clock around a synchronised call (the host work counts, as in a step)."""
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append((time.perf_counter() - t0) * 1e3)
-    return times
 
 
 def run(anchors: int, args, device) -> dict:
@@ -82,8 +68,7 @@ def run(anchors: int, args, device) -> dict:
 
     def step(path: str, backend=None, same=False):
         mask = next_mask(same)
-        ctx = sdpa_kernel([backend]) if backend is not None else _null()
-        with ctx:
+        with sdpa_kernel([backend]) if backend is not None else contextlib.nullcontext():
             if path == "dense":
                 out = sdpa_attend(q, k, v, mask)
             else:
@@ -93,13 +78,13 @@ def run(anchors: int, args, device) -> dict:
     res = {"anchors": anchors, "context": S, "rows": len(masks)}
     widths = [m.grouped(args.group_blocks).width for _, m in masks]
     res["grouped_widths"] = widths
-    res["mask_ms"] = _median(timed(lambda: next_mask().grouped(args.group_blocks), device, args.iters))
+    res["mask_ms"] = _median(call_times_ms(lambda: next_mask().grouped(args.group_blocks), args.iters, args.warmup,
+                                           device))
     cases = [("dense", "dense", None, False)] + [(f"grouped-{b}", "grouped", BACKENDS[b], False) for b in args.backends]
     cases.append(("grouped-default-same-width", "grouped", None, True))
     for name, path, backend, same in cases:
         try:
-            timed(lambda: step(path, backend, same), device, args.warmup)
-            t = timed(lambda: step(path, backend, same), device, args.iters)
+            t = call_times_ms(lambda: step(path, backend, same), args.iters, args.warmup, device)
             res[name] = {"ms_median": _median(t), "ms_each": [round(x, 2) for x in t]}
         except Exception as e:  # a backend that refuses these inputs says so and the rest go on
             res[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
@@ -116,11 +101,6 @@ def run(anchors: int, args, device) -> dict:
         res["profile_host"] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
         print(res["profile_device"]); print(res["profile_host"])
     return res
-
-
-def _null():
-    import contextlib
-    return contextlib.nullcontext()
 
 
 def _median(xs):
