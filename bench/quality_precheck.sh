@@ -1,7 +1,7 @@
 # Call T's checks for bench/quality_gpu.sh (sourced by it): `bash bench/quality_gpu.sh precheck`.
 
 # call T's checks (`precheck`, after its stash; no GGUF needed): the GPU tests of what the run uses
-# (PRECHECK_TESTS, pytest -k expression) and the quality drafter's training step at PRECHECK_CONTEXTS tokens
+# (PRECHECK_FILES, PRECHECK_TESTS as a pytest -k expression, within PRECHECK_TESTS_S, 150) and the quality drafter's training step at PRECHECK_CONTEXTS tokens
 # (bench/train_step.py --variants PRECHECK_VARIANTS, default eager-sdpa, the quality runs' setting; e.g.
 # "eager-sdpa,compiled-fused" also times the compiled flex step and its first-step compile, each context within
 # PRECHECK_STEP_S, 80; PRECHECK_LAYERS drafter layers, 5 = the recipe's); results in $OUT (precheck_tests.txt, step_<tokens>.json / .log) and a summary on stdout
@@ -9,8 +9,9 @@ precheck() {
     stash >/dev/null
     install_wheels
     local rc
-    timeout 150 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_static_forward_gpu.py tests/test_eval_replay_gpu.py tests/test_train_feature_codec.py \
-        tests/test_train_step_stats.py -k "${PRECHECK_TESTS:-history or replay or feature_codec or push_does_not_wait}" > "$OUT/precheck_tests.txt" 2>&1
+    local files=(${PRECHECK_FILES:-tests/test_static_forward_gpu.py tests/test_eval_replay_gpu.py tests/test_train_feature_codec.py
+                 tests/test_train_step_stats.py})
+    timeout "${PRECHECK_TESTS_S:-150}" "$PY" -m pytest -q -m gpu -p no:cacheprovider "${files[@]}" -k "${PRECHECK_TESTS:-history or replay or feature_codec or push_does_not_wait}" > "$OUT/precheck_tests.txt" 2>&1
     rc=$?
     say "precheck: GPU tests rc $rc: $(tail -n 1 "$OUT/precheck_tests.txt")"
     # e.g. packed,padded: extraction's two attention layouts, timed only when the padded layout's GPU test (its
