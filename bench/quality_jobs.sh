@@ -47,9 +47,10 @@ deps() {   # job -> jobs it needs
         extract-val) [ -f "$Q/heldout.jsonl" ] || echo regen ;;   # a seed's held-out rows: beside regen
         extract-*) if [ ${#REGEN_MORE_FLAGS[@]} -gt 0 ]; then echo regen regen-more; else echo regen; fi ;;
         scale-*) echo "extract-lossless extract-val" ;;
-        train-seed*|var-*) if [ -n "$WINDOW_GIB" ]; then echo extract-val; else echo "extract-lossless extract-val"; fi ;;
-        train-*) if [ -n "$WINDOW_GIB" ]; then echo extract-val   # streams while extract-<codec> runs (ready)
-                 else echo "extract-${1#train-} extract-val"; fi ;;
+        # a window trainer streams while extract-<codec> runs (ready) and starts beside extract-val: it opens the
+        # validation cache at its first validation pass (session 19's trainer waited ~80 s for extract-val)
+        train-seed*|var-*) [ -n "$WINDOW_GIB" ] || echo "extract-lossless extract-val" ;;
+        train-*) [ -n "$WINDOW_GIB" ] || echo "extract-${1#train-} extract-val" ;;
         eval-*) echo "${TRAINS[*]}" ;;
     esac
 }

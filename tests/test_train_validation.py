@@ -11,7 +11,7 @@ import torch
 
 from dflash_pipe.config import RunConfig, normalize
 from dflash_pipe.drafter import AttentionMask, DFlashDrafter, block_positions, default_gamma, draft_loss, summarize_metrics
-from dflash_pipe.errors import ValidationError
+from dflash_pipe.errors import CacheError, ValidationError
 from dflash_pipe.train.components import FrozenHead, build_drafter_config
 from dflash_pipe.train.loader import BatchLoader, CacheIndex
 from dflash_pipe.train.trainer import run_train
@@ -95,6 +95,47 @@ def test_validation_cache_of_another_shape_is_refused(tmp_path):
     write_train_cache(val, num_docs=6, seed=5, hidden=48)
     with pytest.raises(ValidationError, match="val-cache-dir.*hidden_size"):
         run_train(_cfg(tmp_path, cache, tmp_path / "out", val))
+
+
+def test_follow_trainer_waits_at_the_first_validation_for_a_cache_still_being_extracted(tmp_path, monkeypatch):
+    """bench/quality_gpu.sh starts a window trainer beside extract-val: the validation cache has no manifest yet.
+    The trainer opens it at the first validation pass, waiting there, and measures what it would have measured
+    with the cache complete from the start."""
+    import dflash_pipe.train.validation as validation
+
+    cache, val, staged = tmp_path / "cache", tmp_path / "val", tmp_path / "val-staged"
+    write_train_cache(cache, num_docs=16, seed=2)
+    write_train_cache(staged, num_docs=10, seed=5)
+    runs = {}
+    cfg = _cfg(tmp_path, cache, tmp_path / "early", staged)
+    cfg.train.follow = True
+    runs["early"] = run_train(cfg)
+    sleeps = []
+    real_sleep = validation.time.sleep
+
+    def sleep(s):   # what the wait does while extract-val runs: here the cache completes during the first wait
+        sleeps.append(s)
+        if not val.exists():
+            staged.rename(val)
+        real_sleep(0)
+
+    monkeypatch.setattr(validation.time, "sleep", sleep)
+    cfg = _cfg(tmp_path, cache, tmp_path / "late", val)
+    cfg.train.follow, cfg.train.follow_poll_s = True, 0.01
+    runs["late"] = run_train(cfg)
+    assert len(sleeps) == 1                      # it did wait, once, at the first validation pass
+    a, b = (_history(tmp_path / n / "val_metrics.jsonl") for n in ("early", "late"))
+    assert len(a) == len(b) >= 2 and a == b      # every validation pass measured the same numbers
+    assert runs["late"]["val"] == runs["early"]["val"]
+
+
+def test_follow_trainer_names_a_validation_cache_that_never_completes(tmp_path):
+    cache, val = tmp_path / "cache", tmp_path / "val"
+    write_train_cache(cache, num_docs=8, seed=2)
+    cfg = _cfg(tmp_path, cache, tmp_path / "out", val)
+    cfg.train.follow, cfg.train.follow_poll_s, cfg.train.follow_timeout_s = True, 0.01, 0.2
+    with pytest.raises(CacheError, match=f"--val-cache-dir {val}: no .* at the first validation pass"):
+        run_train(cfg)
 
 
 @pytest.mark.slow

@@ -12,15 +12,23 @@ fixed layout, so a rank with no validation batch still joins and nothing can han
 
 from __future__ import annotations
 
+import logging
+import time
+
 import torch
 import torch.distributed as dist
 
+from ..cache import load_spec
 from ..cache.codec import FP8, fp8_roundtrip, planes_to_hidden
+from ..cache.fs import open_cache_fs
+from ..cache.manifest import MANIFEST_FILE
 from ..drafter import AttentionMask, block_positions, draft_loss, gather_kd_targets, summarize_metrics
 from ..drafter.attention import compilation_unlocked, flex_tuning
-from ..errors import ValidationError
+from ..errors import CacheError, ValidationError
 from .cache_index import CacheIndex
 from .loader import BatchLoader
+
+log = logging.getLogger(__name__)
 
 
 def draft_inputs(t: dict, batch, head, dcfg, codec: str, n_layers: int, feature_codec: str = "stored"):
@@ -65,21 +73,51 @@ _PER_SLOT = ("correct_per_slot", "valid_per_slot")
 
 
 class Validator:
+    """Opens the validation cache at once, or, with --follow and a validation cache still being extracted (no
+    manifest yet: both extractions started beside the trainer), at the first validation pass, waiting for it
+    there up to --follow-timeout-s. Its spec is checked against the drafter as soon as it exists."""
+
     def __init__(self, cfg, train_spec: dict, dcfg, head, device: torch.device, rank: int, world: int,
                  autocast, gamma: float):
+        self.cfg, self.dcfg, self.head, self.device = cfg, dcfg, head, device
+        self.autocast, self.gamma = autocast, gamma
+        self.rank, self.world = rank, world
+        self.train_spec, self.index, self.loader = train_spec, None, None
+        tr = cfg.train
+        fs = open_cache_fs(tr.val_cache_dir)
+        if tr.follow and not fs.exists(MANIFEST_FILE):
+            spec = load_spec(fs)
+            if spec is not None:
+                _check_compatible(spec, train_spec, dcfg, tr.val_cache_dir)
+            log.info("validation cache %s is not complete yet: opening it at the first validation pass",
+                     tr.val_cache_dir)
+            return
+        self._open()
+
+    def _wait_for_manifest(self) -> None:
+        tr = self.cfg.train
+        fs, t0 = open_cache_fs(tr.val_cache_dir), time.monotonic()
+        while not fs.exists(MANIFEST_FILE):
+            if time.monotonic() - t0 > tr.follow_timeout_s:
+                raise CacheError(f"--val-cache-dir {tr.val_cache_dir}: no {MANIFEST_FILE} after waiting "
+                                 f"{tr.follow_timeout_s:.0f} s at the first validation pass (extraction of the "
+                                 "validation cache has not finished)",
+                                 "finish (or rerun to resume) its `dflash-pipe extract`, then resume training "
+                                 "with --resume auto")
+            time.sleep(tr.follow_poll_s)
+
+    def _open(self) -> None:
+        cfg, dcfg, device = self.cfg, self.dcfg, self.device
         tr = cfg.train
         self.index = CacheIndex(tr.val_cache_dir)
-        _check_compatible(self.index.spec, train_spec, dcfg, tr.val_cache_dir)
+        _check_compatible(self.index.spec, self.train_spec, dcfg, tr.val_cache_dir)
         # one schedule for all ranks (world 1): the first `val_batches` batches are the validation set,
         # and rank r takes every world-th of them, so no document is dropped to even out the ranks
-        self.rank, self.world = rank, world
         self.loader = BatchLoader(self.index, rank=0, world=1, seed=tr.seed, context_tokens=tr.context_tokens,
                                   num_anchors=tr.num_anchors, max_anchors_per_doc=tr.max_anchors_per_doc,
                                   block_size=dcfg.block_size, shuffle_rows=1, workers=max(1, tr.loader_workers // 2),
                                   want_topk=tr.kd_weight > 0, pin_memory=device.type == "cuda",
                                   read_ahead=tr.loader_read_ahead)
-        self.cfg, self.dcfg, self.head, self.device = cfg, dcfg, head, device
-        self.autocast, self.gamma = autocast, gamma
         feats = self.index.spec["features"]
         self.codec, self.n_layers = feats["codec"], feats["num_layers"]
 
@@ -87,6 +125,9 @@ class Validator:
     def run(self, model: torch.nn.Module) -> dict[str, float]:
         """One pass over the first `val_batches` validation batches (the same ones every time)."""
         tr = self.cfg.train
+        if self.loader is None:
+            self._wait_for_manifest()
+            self._open()
         sums: dict[str, torch.Tensor] = {}
         was_training = model.training
         model.eval()
@@ -125,4 +166,5 @@ class Validator:
         return {f"val_{k}": v for k, v in out.items()}
 
     def close(self) -> None:
-        self.loader.close()
+        if self.loader is not None:
+            self.loader.close()
