@@ -160,7 +160,9 @@ read -r -a CODECS <<< "${QUALITY_CODECS:-lossless fp8}"
 WINDOW_GIB=${QUALITY_WINDOW_GIB:-}
 PASSES=${QUALITY_PASSES:-1}
 EXTRACT_JOBS=${QUALITY_EXTRACT_JOBS:-1}   # processes per extract-<codec> job (bench/extract_parallel.py; needs --num-shards)
-SETS=(mtbench humaneval heldout)
+# the eval sets (QUALITY_EVAL_SETS; empty = a training-only run: its drafter goes home and a later session evaluates
+# it, DRAFTER_PARTS, or trains on from it, INIT_PARTS)
+read -r -a SETS <<< "${QUALITY_EVAL_SETS-mtbench humaneval heldout}"
 # minimum useful seconds for a resumable job (start-up + some progress worth keeping)
 declare -A MIN_S=([regen]=60 [extract]=45 [train]=60 [eval]=60)
 mkdir -p "$Q/logs" "$Q/done" "$OUT"

@@ -43,3 +43,22 @@ def test_grouped_env_doubles_the_anchors_on_the_grouped_path(monkeypatch):
     assert cfg.train.context_tokens == 8192 and cfg.train.seed == 2 and cfg.train.init_from.endswith("init/lossless")
     cfg = parsed(monkeypatch, train_flags(ROOT / "bench/quality19n.env", "QUALITY_ANCHORS=2048"))
     assert cfg.train.num_anchors == 2048
+
+
+def _job_list(tmp_path, env: dict) -> list[str]:
+    out = subprocess.run(["bash", "bench/quality_gpu.sh", "status"], capture_output=True, text=True, cwd=ROOT,
+                         timeout=60, check=True,
+                         env={**__import__("os").environ, "QUALITY_DIR": str(tmp_path / "q"),
+                              "OUT": str(tmp_path / "out"), **env})
+    return [ln.split()[1].rstrip(":") for ln in out.stdout.splitlines() if ln.startswith(("pending", "done"))]
+
+
+def test_a_training_only_run_has_no_eval_jobs(tmp_path):
+    """QUALITY_EVAL_SETS="" (bench/quality19q.env): the run ends when its drafter is trained (and sent home)."""
+    everything = _job_list(tmp_path, {})
+    assert [j for j in everything if j.startswith("eval-")] == ["eval-mtbench", "eval-humaneval", "eval-heldout"]
+    env = subprocess.run(["bash", "-c", f'source "{ROOT}/bench/quality19q.env"; printf %s "${{QUALITY_EVAL_SETS-unset}}"'],
+                         capture_output=True, text=True, check=True).stdout
+    assert env == ""
+    only = _job_list(tmp_path, {"QUALITY_EVAL_SETS": env})
+    assert only == [j for j in everything if not j.startswith("eval-")] and "train-lossless" in only
