@@ -57,8 +57,11 @@ def test_a_training_only_run_has_no_eval_jobs(tmp_path):
     """QUALITY_EVAL_SETS="" (bench/quality19q.env): the run ends when its drafter is trained (and sent home)."""
     everything = _job_list(tmp_path, {})
     assert [j for j in everything if j.startswith("eval-")] == ["eval-mtbench", "eval-humaneval", "eval-heldout"]
-    env = subprocess.run(["bash", "-c", f'source "{ROOT}/bench/quality19q.env"; printf %s "${{QUALITY_EVAL_SETS-unset}}"'],
-                         capture_output=True, text=True, check=True).stdout
-    assert env == ""
+    for name, passes in (("quality19q", "1"), ("quality19r", "2")):   # one pass / two passes, training only
+        got = subprocess.run(["bash", "-c", f'source "{ROOT}/bench/{name}.env"; '
+                              'printf "%s|%s" "${QUALITY_EVAL_SETS-unset}" "$QUALITY_PASSES"'],
+                             capture_output=True, text=True, check=True).stdout
+        assert got == f"|{passes}", name
+    env = ""
     only = _job_list(tmp_path, {"QUALITY_EVAL_SETS": env})
     assert only == [j for j in everything if not j.startswith("eval-")] and "train-lossless" in only
