@@ -12,6 +12,7 @@ import pytest
 
 import dflash_pipe.train.trainer as trainer
 from dflash_pipe.drafter.attention import compilation_locked
+from dflash_pipe.train.exporting import export_checkpoint
 from dflash_pipe.train.trainer import run_train
 from tests.cache_helpers import write_train_cache
 from tests.test_train_validation import _cfg
@@ -44,5 +45,6 @@ def test_compiled_layers_train_and_validate_under_the_lock(tmp_path, monkeypatch
     vals = [json.loads(x) for x in (tmp_path / "on" / "val_metrics.jsonl").read_text().splitlines()]
     assert len(vals) >= 3                          # validation ran several times with the lock on
     assert vals[-1]["val_loss"] == pytest.approx(runs["off"]["val"]["val_loss"], rel=1e-3)
-    assert sorted(p.name for p in (tmp_path / "on").glob("ckpt-*"))   # checkpoints written under the lock
+    ckpts = sorted((tmp_path / "on").glob("ckpt-*"))                  # checkpoints written under the lock,
+    assert ckpts and export_checkpoint(ckpts[-1], tmp_path / "re-export").is_dir()  # in the drafter's own names
     assert (tmp_path / "on" / "export").is_dir()

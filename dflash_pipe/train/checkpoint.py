@@ -21,6 +21,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ..drafter.export import plain_name
 from ..errors import CacheError
 from ..faults import fault_point
 from ..io_utils import disk_error, atomic_write_json, fsync_dir, fsync_path, os_error_of, temp_path_for
@@ -53,12 +54,13 @@ def load_optimizer(opt: torch.optim.Optimizer, names: dict[int, str], path: Path
         for idx in range(len(names)):
             name = names[idx]
             entry = {}
-            for key in [k for k in keys if k.rsplit(".", 1)[0] == name]:
+            # plain_name: checkpoints written before the names were plain carry compiled layers' `_orig_mod.`
+            for key in [k for k in keys if plain_name(k.rsplit(".", 1)[0]) == name]:
                 t = f.get_tensor(key)
                 sub = key.rsplit(".", 1)[1]
                 entry[sub] = t if sub == "step" else t.to(device)
             for key, v in meta["scalars"].items():
-                if key.rsplit(".", 1)[0] == name:
+                if plain_name(key.rsplit(".", 1)[0]) == name:
                     entry[key.rsplit(".", 1)[1]] = v
             if entry:
                 state[idx] = entry

@@ -14,6 +14,7 @@ import torch
 from safetensors import safe_open
 
 from ..drafter import DFlashDrafter, DrafterModelConfig, export_drafter
+from ..drafter.export import plain_name
 from ..errors import CacheError
 from .checkpoint import MARKER, complete_checkpoints, read_state
 
@@ -38,7 +39,7 @@ def export_checkpoint(path: str | Path, out_dir: str | Path, *, with_modeling_co
     weights = {}
     with safe_open(str(ckpt / "model.safetensors"), framework="pt", device="cpu") as f:
         for k in f.keys():
-            weights[k] = f.get_tensor(k)
+            weights[plain_name(k)] = f.get_tensor(k)  # a compiled run's checkpoint from before names were plain
     model = model.to_empty(device="cpu")
     model.load_state_dict(weights, strict=True)
     return export_drafter(model, cfg, out_dir, with_modeling_code=with_modeling_code)

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import torch
 
+from ..drafter.export import plain_name
+
 CHUNK_ELEMS = 256 << 20
 
 
@@ -48,7 +50,8 @@ class MasterWeights:
                     p.data = p.data.to(compute_dtype)
             else:
                 master = p
-            self.names.append(name)
+            self.names.append(plain_name(name))  # compiled layers' `_orig_mod.` dropped: checkpoints keep
+            # the drafter's own names, so an eager run resumes a compiled run's checkpoint and export reads it
             self.params.append(p)
             self.masters.append(master)
 
@@ -119,6 +122,7 @@ class MasterWeights:
 
     @torch.no_grad()
     def load_master_state(self, weights: dict[str, torch.Tensor]) -> None:
+        weights = {plain_name(n): t for n, t in weights.items()}  # checkpoints written before names were plain
         missing = [n for n in self.names if n not in weights]
         extra = [n for n in weights if n not in set(self.names)]
         if missing or extra:
