@@ -10,7 +10,7 @@ import torch
 
 from dflash_pipe.drafter import DFlashDrafter, DrafterModelConfig
 from dflash_pipe.drafter.attention import attend
-from dflash_pipe.drafter.grouped import group_size, group_spans, set_group_blocks
+from dflash_pipe.drafter.grouped import WIDTH_QUANTUM, group_size, group_spans, set_group_blocks
 from dflash_pipe.drafter.masks import AttentionMask, block_positions
 from tests.test_drafter_attention import naive_attention, qkv
 from tests.test_drafter_masks import loop_reference
@@ -87,7 +87,7 @@ def test_host_spans_equal_spans_from_the_mask_tensors(group_blocks):
     with_host, without = mask_of(row, host=True).grouped(4), mask_of(row).grouped(4)
     assert torch.equal(with_host.key_index_GW, without.key_index_GW)
     assert torch.equal(with_host.mask_GQW, without.mask_GQW)
-    assert with_host.width % 8 == 0
+    assert with_host.width % WIDTH_QUANTUM == 0
     # a mask moved between devices keeps the host tensors it was built from
     moved = mask_of(row).to("cpu").grouped(4)
     assert torch.equal(moved.mask_GQW, without.mask_GQW)
@@ -109,6 +109,10 @@ def test_grouped_scores_fewer_keys_at_the_quality_runs_shape():
                              torch.ones(n, dtype=torch.bool), 16)
         lay = mask.grouped(32)
         dense_keys, grouped_keys = 8192 + n * 16, lay.width
+        lo, hi, valid = mask.host_ranges()
+        s_lo, s_hi = group_spans(lo, hi, valid, 32)
+        unrounded = int((s_hi - s_lo).max()) + 32 * 16
+        assert grouped_keys % WIDTH_QUANTUM == 0 and 0 <= grouped_keys - unrounded < WIDTH_QUANTUM
         assert grouped_keys < dense_keys / 6, (n, grouped_keys, dense_keys)
         assert lay.mask_GQW.sum() == mask.dense_bool().sum()      # every visible pair is kept
         assert max(starts) < 8192
@@ -199,3 +203,25 @@ def test_repeat_each_is_repeat_interleave():
     x = torch.arange(2 * 3 * 4).view(2, 3, 4)
     for dim in range(3):
         assert torch.equal(_repeat_each(x, 3, dim), x.repeat_interleave(3, dim=dim))
+
+
+def test_step_widths_repeat_so_the_sdpa_plan_is_reused():
+    """cuDNN builds a plan for every new SDPA shape (~150 ms on the H100): over training-like steps (random anchors on
+    fresh ~400-token documents) the rounded width takes a handful of values, where the unrounded span changes nearly
+    every step."""
+    rng = np.random.default_rng(1)
+    raw, rounded = set(), set()
+    for _ in range(40):
+        lens = []
+        while sum(lens) < 8192 - 600:
+            lens.append(int(rng.integers(150, 513)))
+        lens.append(8192 - sum(lens))
+        doc = np.repeat(np.arange(len(lens)), lens).astype(np.int32)
+        anchors = np.sort(rng.choice(8192, size=512, replace=False))
+        mask = AttentionMask(torch.from_numpy(doc), torch.from_numpy(anchors), torch.from_numpy(doc[anchors]),
+                             torch.ones(512, dtype=torch.bool), 16)
+        lo, hi, valid = mask.host_ranges()
+        s_lo, s_hi = group_spans(lo, hi, valid, 32)
+        raw.add(int((s_hi - s_lo).max()))
+        rounded.add(mask.grouped(32).width)
+    assert len(raw) >= 30 and len(rounded) <= 8, (len(raw), sorted(rounded))

@@ -30,6 +30,12 @@ import numpy as np
 import torch
 
 GROUP_BLOCKS = {"blocks": 32}   # blocks per group (set_group_blocks); the largest divisor of N at or below it is used
+# The gathered row's width (context span + own blocks) is rounded up to a multiple of this many keys. cuDNN's SDPA
+# (PyTorch's default backend on H100/H200) builds an execution plan for every new shape, ~140-160 ms each
+# (bench/grouped_profile.py on the H100, session 24: 2.7 ms a call once the plan exists). Unrounded, the width is
+# the step's longest span and changes nearly every step, so every step paid that build; rounded, a run sees a few
+# dozen widths. The padding columns are masked out, so the result is unchanged; they add <= 127 keys to ~1-3 k.
+WIDTH_QUANTUM = 128
 
 
 def set_group_blocks(blocks: int) -> None:
@@ -85,11 +91,12 @@ def _repeat_each(x: torch.Tensor, r: int, dim: int) -> torch.Tensor:
 def build_layout(ctx_lo_N: torch.Tensor, ctx_hi_N: torch.Tensor, span_lo_G: np.ndarray, span_hi_G: np.ndarray,
                  ctx_len: int, block_size: int, g: int) -> GroupedLayout:
     """The layout from the per-block intervals (device tensors) and the per-group spans (host arrays).
-    The context part's width is the longest span, rounded up so that the whole row is a multiple of 8 keys."""
+    The context part's width is the longest span, rounded up so that the whole row is a multiple of WIDTH_QUANTUM
+    keys (one SDPA shape for many steps)."""
     device = ctx_lo_N.device
     G, B = len(span_lo_G), block_size
     width_ctx = int(np.max(span_hi_G - span_lo_G)) if G else 0
-    width_ctx += -(width_ctx + g * B) % 8
+    width_ctx += -(width_ctx + g * B) % WIDTH_QUANTUM
     start = torch.as_tensor(np.ascontiguousarray(span_lo_G), dtype=torch.int64).to(device, non_blocking=True)
     cols = start[:, None] + torch.arange(width_ctx, device=device)[None, :]                     # [G, Wc]
     blo, bhi = ctx_lo_N.view(G, g, 1), ctx_hi_N.view(G, g, 1)
