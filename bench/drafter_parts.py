@@ -19,9 +19,9 @@ Unpack checks that every part is there and every file's sha256, and writes the e
 
 `--kind data` packs any flat directory the same way (data_<name>.tar.part-K-of-N): the regenerated data a run
 needs beyond what main's tree can carry (scripts/prepare_gpu_carry.sh DATA_PARTS=<dir>; setup unpacks each
-bundle to /tmp/quality/carry/files/<name>/). `--kind kernels` packs a directory tree (kernels_<name>...): the
-trainer's compiled-kernel caches (Triton + Inductor), so a later machine starts from a warm compile cache
-(scripts/prepare_gpu_carry.sh KERNEL_PARTS=<dir>).
+bundle to /tmp/quality/carry/files/<name>/). `--kind kernels` packs a directory tree (kernels_<name>..., a zstd-compressed tar):
+the trainer's compiled-kernel caches (Triton + Inductor), so a later machine starts from a warm compile cache
+(scripts/prepare_gpu_carry.sh KERNEL_PARTS=<dir>); `--max-mib` refuses a bundle over that size.
 `pack-checkpoint` sends a train job's progress home while it still runs: its newest complete checkpoint, exported
 (`dflash-pipe export`'s code) and packed as above, with PARTIAL.json (the checkpoint's step and the run's planned
 steps) in the bundle. A machine lost before the job ends then costs the steps after that checkpoint, not the run;
@@ -54,14 +54,21 @@ class PartsError(Exception):
 
 KINDS = ("drafter", "data", "kernels")
 TREES = ("kernels",)   # kinds whose bundles keep subdirectories (relative paths); the others are flat
+# kinds whose tar is zstd-compressed: the compile cache is Triton / Inductor source, JSON and cubins (session 24's
+# was 109 MiB raw, over what a run sends home uncompressed); a drafter's bf16 weights and the jsonl.xz data barely
+# compress. unpack reads either form (a zstd frame is recognised by its magic number)
+COMPRESSED = ("kernels",)
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 
 
 def _part_names(name: str, n: int, kind: str = "drafter") -> list[str]:
     return [f"{kind}_{name}.tar.part-{i}-of-{n}" for i in range(n)]
 
 
-def pack(export: Path, out: Path, name: str, part_mib: float = 15.0, kind: str = "drafter") -> list[Path]:
-    """The files of `export` (flat directory) -> parts in `out`; returns their paths."""
+def pack(export: Path, out: Path, name: str, part_mib: float = 15.0, kind: str = "drafter",
+         max_mib: float | None = None) -> list[Path]:
+    """The files of `export` (flat directory) -> parts in `out`; returns their paths. max_mib: refuse (PartsError,
+    nothing written) a bundle larger than this after compression."""
     if not re.fullmatch(r"[A-Za-z0-9_]+", name):
         raise ValueError(f"{kind} name {name!r}: letters, digits and _ only (it becomes a file name in $OUT)")
     if kind not in KINDS:
@@ -88,6 +95,13 @@ def pack(export: Path, out: Path, name: str, part_mib: float = 15.0, kind: str =
         for p in files:
             tar.add(p, arcname=arc[p], recursive=False)
     blob = buf.getvalue()
+    if kind in COMPRESSED:
+        import zstandard  # noqa: PLC0415 (a dflash-pipe dependency; only this kind needs it)
+
+        blob = zstandard.ZstdCompressor(level=9).compress(blob)
+    if max_mib is not None and len(blob) > max_mib * 2 ** 20:
+        raise PartsError(f"{kind} {name!r}: {len(blob) / 2 ** 20:.1f} MiB packed"
+                         f"{' (zstd)' if kind in COMPRESSED else ''}, over --max-mib {max_mib:g}: not packed")
     size = int(part_mib * 2 ** 20)
     chunks = [blob[i:i + size] for i in range(0, len(blob), size)]
     out.mkdir(parents=True, exist_ok=True)
@@ -125,6 +139,11 @@ def unpack(parts_dir: Path, name: str, dest: Path, kind: str = "drafter") -> dic
                          "scripts/prepare_gpu_carry.sh prints which call carries which)")
     blob = b"".join((parts_dir / w).read_bytes() for w in want)
     try:
+        if blob[:4] == ZSTD_MAGIC:
+            import zstandard  # noqa: PLC0415
+
+            with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(blob)) as r:
+                blob = r.read()
         with tarfile.open(fileobj=io.BytesIO(blob), mode="r") as tar:
             members = {m.name: m for m in tar.getmembers()}
             if INDEX not in members:
@@ -141,6 +160,10 @@ def unpack(parts_dir: Path, name: str, dest: Path, kind: str = "drafter") -> dic
                 contents[fname] = data
     except (tarfile.TarError, EOFError, json.JSONDecodeError, KeyError) as exc:
         raise PartsError(f"{kind} {name!r}: the parts do not form its tar ({exc}); carry them again") from exc
+    except Exception as exc:  # zstandard.ZstdError: a damaged compressed frame
+        if type(exc).__module__.split(".")[0] != "zstandard":
+            raise
+        raise PartsError(f"{kind} {name!r}: the parts do not decompress ({exc}); carry them again") from exc
     tmp = dest.with_name(dest.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -205,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--name", required=True)
     p.add_argument("--part-mib", type=float, default=15.0, help="largest part (the device returns files <= 16 MiB)")
+    p.add_argument("--max-mib", type=float, default=None,
+                   help="refuse a bundle larger than this, packed (kernels: after zstd); exit 3, nothing written")
     u = sub.add_parser("unpack", help="the parts -> the export directory, every file's sha256 checked")
     u.add_argument("--parts", type=Path, required=True)
     u.add_argument("--name", required=True)
@@ -228,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"drafter_parts: {args.name} at step {got[0]} (a checkpoint, PARTIAL.json inside) in "
                       f"{len(got[1])} part(s) in {args.out}")
         elif args.cmd == "pack":
-            paths = pack(args.export, args.out, args.name, args.part_mib, args.kind)
+            paths = pack(args.export, args.out, args.name, args.part_mib, args.kind, args.max_mib)
             print(f"drafter_parts: {args.kind} {args.name} in {len(paths)} part(s) of "
                   + ", ".join(f"{p.stat().st_size / 2**20:.1f}" for p in paths) + " MiB")
         else:

@@ -181,3 +181,25 @@ def test_pack_checkpoint_sends_the_newest_checkpoint_once_and_it_restores_as_a_d
                     "--sent", str(sent)]) == 0
     assert "sent already" in capsys.readouterr().out
     assert dp.main(["pack-checkpoint", "--train-dir", str(tmp_path / "none"), "--out", str(out), "--name", "x"]) == 3
+
+
+def test_a_kernel_bundle_is_compressed_capped_and_a_damaged_frame_is_refused(tmp_path):
+    """Kernels go out as a zstd-compressed tar (session 24's cache was 109 MiB raw, over the 30 MiB sent home);
+    --max-mib applies to the compressed bundle; a corrupted compressed part is a PartsError, nothing written."""
+    cache = tmp_path / "cache"
+    (cache / "inductor").mkdir(parents=True)
+    source = b"".join(b"def k%d(x):\n    return x + %d\n" % (i, i) for i in range(50000))
+    (cache / "inductor" / "code.py").write_bytes(source)
+    out = tmp_path / "OUT"
+    with pytest.raises(dp.PartsError, match="over --max-mib 0.01"):
+        dp.pack(cache, out, "k", kind="kernels", max_mib=0.01)
+    assert not out.exists() or not list(out.iterdir())
+    (part,) = dp.pack(cache, out, "k", kind="kernels", max_mib=1)
+    blob = part.read_bytes()
+    assert blob[:4] == dp.ZSTD_MAGIC and len(blob) < len(source) / 5
+    assert (dp.unpack(out, "k", tmp_path / "dest", kind="kernels")["files"]["inductor/code.py"]["bytes"]
+            == len(source)) and (tmp_path / "dest" / "inductor" / "code.py").read_bytes() == source
+    part.write_bytes(blob[:4] + bytes(b ^ 0xFF for b in blob[4:40]) + blob[40:])
+    with pytest.raises(dp.PartsError, match="carry them again"):
+        dp.unpack(out, "k", tmp_path / "dest2", kind="kernels")
+    assert not (tmp_path / "dest2").exists()

@@ -27,10 +27,14 @@ def _tree(d: Path) -> dict:
 def test_the_compile_cache_goes_home_once_and_a_fresh_machine_starts_from_it(tmp_path):
     q, out = tmp_path / "machine1", tmp_path / "out1"
     cache = q / "kernels" / "train-rank0"
-    for rel, data in {"triton/K1/flex.cubin": os.urandom(4000), "inductor/fxgraph/a/b": b"graph"}.items():
+    # a cache over the 1 MiB cap raw but not compressed (generated code is text): sent, in one part
+    big_source = b"".join(b"def kernel_%d(x):\n    return x * %d + 1\n" % (i, i) for i in range(60000))
+    for rel, data in {"triton/K1/flex.cubin": os.urandom(4000), "inductor/fxgraph/a/b": b"graph",
+                      "inductor/code/k.py": big_source}.items():
         (cache / rel).parent.mkdir(parents=True, exist_ok=True)
         (cache / rel).write_bytes(data)
-    r = _driver(q, out, "kernels_out; kernels_out")                    # two train jobs: sent once
+    assert len(big_source) > 2 ** 20
+    r = _driver(q, out, "kernels_out; kernels_out", env={"QUALITY_KERNELS_MAX_MIB": "1"})   # two train jobs: sent once
     assert r.returncode == 0, r.stdout + r.stderr
     parts = sorted(p.name for p in out.iterdir())
     assert parts == ["kernels_train_rank0.tar.part-0-of-1"] and r.stdout.count("drafter_parts: kernels") == 1
@@ -54,7 +58,8 @@ def test_no_cache_goes_home_without_compiling_or_over_the_size_cap(tmp_path):
     r = _driver(q, tmp_path / "o1", "kernels_out", flags="--seed 1")     # an eager trainer: nothing to send
     assert r.returncode == 0 and not list((tmp_path / "o1").iterdir())
     r = _driver(q, tmp_path / "o2", "kernels_out", env={"QUALITY_KERNELS_MAX_MIB": "1"})
-    assert r.returncode == 0 and "over QUALITY_KERNELS_MAX_MIB=1: not sent" in r.stdout
+    assert r.returncode == 0 and "over QUALITY_KERNELS_MAX_MIB=1 packed: not sent" in r.stdout   # random bytes:
+    # 2 MiB after zstd too
     assert not list((tmp_path / "o2").iterdir())
     r = _driver(q, tmp_path / "o3", "restore_kernels")                  # nothing carried: nothing restored
     assert r.returncode == 0 and "restored" not in r.stdout
