@@ -309,7 +309,7 @@ def pack(d: Path, out_tar: Path) -> None:
         names += [f"cache-{c}/manifest.json", f"cache-{c}/resolved_config.toml"]
     for run in runs(d).values():
         names += [f"{run.name}/{n}" for n in ("metrics.jsonl", "val_metrics.jsonl", "training.png", "resolved_config.toml",
-                                             "export/config.json", "latest.json")]
+                                             "export/config.json", "latest.json", "window_rounds.jsonl")]
     for sub in sorted(d.glob("eval-*")):
         names += [f"{sub.name}/{n}" for n in ("eval_report.json", "eval_report.md", "eval_prompts.jsonl",
                                               "acceptance.png", "resolved_config.toml",

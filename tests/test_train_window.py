@@ -113,7 +113,7 @@ def reference(staged, tmp_path_factory):
     from dflash_pipe.train.checkpoint import complete_checkpoints, read_state
 
     lrs = [json.loads(ln)["lr"] for ln in (out / "metrics.jsonl").read_text().splitlines()]
-    return losses(out), doc_passes(trace, live, SHARDS), lrs, read_state(complete_checkpoints(out)[-1])
+    return losses(out), doc_passes(trace, live, SHARDS), lrs, read_state(complete_checkpoints(out)[-1]), out
 
 
 def test_uninterrupted_window_run_trains_every_document_exactly_K_times(reference):
@@ -126,9 +126,28 @@ def test_uninterrupted_window_run_trains_every_document_exactly_K_times(referenc
 def test_the_lr_curve_ends_exactly_at_the_last_step_of_a_streamed_run(reference):
     """The shards arrive while training runs (the budget holds K + 1): the step count is unknown at the start,
     yet the cosine reaches its floor after the last step, not before, and the final plan is exact."""
-    got, _, lrs, final = reference
+    got, _, lrs, final = reference[:4]
     assert final["step"] == len(got) == final["total_steps"]
     assert lrs[-1] == 0.0 and min(lrs[:-1]) > 0 and lrs[-2] < 0.02 * max(lrs)
+
+
+def test_each_round_boundary_is_timed_part_by_part(reference):
+    """window_rounds.jsonl (round_clock.py): one line per boundary between rounds, each part timed, the parts within
+    the boundary's wall time; a boundary that wrote a checkpoint has a snapshot time; the totals printed at the end
+    are the lines' sums. Session 24's H100 pass lost 112 s to boundaries with nothing saying where."""
+    from dflash_pipe.train.round_clock import PARTS
+
+    got, out = reference[0], reference[4]
+    recs = [json.loads(ln) for ln in (out / "window_rounds.jsonl").read_text().splitlines()]
+    rounds = sorted({e for e, *_ in got.values()})
+    assert [r["round"] for r in recs] == rounds[1:]                 # every round but the first starts at one
+    for r in recs:
+        parts = [r[f"{k}_s"] for k in PARTS]
+        assert min(parts) >= 0 and sum(parts) <= r["wall_s"] + 1e-3, r
+        assert r["snapshot_s"] > 0, r                               # a checkpoint every round (the default)
+        first_step = min(s for s, (e, *_) in got.items() if e == r["round"])
+        assert r["step"] == first_step
+    assert f"window: {len(recs)} round boundaries took" in (out.parent / "train.log").read_text()
 
 
 # each case costs two trainer and two extractor start-ups (~10 s of CPU on an idle runner), so one case kills

@@ -33,6 +33,7 @@ from .cache_index import CacheIndex, shard_subset
 from .loader import BatchLoader
 from .metrics import StepLogger, plot_history, step_flops
 from .round_carry import RoundCarry
+from .round_clock import RoundClock
 from .step_stats import PendingStepStats, StepStats
 from .window_lr import WindowLR, planned_total
 from .window_run import WindowCoordinator, window_group
@@ -191,6 +192,9 @@ def run_train(cfg: RunConfig) -> dict:
     ckw = BackgroundCheckpoints(out_dir, tr.keep_checkpoints) if (coord is not None and info.is_main and
                                                                   tr.window_async_checkpoint) else None
 
+    # window mode: what each round boundary spends its time on (round_clock.py; window_rounds.jsonl, rank 0)
+    clock = RoundClock(out_dir / "window_rounds.jsonl" if coord is not None and info.is_main else None)
+
     def settle(block: bool) -> None:
         if ckw is not None:
             boundary = ckw.wait() if block else ckw.done()
@@ -213,7 +217,8 @@ def run_train(cfg: RunConfig) -> dict:
                 t_round = time.perf_counter()
                 shard_wait = 0.0
                 if coord is not None:  # collective: every rank agrees on the window
-                    shard_wait = coord.wait_round(epoch, before_waiting=lambda: settle(True))
+                    with clock.part("shard_wait"):
+                        shard_wait = coord.wait_round(epoch, before_waiting=lambda: settle(True))
                     if window_lr is not None:  # the round's step count is known now: the curve and total follow
                         round_steps = coord.schedule(epoch).steps
                         window_lr.begin_round(epoch, step - step_in_epoch, round_steps)
@@ -225,7 +230,9 @@ def run_train(cfg: RunConfig) -> dict:
                 phase_done = False
                 while cap is None or step < cap:
                     t_wait = time.perf_counter()
-                    item = next(batches, None)
+                    with clock.part("first_batch"):  # timed at a round's first step only (clock.end)
+                        item = next(batches, None)
+                    clock.end(epoch, step)
                     data_wait = time.perf_counter() - t_wait + round_wait
                     round_wait = 0.0
                     if item is None:
@@ -259,22 +266,29 @@ def run_train(cfg: RunConfig) -> dict:
                     fault_point("train.after_step")
                     if stopping:
                         stop.leave(step, total, out_dir)  # raises StopRequested: exit 130, no export
-                report(stats.drain())  # the phase's last step: before its boundary and the next phase's clock
+                if coord is not None and epoch + 1 < phases:
+                    clock.begin()
+                with clock.part("drain"):
+                    report(stats.drain())  # the phase's last step: before its boundary and the next phase's clock
                 if coord is not None and not phase_done:
                     break  # --max-steps inside a round: the position stays inside it
                 epoch += 1
                 step_in_epoch = 0
                 if coord is not None:  # round boundary: retire, checkpoint, then delete what it no longer needs
-                    coord.end_round(epoch - 1, loader)
+                    with clock.part("end_round"):
+                        coord.end_round(epoch - 1, loader)
                     if epoch < phases and epoch % tr.window_checkpoint_rounds == 0:
                         if tr.window_async_checkpoint:  # the same branch on every rank; only rank 0 writes
-                            settle(True)  # the previous boundary's write (long done) and its deletions first
+                            with clock.part("checkpoint_wait"):
+                                settle(True)  # the previous boundary's write and its deletions first
                             if ckw is not None:
-                                _checkpoint(out_dir, step, epoch, 0, weights, opt, epoch_steps, total, spec, dcfg,
-                                            cfg, info, writer=ckw)
+                                with clock.part("snapshot"):
+                                    _checkpoint(out_dir, step, epoch, 0, weights, opt, epoch_steps, total, spec,
+                                                dcfg, cfg, info, writer=ckw)
                         else:
-                            _checkpoint(out_dir, step, epoch, 0, weights, opt, epoch_steps, total, spec, dcfg, cfg,
-                                        info)
+                            with clock.part("snapshot"):  # the whole checkpoint, written on the step loop
+                                _checkpoint(out_dir, step, epoch, 0, weights, opt, epoch_steps, total, spec, dcfg,
+                                            cfg, info)
                             coord.collect(epoch)
             log_last_step()
             sync_checkpoint(step, epoch, step_in_epoch)
@@ -286,6 +300,8 @@ def run_train(cfg: RunConfig) -> dict:
                 export_drafter(model, dcfg, out_dir / "export")
                 plot_history(out_dir / "metrics.jsonl", out_dir / "training.png")
                 print(f"train: done, {step} steps; drafter exported to {out_dir / 'export'}", flush=True)
+                if clock.summary():
+                    print(clock.summary(), flush=True)
         except BaseException:
             try:  # the step that finished before the failure still gets its log line
                 report(stats.drain())
