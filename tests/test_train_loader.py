@@ -198,7 +198,7 @@ class _FakeBatch:
 @pytest.mark.parametrize("pattern", ["never", "always", "alternate"])
 def test_device_feed_hands_out_every_batch_once_in_order_whether_prefetched_or_not(pattern):
     """The trainer prefetches after backward; a batch that was not prefetched is started by next()."""
-    from dflash_pipe.train.trainer import DeviceFeed
+    from dflash_pipe.train.device_feed import DeviceFeed
 
     made = [_FakeBatch(i) for i in range(5)]
     pulled = []
@@ -212,13 +212,15 @@ def test_device_feed_hands_out_every_batch_once_in_order_whether_prefetched_or_n
     got = []
     for k, (batch, t) in enumerate(feed):
         assert pulled == list(range(k + 1))  # nothing is read ahead before prefetch() is asked for
+        assert [b.released for b in made] == [True] * k + [False] * (5 - k)   # the one in use is not given back
         got.append(int(t["x"][0]))
         if pattern == "always" or (pattern == "alternate" and k % 2 == 0):
             feed.prefetch()
             feed.prefetch()  # idempotent: never skips a batch
             assert pulled == list(range(min(k + 2, 5)))
     assert got == [0, 1, 2, 3, 4]
-    assert [b.released for b in made] == [True] * 4 + [False]  # the last one is still handed out
+    assert [b.released for b in made] == [True] * 5  # the last one too once the feed ends (a window run makes a
+    # feed per round: a batch never given back made the loader pin and zero a fresh buffer every round)
     assert feed.take_wait_s() >= 0.0 and feed.take_wait_s() == 0.0
 
 
