@@ -147,6 +147,7 @@ def test_each_round_boundary_is_timed_part_by_part(reference):
         assert r["snapshot_s"] > 0, r                               # a checkpoint every round (the default)
         first_step = min(s for s, (e, *_) in got.items() if e == r["round"])
         assert r["step"] == first_step
+    assert sum(r["collect_s"] for r in recs) > 0                   # shards were deleted between boundaries
     assert f"window: {len(recs)} round boundaries took" in (out.parent / "train.log").read_text()
 
 

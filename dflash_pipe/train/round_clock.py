@@ -13,7 +13,11 @@ when training ends. The parts, in the order a boundary runs them:
     first_batch      the next round's first batch from the loader
 
 `wall_s` runs from the start of the drain to the first batch in hand. Whatever is not in a part (the learning-rate
-curve for the round, building the loader's iterator) is the difference.
+curve for the round, building the loader's iterator) is the difference. One more column is not inside the wall:
+
+    collect          since the previous boundary: the deletions a completed background checkpoint allows (ledger
+                     write, shard files unlinked, older checkpoints pruned), mostly on the step loop between
+                     steps (those run inside a boundary's checkpoint_wait count there too)
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 PARTS = ("drain", "end_round", "checkpoint_wait", "snapshot", "shard_wait", "first_batch")
+BETWEEN = ("collect",)   # timed between boundaries, reported with the next one
 
 
 class RoundClock:
@@ -31,13 +36,17 @@ class RoundClock:
         self.path = path                  # None: time nothing (not a window run, or not rank 0)
         self._t0: float | None = None
         self._cur: dict[str, float] = {}
-        self.totals = dict.fromkeys(PARTS + ("wall",), 0.0)
+        self.totals = dict.fromkeys(PARTS + BETWEEN + ("wall",), 0.0)
         self.rounds = 0
 
     def begin(self) -> None:
         """A boundary starts (before the round's last step is drained)."""
         if self.path is not None:
-            self._t0, self._cur = time.perf_counter(), {}
+            self._t0 = time.perf_counter()
+
+    def add(self, name: str, seconds: float) -> None:
+        """Time spent on a BETWEEN part (outside any boundary); it goes with the next boundary's line."""
+        self._cur[name] = self._cur.get(name, 0.0) + seconds
 
     @contextmanager
     def part(self, name: str):
@@ -55,9 +64,10 @@ class RoundClock:
         wall = time.perf_counter() - self._t0
         self._t0 = None
         rec = {"round": round_, "step": step, "wall_s": round(wall, 6),
-               **{f"{k}_s": round(self._cur.get(k, 0.0), 6) for k in PARTS}}
-        for k in PARTS:
+               **{f"{k}_s": round(self._cur.get(k, 0.0), 6) for k in PARTS + BETWEEN}}
+        for k in PARTS + BETWEEN:
             self.totals[k] += self._cur.get(k, 0.0)
+        self._cur = {}
         self.totals["wall"] += wall
         self.rounds += 1
         with open(self.path, "a") as f:
@@ -68,4 +78,4 @@ class RoundClock:
             return None
         parts = ", ".join(f"{k} {self.totals[k]:.1f}" for k in PARTS)
         return (f"window: {self.rounds} round boundaries took {self.totals['wall']:.1f} s in all ({parts} s; "
-                f"per boundary in {self.path.name})")
+                f"per boundary in {self.path.name}); deletions between them {self.totals['collect']:.1f} s")

@@ -200,7 +200,9 @@ def run_train(cfg: RunConfig) -> dict:
         if ckw is not None:
             boundary = ckw.wait() if block else ckw.done()
             if boundary is not None:
+                t = time.perf_counter()
                 coord.collect(boundary)
+                clock.add("collect", time.perf_counter() - t)
 
     def sync_checkpoint(at_step, at_epoch, at_step_in_epoch):
         report(stats.drain())  # a non-finite gradient norm raises here, before its weights are saved
