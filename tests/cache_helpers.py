@@ -119,3 +119,14 @@ def fp8_reference(hidden_TD: torch.Tensor, num_layers: int) -> tuple[np.ndarray,
     lo, hi = vals[pos - 1], vals[pos]
     up = (hi - y < y - lo) | ((hi - y == y - lo) & ((idx[pos] & 1) == 0))    # ties to the even code
     return np.where(up, hi, lo).reshape(T, num_layers, D // num_layers), scale
+
+
+def tiny_train_config(cache_dir: Path, out_dir: Path, num_layers: int = 1, checkpoint_every: int = 0):
+    """A normalized RunConfig training a tiny drafter (block 4, 96 context tokens, 8 anchors) on cache_dir."""
+    from dflash_pipe.config import RunConfig, normalize
+
+    cfg = RunConfig()
+    cfg.train.cache_dir, cfg.train.output_dir = str(cache_dir), str(out_dir)
+    cfg.drafter.num_layers, cfg.drafter.block_size = num_layers, 4
+    cfg.train.context_tokens, cfg.train.num_anchors, cfg.train.checkpoint_every = 96, 8, checkpoint_every
+    return normalize(cfg)

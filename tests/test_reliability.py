@@ -52,16 +52,12 @@ def test_disk_full_while_writing_a_checkpoint_leaves_none_visible(tmp_path, monk
     import safetensors.torch as st
 
     from dflash_pipe.train import checkpoint as ckpt
-    from dflash_pipe.config import RunConfig, normalize
     from dflash_pipe.train.trainer import run_train
+    from tests.cache_helpers import tiny_train_config
 
     cache = tmp_path / "cache"
     write_train_cache(cache, num_docs=16, seed=2)
-    cfg = RunConfig()
-    cfg.train.cache_dir, cfg.train.output_dir = str(cache), str(tmp_path / "out")
-    cfg.drafter.num_layers, cfg.drafter.block_size = 1, 4
-    cfg.train.context_tokens, cfg.train.num_anchors, cfg.train.checkpoint_every = 96, 8, 2
-    normalize(cfg)
+    cfg = tiny_train_config(cache, tmp_path / "out", checkpoint_every=2)
     with monkeypatch.context() as m:
         _enospc_after(m, ckpt, "save_file", 2)  # the first checkpoint's two files succeed, the second fails
         with pytest.raises(RuntimeFailure) as err:

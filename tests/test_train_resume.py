@@ -123,18 +123,14 @@ def test_checkpoint_names_are_the_drafters_own_and_old_compiled_names_still_load
     Names are now the plain drafter's; checkpoints written before still export and resume, bit for bit."""
     from safetensors.torch import load_file, save_file
 
-    from dflash_pipe.config import RunConfig, normalize
     from dflash_pipe.train.checkpoint import complete_checkpoints, load_checkpoint
     from dflash_pipe.train.exporting import export_checkpoint
     from dflash_pipe.train.trainer import run_train
+    from tests.cache_helpers import tiny_train_config
 
     cache = tmp_path / "cache"
     write_train_cache(cache, num_docs=12, seed=8)
-    cfg = RunConfig()
-    cfg.train.cache_dir, cfg.train.output_dir = str(cache), str(tmp_path / "out")
-    cfg.drafter.num_layers, cfg.drafter.block_size = 2, 4
-    cfg.train.context_tokens, cfg.train.num_anchors, cfg.train.checkpoint_every = 96, 8, 2
-    run_train(normalize(cfg))
+    run_train(tiny_train_config(cache, tmp_path / "out", num_layers=2, checkpoint_every=2))
     ckpt = complete_checkpoints(tmp_path / "out")[-1]
 
     # a layer wrapped by torch.compile (not compiled until called: no C++ compiler needed) keeps its plain name
