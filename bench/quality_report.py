@@ -193,6 +193,12 @@ def markdown(summary: dict) -> str:
               "| context tokens seen | " + " | ".join(_tokens(w["tokens_seen"]) for w in tr["windows"]) + " |",
               "| simulated tau | " + " | ".join(f"{w['tau']:.3f}" for w in tr["windows"]) + " |",
               "| accuracy | " + " | ".join(f"{w['acc']:.3f}" for w in tr["windows"]) + " |", ""]
+        rb = tr.get("round_boundaries")
+        if rb:   # window_rounds.jsonl: where the round boundaries' time went
+            parts = ", ".join(f"{k[:-2]} {v:.2f}" for k, v in rb.items()
+                              if k.endswith("_s") and k not in ("wall_s", "median_wall_s"))
+            L += [f"Round boundaries: {rb['boundaries']}, {rb['wall_s']:.1f} s in all (median "
+                  f"{rb['median_wall_s']:.2f} s); parts summed (s): {parts}.", ""]
         va = R[c]["val"]
         if va:
             pts = va["points"]

@@ -184,7 +184,20 @@ def training_curve(train_dir: Path) -> dict | None:
             "tokens_seen": seen[-1], "tau_last_10pct": sum(r["tau"] for r in tail) / len(tail),
             "tau_walk_last_10pct": sum(walks) / len(walks) if walks else None,
             "median_step_s": step_s[len(step_s) // 2], "windows": windows,
+            "round_boundaries": round_boundaries(train_dir),
             "points": [(s, r["tau"]) for s, r in zip(seen, recs)]}
+
+
+def round_boundaries(train_dir: Path) -> dict | None:
+    """A window trainer's round boundaries summed part by part (window_rounds.jsonl, train/round_clock.py)."""
+    path = train_dir / "window_rounds.jsonl"
+    recs = list(read_jsonl(path)) if path.is_file() else []
+    if not recs:
+        return None
+    keys = [k for k in recs[0] if k.endswith("_s")]
+    walls = sorted(r.get("wall_s", 0.0) for r in recs)
+    return {"boundaries": len(recs), "median_wall_s": walls[len(walls) // 2],
+            **{k: sum(r.get(k, 0.0) for r in recs) for k in keys}}
 
 
 def validation_curve(train_dir: Path) -> dict | None:

@@ -238,3 +238,23 @@ def test_the_summary_and_report_give_the_real_anchors_a_step(tmp_path):
         del r["anchors"]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     assert rep._anchors(qr.training_curve(run)) == ""
+
+
+def test_the_summary_and_report_sum_the_round_boundaries(tmp_path):
+    """window_rounds.jsonl (train/round_clock.py): the summary sums each part over the boundaries, the report says
+    it under the training table; a run without the file (before session 24) says nothing."""
+    run = tmp_path / "train-lossless"
+    run.mkdir()
+    recs = [{"step": i, "tau": 2.0, "acc": 0.5, "loss": 2.0, "tok_s": 1000.0, "step_s": 0.05} for i in range(20)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (run / "resolved_config.toml").write_text("[train]\nmax_steps = 20\n")
+    assert qr.training_curve(run)["round_boundaries"] is None
+    rounds = [{"round": r, "step": 5 * r, "wall_s": 0.4 + r / 10, "drain_s": 0.05, "snapshot_s": 0.1 * (r % 2),
+               "collect_s": 0.2} for r in range(1, 4)]
+    (run / "window_rounds.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rounds))
+    rb = qr.training_curve(run)["round_boundaries"]
+    assert rb["boundaries"] == 3 and rb["median_wall_s"] == pytest.approx(0.6)
+    assert (rb["wall_s"], rb["drain_s"], rb["snapshot_s"], rb["collect_s"]) == pytest.approx((1.8, 0.15, 0.2, 0.6))
+    md = report_module().markdown(qr.build(tmp_path))
+    assert "Round boundaries: 3, 1.8 s in all (median 0.60 s); parts summed (s): drain 0.15, snapshot 0.20, " \
+           "collect 0.60." in md
