@@ -142,8 +142,11 @@ def unpack(parts_dir: Path, name: str, dest: Path, kind: str = "drafter") -> dic
         if blob[:4] == ZSTD_MAGIC:
             import zstandard  # noqa: PLC0415
 
-            with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(blob)) as r:
-                blob = r.read()
+            try:
+                with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(blob)) as r:
+                    blob = r.read()
+            except zstandard.ZstdError as exc:
+                raise PartsError(f"{kind} {name!r}: the parts do not decompress ({exc}); carry them again") from exc
         with tarfile.open(fileobj=io.BytesIO(blob), mode="r") as tar:
             members = {m.name: m for m in tar.getmembers()}
             if INDEX not in members:
@@ -160,10 +163,6 @@ def unpack(parts_dir: Path, name: str, dest: Path, kind: str = "drafter") -> dic
                 contents[fname] = data
     except (tarfile.TarError, EOFError, json.JSONDecodeError, KeyError) as exc:
         raise PartsError(f"{kind} {name!r}: the parts do not form its tar ({exc}); carry them again") from exc
-    except Exception as exc:  # zstandard.ZstdError: a damaged compressed frame
-        if type(exc).__module__.split(".")[0] != "zstandard":
-            raise
-        raise PartsError(f"{kind} {name!r}: the parts do not decompress ({exc}); carry them again") from exc
     tmp = dest.with_name(dest.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

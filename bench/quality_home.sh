@@ -77,17 +77,16 @@ restore_init() { unpack_bundles drafter "$CARRY/init" "$Q/init" "--init-from dra
 # and KERNEL_PARTS=<dir> scripts/prepare_gpu_carry.sh carries it back; setup puts it where the trainer looks.
 compiles() { [[ " ${TRAIN_FLAGS[*]} " == *" --compile on "* ]] || [ -n "${QUALITY_KERNELS_OUT:-}" ]; }
 kernels_out() {   # after a train job: the cache -> $OUT in parts, once, unless it came from home or is too big
-    local dir=$Q/kernels/train-rank0 mib rc
+    local dir=$Q/kernels/train-rank0 rc
     compiles && [ -d "$dir" ] && [ ! -f "$Q/done/kernels.sent" ] && [ ! -f "$Q/kernels/restored" ] || return 0
     [ -n "$(find "$dir" -type f -print -quit)" ] || return 0      # nothing compiled (an eager trainer's empty dirs)
-    mib=$(du -sm "$dir" | cut -f1)
     # the cap is on the zstd-compressed bundle (session 24's cache: 109 MiB raw); 30 MiB = 2 parts, which with the
     # drafter's 3 keeps the call within the 8 files the device returns (trim_out)
     "$PY" bench/drafter_parts.py pack --kind kernels --export "$dir" --out "$OUT" --name train_rank0 \
         --max-mib "${QUALITY_KERNELS_MAX_MIB:-30}" > "$Q/logs/kernels_pack.log" 2>&1
     rc=$?
     while read -r line; do say "$line"; done < "$Q/logs/kernels_pack.log"
-    [ "$rc" -eq 0 ] || say "kernels: the compile cache ($mib MiB raw) is over QUALITY_KERNELS_MAX_MIB=${QUALITY_KERNELS_MAX_MIB:-30} packed: not sent"
+    [ "$rc" -eq 0 ] || say "kernels: the compile cache ($(du -sm "$dir" | cut -f1) MiB raw) is over QUALITY_KERNELS_MAX_MIB=${QUALITY_KERNELS_MAX_MIB:-30} packed: not sent"
     date -u +%FT%TZ > "$Q/done/kernels.sent"
 }
 restore_kernels() {   # KERNEL_PARTS: a compile cache from an earlier machine, before any trainer starts

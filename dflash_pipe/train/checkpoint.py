@@ -181,16 +181,19 @@ def damaged_hint(path: Path) -> str:
             "or pass --resume never to start afresh")
 
 
+def read_model_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """A checkpoint's fp32 master weights by the drafter's own parameter names (checkpoints written before session
+    24's fix carry compiled layers' `layers.i._orig_mod.` names: plain_name drops them)."""
+    with safe_open(str(path / "model.safetensors"), framework="pt", device="cpu") as f:
+        return {plain_name(k): f.get_tensor(k) for k in f.keys()}
+
+
 def load_checkpoint(path: Path, weights: MasterWeights, opt: torch.optim.Optimizer, device: torch.device) -> dict:
     """Weights + optimizer state from a complete checkpoint; a damaged one is a CacheError (exit 3) naming it."""
     check_files(path)
     state = read_state(path)
     try:
-        tensors = {}
-        with safe_open(str(path / "model.safetensors"), framework="pt", device="cpu") as f:
-            for k in f.keys():
-                tensors[k] = f.get_tensor(k)
-        weights.load_master_state(tensors)
+        weights.load_master_state(read_model_tensors(path))
         names = dict(enumerate(weights.names))
         load_optimizer(opt, names, path / "optimizer.safetensors", state["optimizer"], device)
     except CacheError:

@@ -11,12 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from ..drafter import DFlashDrafter, DrafterModelConfig, export_drafter
-from ..drafter.export import plain_name
 from ..errors import CacheError
-from .checkpoint import MARKER, complete_checkpoints, read_state
+from .checkpoint import MARKER, complete_checkpoints, read_model_tensors, read_state
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -36,10 +34,6 @@ def export_checkpoint(path: str | Path, out_dir: str | Path, *, with_modeling_co
     cfg = DrafterModelConfig.from_dict(state["drafter_config"], where=f"{ckpt}/state.json drafter_config")
     with torch.device("meta"):
         model = DFlashDrafter(cfg)
-    weights = {}
-    with safe_open(str(ckpt / "model.safetensors"), framework="pt", device="cpu") as f:
-        for k in f.keys():
-            weights[plain_name(k)] = f.get_tensor(k)  # a compiled run's checkpoint from before names were plain
     model = model.to_empty(device="cpu")
-    model.load_state_dict(weights, strict=True)
+    model.load_state_dict(read_model_tensors(ckpt), strict=True)
     return export_drafter(model, cfg, out_dir, with_modeling_code=with_modeling_code)

@@ -122,7 +122,6 @@ class MasterWeights:
 
     @torch.no_grad()
     def load_master_state(self, weights: dict[str, torch.Tensor]) -> None:
-        weights = {plain_name(n): t for n, t in weights.items()}  # checkpoints written before names were plain
         missing = [n for n in self.names if n not in weights]
         extra = [n for n in weights if n not in set(self.names)]
         if missing or extra:

@@ -303,8 +303,8 @@ def run_train(cfg: RunConfig) -> dict:
                 export_drafter(model, dcfg, out_dir / "export")
                 plot_history(out_dir / "metrics.jsonl", out_dir / "training.png")
                 print(f"train: done, {step} steps; drafter exported to {out_dir / 'export'}", flush=True)
-                if clock.summary():
-                    print(clock.summary(), flush=True)
+                if (boundaries := clock.summary()) is not None:
+                    print(boundaries, flush=True)
         except BaseException:
             try:  # the step that finished before the failure still gets its log line
                 report(stats.drain())
