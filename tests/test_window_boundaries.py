@@ -181,3 +181,38 @@ def test_verify_reports_shards_a_window_run_consumed_not_as_damage(staged, tmp_p
     with pytest.raises(CacheError, match=r"shard-00002-of-00004.parquet.*missing") as exc:
         verify_cache(cache)
     assert "shard-00000" not in str(exc.value)
+
+
+def test_deletions_run_on_the_background_thread_after_complete_and_their_failure_surfaces(tmp_path):
+    """after_write (the coordinator's collect) runs off the step loop, sees the COMPLETE checkpoint, is timed,
+    and an error in it is raised by the step loop's next look, like a failed write."""
+    import threading
+
+    from dflash_pipe.train.checkpoint_writer import BackgroundCheckpoints
+    from dflash_pipe.train.master_weights import MasterWeights
+
+    model = torch.nn.Linear(4, 3)
+    weights = MasterWeights(model, torch.float32)
+    opt = torch.optim.AdamW(weights.masters, lr=0.1)
+    gate, seen = threading.Event(), []
+
+    def collect(boundary):
+        seen.append((boundary, threading.current_thread().name,
+                     (tmp_path / f"ckpt-{boundary:08d}" / "COMPLETE").exists()))
+        gate.wait(10)
+        if boundary == 2:
+            raise OSError(5, "Input/output error", "shard-00002.parquet")
+
+    ckw = BackgroundCheckpoints(tmp_path, keep=3, after_write=collect)
+    ckw.submit(1, 1, weights, opt, {"step": 1, "epoch": 1})
+    for _ in range(200):  # the write completes and the deletions start; the loop does not wait for them
+        if seen:
+            break
+        threading.Event().wait(0.01)
+    assert seen == [(1, "dflash-ckpt", True)] and ckw.done() is None
+    gate.set()
+    assert ckw.wait() == 1 and ckw.last_after_write_s > 0 and ckw.writes == 1
+    ckw.submit(2, 2, weights, opt, {"step": 2, "epoch": 2})
+    with pytest.raises(OSError, match="Input/output error"):
+        ckw.wait()
+    assert [s[0] for s in seen] == [1, 2]

@@ -189,24 +189,21 @@ def run_train(cfg: RunConfig) -> dict:
             record, note = last.pop("unlogged")
             logger.log(metrics=record.metrics, step_s=record.seconds, grad_norm=record.grad_norm, **note)
     # window mode: round-boundary checkpoints written off the step loop; the shards a boundary retired are
-    # deleted (coord.collect) only once its checkpoint is COMPLETE, seen by `settle` between steps
-    ckw = BackgroundCheckpoints(out_dir, tr.keep_checkpoints) if (coord is not None and info.is_main and
-                                                                  tr.window_async_checkpoint) else None
+    # deleted (coord.collect) on the same background thread once its checkpoint is COMPLETE
+    ckw = BackgroundCheckpoints(out_dir, tr.keep_checkpoints, after_write=coord.collect) if (
+        coord is not None and info.is_main and tr.window_async_checkpoint) else None
 
     # window mode: what each round boundary spends its time on (round_clock.py; window_rounds.jsonl, rank 0)
     clock = RoundClock(out_dir / "window_rounds.jsonl" if coord is not None and info.is_main else None)
 
     def settle(block: bool) -> None:
-        if ckw is not None:
-            boundary = ckw.wait() if block else ckw.done()
-            if boundary is not None:
-                t = time.perf_counter()
-                coord.collect(boundary)
-                clock.add("collect", time.perf_counter() - t)
+        """A finished background write (and its deletions): its errors raised here, its deletion time noted."""
+        if ckw is not None and (ckw.wait() if block else ckw.done()) is not None:
+            clock.add("collect", ckw.last_after_write_s)
 
     def sync_checkpoint(at_step, at_epoch, at_step_in_epoch):
         report(stats.drain())  # a non-finite gradient norm raises here, before its weights are saved
-        settle(True)  # one writer at a time: the background write completes (and its deletions run) first
+        settle(True)  # one writer at a time: the background write (and its deletions) completes first
         _checkpoint(out_dir, at_step, at_epoch, at_step_in_epoch, weights, opt, epoch_steps, total, spec, dcfg, cfg,
                     info)
 
