@@ -122,12 +122,14 @@ class WindowCoordinator:
                              "give every trainer of this cache the same --window-group (its members' output dirs), "
                              "or use another --cache-dir")
 
-    def _sweep(self) -> list[int]:
-        """Rank 0: unlink the shard files this trainer released (ledger state deleted) that every group member has
-        released too (alone: all of them). Idempotent; returns the indices unlinked now."""
+    def _sweep(self, pending: list | None = None) -> list[int]:
+        """Rank 0: unlink the shard files this trainer released (ledger state deleted; `pending`: those not known
+        to be gone, taken under the lock) that every group member has released too (alone: all of them).
+        Idempotent; returns the indices unlinked now."""
         gone = []
         fs = self.index.fs
-        pending = [e for e in self.ledger.in_state(DELETED) if e.index not in self._unlinked]  # known gone: no look
+        if pending is None:
+            pending = self._released_pending()
         members = member_ledgers(self.cache_dir, self.spec, self.ledger) if self.group and pending else None
         for e in pending:
             name = self._name(e.index)
@@ -297,19 +299,27 @@ class WindowCoordinator:
             fault_point("train.window.after_retire")
 
     @_locked
+    def _released_pending(self) -> list:
+        return [e for e in self.ledger.in_state(DELETED) if e.index not in self._unlinked]  # known gone: no look
+
     def collect(self, boundary_round: int) -> list[int]:
-        """Rank 0, after a complete checkpoint at (boundary_round, 0): delete what no later read needs."""
+        """Rank 0, after a complete checkpoint at (boundary_round, 0): delete what no later read needs. Runs on
+        the checkpoint writer's thread (checkpoint_writer.py): the ledger under the lock, the unlinks (the slow
+        part, ~1 s a boundary on the H100's disk in session 25) outside it, so the step loop's retirements and the
+        read-ahead's looks do not wait for them."""
         if self.rank != 0:
             return []
-        gone = self.ledger.deletable(boundary_round)
-        if gone:
-            fault_point("train.window.before_delete")
-            for e in gone:
-                e.state = DELETED
-            save_ledger(self.cache_dir, self.ledger)  # first the ledger, then the files (a kill in between:
-        # the next start unlinks what the ledger says is deleted); in a group, the files every member has
-        # released by now, this boundary's or older ones
-        unlinked = self._sweep()
+        with self._lock:
+            gone = self.ledger.deletable(boundary_round)
+            if gone:
+                fault_point("train.window.before_delete")
+                for e in gone:
+                    e.state = DELETED
+                save_ledger(self.cache_dir, self.ledger)  # first the ledger, then the files (a kill in between:
+            # the next start unlinks what the ledger says is deleted); in a group, the files every member has
+            # released by now, this boundary's or older ones
+            pending = self._released_pending()
+        unlinked = self._sweep(pending)
         if gone or unlinked:
             log.info("window: released shards %s (retired, checkpointed at round %d); files deleted: %s",
                      [e.index for e in gone], boundary_round, unlinked)
