@@ -18,6 +18,9 @@ rates, their ratio, the prefilled tokens, identical rows), the A/B that issue 18
     python bench/regen_throughput.py --data /tmp/quality/carry/data/sharegpt_all_turns.jsonl --max-turns 0 \
         --samples 4 --temperature 1.0 --top-p 0.95 --greedy-after 4 --max-length 1280 --prompts 4000 \
         --batch 1024 --hf-prompts 0 --reuse-history --reuse-history-ab --json ab.json          # H200
+--overlap off,off+noprefetch times regen with and without its first prompts tokenized ahead on a worker thread
+(regen_turns.PromptReadAhead, the default) on the same prompts, with the rows compared (`overlap_ab`: identical by
+design, the schedule does not depend on the host's timing).
 --overlap off,on times regen in both modes (regenerate --overlap-prefill: prefills on a second CUDA stream under
 the decode, answers collected a step before a launch ends; regen_staging.py; on+compact adds --compact-tail)
 against the same bare loop, each with its ratios, and counts the rows identical to the direct path's (`overlap_ab`):
@@ -160,9 +163,10 @@ def warm_then_time(args, bundle, out: Path, batch: int, attention: str, **kw) ->
 
 
 def mode_flags(mode: str) -> dict:
-    """run_regenerate's flags of an --overlap mode: off, on, off+compact, on+compact."""
+    """run_regenerate's flags of an --overlap mode: off or on, with +compact (--compact-tail) and / or +noprefetch
+    (--no-prefetch-prompts: every prompt tokenized in the driver loop) added."""
     base, *extra = mode.split("+")
-    return {"overlap": base == "on", "compact": "compact" in extra}
+    return {"overlap": base == "on", "compact": "compact" in extra, "prefetch_prompts": "noprefetch" not in extra}
 
 
 def regen_file(tmp: Path, batch: int, attention: str, mode: str = "off") -> Path:
@@ -273,7 +277,9 @@ def main() -> None:
                     help="also time regen with --reuse-history flipped on the same prompts (an A/B in one run)")
     ap.add_argument("--overlap", default="off", help="comma list of regenerate's modes, each timed at every batch "
                                                      "and attention: off, on (--overlap-prefill), and either with "
-                                                     "+compact (--compact-tail), e.g. off,on,on+compact")
+                                                     "+compact (--compact-tail) and / or +noprefetch "
+                                                     "(--no-prefetch-prompts), e.g. off,on,on+compact or "
+                                                     "off,off+noprefetch")
     ap.add_argument("--hf-prompts", type=int, default=256)
     ap.add_argument("--hf-batch", type=int, default=256)
     ap.add_argument("--smoke", action="store_true", help="CPU, random tiny-llama, toy sizes")

@@ -119,7 +119,10 @@ def regenerate_cmd(cfg: RunConfig, output: Path = typer.Option(..., "--output", 
                    max_seconds: float = typer.Option(0.0, help="Stop admitting conversations this many seconds "
                                                      "after the start and finish the ones in flight (0 = no "
                                                      "limit): the output is a prefix of the input, none of its "
-                                                     "work lost as a kill loses it; a rerun continues it.")):
+                                                     "work lost as a kill loses it; a rerun continues it."),
+                   prefetch_prompts: bool = typer.Option(True, help="Read conversations ahead and tokenize their "
+                                                         "first prompts on a worker thread while the device "
+                                                         "decodes (the same output; eval/regen_turns.py).")):
     """Regenerate the assistant turns with the target itself (drafters must learn the target's outputs)."""
     from .errors import UsageError
     from .eval.regenerate import run_regenerate
@@ -131,7 +134,8 @@ def regenerate_cmd(cfg: RunConfig, output: Path = typer.Option(..., "--output", 
     run_regenerate(cfg, output, max_new_tokens=max_new_tokens, batch_size=batch_size, device=device,
                    max_turns=max_turns, samples=samples, temperature=temperature, top_p=top_p, seed=seed,
                    engine=engine, attention=engine_attention, greedy_after=greedy_after, reuse_history=reuse_history,
-                   overlap=overlap_prefill, compact=compact_tail, max_seconds=max_seconds, first_sample=first_sample)
+                   overlap=overlap_prefill, compact=compact_tail, max_seconds=max_seconds, first_sample=first_sample,
+                   prefetch_prompts=prefetch_prompts)
 
 
 @app.command("export")

@@ -35,7 +35,7 @@ targets (hybrid / recurrent layers) fall back to HF `generate`, greedy, named in
 4 x batch_size conversations are in flight; their ready turns are served oldest conversation
 first, and the answers are written in input order. While the device runs a launch, the host
 detokenizes the answers just collected and tokenizes the round's new prompts in one batched call
-(`encode_prompts`); the time of each phase is logged at the end and kept in the sidecar's "timing" (updated at
+(`encode_prompts`; a conversation's first prompt is tokenized ahead on a worker thread, regen_turns.py); the time of each phase is logged at the end and kept in the sidecar's "timing" (updated at
 every flush, so a run stopped by a deadline keeps its split up to its last flush).
 
 Prefix-stable, resumable and crash-safe: rows are appended in input order only (a finished
@@ -63,7 +63,6 @@ import hashlib
 import json
 import logging
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -79,7 +78,8 @@ from .regen_backends import Completion, EngineBackend, TurnRequest, auto_batch_s
 from .regen_hf import HFBackend
 from .regen_output import JsonlAppender, load_sidecar, scan_output, settings_of, sidecar_path  # noqa: F401
 from .regen_sampling import Decoding, answer_key
-from .runner import encode_prompts, resolve_device
+from .regen_turns import COUNTERS, ConvState, PromptReadAhead, Regenerator
+from .runner import resolve_device
 from .specdecode import eos_token_ids
 
 log = logging.getLogger("dflash_pipe.eval")
@@ -87,99 +87,6 @@ ENGINES = ("auto", "static", "hf")
 ENGINE_ATTENTION = ("auto", "rows", "sdpa")
 FLUSH_SECONDS = 10.0
 _now = time.monotonic        # the --max-seconds clock (a seam for tests)
-COUNTERS = ("generated_tokens", "truncated_responses", "prompts_too_long", "empty_answers")
-
-
-@dataclass
-class _ConvState:
-    sample_id: str
-    source: list[dict]                                   # original messages
-    out: list[dict] = field(default_factory=list)        # regenerated conversation so far
-    cursor: int = 0
-    done: bool = False
-    skipped: str = ""                                    # reason, if the conversation yields nothing
-    turns: int = 0                                       # assistant turns regenerated so far
-    order: int = 0                                       # input position (answers are written in this order)
-    counts: dict = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))   # the sidecar's counters
-
-    def next_prompt(self) -> list[dict] | None:
-        """Advance to the next assistant turn; the messages before it, or None when finished."""
-        while self.cursor < len(self.source):
-            m = self.source[self.cursor]
-            if m["role"] != "assistant":
-                self.out.append(dict(m))
-                self.cursor += 1
-                continue
-            if any(x["role"] == "user" for x in self.out):
-                return list(self.out)
-            self.cursor += 1                             # an answer to nothing: drop it
-        self.finish("no assistant turn follows a user turn")
-        return None
-
-    def finish(self, reason_if_empty: str) -> None:
-        while self.out and self.out[-1]["role"] != "assistant":
-            self.out.pop()                               # trailing prompt turns train nothing
-        self.done = True
-        if not self.out:
-            self.skipped = reason_if_empty
-
-
-class Regenerator:
-    """Turns conversations into turn requests and answers back into conversations (module docstring)."""
-
-    def __init__(self, tokenizer, eos: list[int], max_new_tokens: int, max_length: int, max_turns: int,
-                 dec: Decoding):
-        self.tokenizer, self.eos, self.dec = tokenizer, eos, dec
-        self.max_new_tokens, self.max_length, self.max_turns = max_new_tokens, max_length, max_turns
-
-    def next_request(self, st: _ConvState) -> TurnRequest | None:
-        """The conversation's next turn to generate, or None (it is finished)."""
-        reqs = self.next_requests([st])
-        return reqs[0] if reqs else None
-
-    def next_requests(self, states: list[_ConvState]) -> list[TurnRequest]:
-        """The next turn of each conversation that has one, all prompts tokenized in one batch."""
-        todo = []
-        for st in states:
-            if st.done:
-                continue
-            if self.max_turns and st.turns >= self.max_turns:
-                st.finish("")
-                continue
-            msgs = st.next_prompt()
-            if msgs is not None:
-                todo.append((st, msgs))
-        reqs = []
-        for (st, _), ids in zip(todo, encode_prompts(self.tokenizer, [m for _, m in todo])):
-            if len(ids) + self.max_new_tokens > self.max_length:
-                st.counts["prompts_too_long"] += 1
-                st.finish(f"{'first' if not st.turns else 'a'} prompt of {len(ids)} tokens + max_new_tokens "
-                          f"exceeds max_length {self.max_length}")
-                continue
-            reqs.append(TurnRequest(st, ids, answer_key(self.dec.seed, st.sample_id, st.turns), st.order))
-        return reqs
-
-    def record(self, c: Completion) -> _ConvState | None:
-        """Record an answer; its conversation if it may continue (else None: it is finished)."""
-        st: _ConvState = c.request.state
-        st.counts["generated_tokens"] += len(c.tokens) + c.ended
-        st.counts["truncated_responses"] += not c.ended
-        text = self.tokenizer.decode(c.tokens, skip_special_tokens=True)
-        if not text.strip():
-            st.counts["empty_answers"] += 1
-            st.finish("the target's first answer is empty")
-            return None
-        st.out.append({"role": "assistant", "content": text})
-        st.cursor += 1
-        st.turns += 1
-        return st
-
-    def complete(self, c: Completion) -> TurnRequest | None:
-        """Record an answer; the conversation's next request (or None)."""
-        st = self.record(c)
-        return None if st is None else self.next_request(st)
-
-
 def _queue(ready: list[TurnRequest], req: TurnRequest | None) -> None:
     if req is not None:
         bisect.insort(ready, req, key=lambda r: r.order)
@@ -250,8 +157,8 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
                    device: str = "auto", *, bundle=None, max_turns: int = 0, samples: int = 1,
                    temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, engine: str = "auto",
                    attention: str = "auto", greedy_after: int = 0, reuse_history: bool = False, overlap: bool = False,
-                   compact: bool = False,
-                   max_seconds: float = 0.0, first_sample: int = 0) -> dict:
+                   compact: bool = False, max_seconds: float = 0.0, first_sample: int = 0,
+                   prefetch_prompts: bool = True) -> dict:
     """Regenerate cfg.data's conversations into `output` (JSONL); returns the final sidecar dict.
 
     batch_size 0 = auto (16 on the CPU, up to 1024 on CUDA as memory allows).
@@ -265,6 +172,8 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
     max_seconds: stop admitting conversations this long after the call (0 = no limit) and finish the ones in
     flight; the sidecar then says ``stopped_early``.
     first_sample: the first sample index (ids <id>#first_sample ..): more answers per prompt in another file.
+    prefetch_prompts: read conversations ahead and tokenize their first prompts on a worker thread
+    (regen_turns.PromptReadAhead); the same output.
     """
     started = _now() if max_seconds else 0.0
     entered = time.perf_counter()            # the set-up before the loop (target load, engine) is timed too
@@ -302,20 +211,22 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
     stats = DataStats()
     d = cfg.data
     convs = iter(load_conversations(d.source, d.format, d.strict, stats, d.skip_samples, d.max_samples))
+    prompts = PromptReadAhead(convs, bundle.tokenizer, chunk=max(64, backend.B // 4), enabled=prefetch_prompts,
+                              wanted=lambda c: not c.is_text and any(s not in skip for s in dec.sample_ids(c.sample_id)))
     bar = progress_bar(d.max_samples * dec.samples or None, "regenerate", "conv")
     if done:
         print(f"regenerate: resuming {output}: {len(done)} conversations already written", flush=True)
     writer = JsonlAppender(output)
     t0, seconds0 = time.perf_counter(), float(state["seconds"])
     split = {"setup_s": t0 - entered}
-    inflight: list[_ConvState] = []          # admitted, not yet written, in input order
+    inflight: list[ConvState] = []          # admitted, not yet written, in input order
     ready: list[TurnRequest] = []
-    pending_rows: list[_ConvState] = []
+    pending_rows: list[ConvState] = []
     order, exhausted, last_flush = 0, False, time.perf_counter()
 
     siblings = {"base": None, "seen": set()}   # the current conversation's samples written so far (content hashes)
 
-    def count_duplicates(st: _ConvState) -> None:
+    def count_duplicates(st: ConvState) -> None:
         """A sample whose whole conversation equals an earlier sample's is still written (the held-out head is
         counted in rows) but counted, so reports can give unique tokens. Samples of one conversation are
         adjacent in the output; after a resume the first conversation's earlier samples are not compared."""
@@ -388,15 +299,16 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
                       f"conversations in flight", flush=True)
             while (not exhausted and admitted < cap and len(ready) < backend.B
                    and len(inflight) < 4 * backend.B):
-                conv = next(convs, None)
-                if conv is None:
+                item = prompts.next()
+                if item is None:
                     exhausted = True
                     break
+                conv, first_ids = item
                 ids = dec.sample_ids(conv.sample_id)
                 todo = [] if conv.is_text else [sid for sid in ids if sid not in skip]
                 bar.update(len(ids) - len(todo))
                 for sid in todo:
-                    st = _ConvState(sid, conv.messages, order=order)
+                    st = ConvState(sid, conv.messages, order=order, first_ids=first_ids)
                     order += 1
                     admitted += 1
                     inflight.append(st)
@@ -424,6 +336,7 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
                 raise RuntimeFailure(f"regenerate stalled with {len(inflight)} conversations in flight (a bug)")
     finally:
         writer.close()
+        prompts.close()
         bar.close()
         if backend is not None:
             backend.close()                  # no queued device work outlives the run (overlap mode's streams)
