@@ -40,20 +40,14 @@ def _coerce(value: Any, typ: Any, where: str) -> Any:
         if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
             return value.lower() in ("1", "true", "yes", "on")
         raise UsageError(f"{where}: expected true/false, got {value!r}")
-    if typ is int:
-        if isinstance(value, bool) or not isinstance(value, (int, str)):
-            raise UsageError(f"{where}: expected an integer, got {value!r}")
+    if typ in (int, float):  # a TOML number or a CLI string; a bool is neither, a float is no integer
+        allowed, what = ((int, str), "an integer") if typ is int else ((int, float, str), "a number")
         try:
-            return int(value)
+            if isinstance(value, bool) or not isinstance(value, allowed):
+                raise ValueError
+            return typ(value)
         except ValueError:
-            raise UsageError(f"{where}: expected an integer, got {value!r}") from None
-    if typ is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-            raise UsageError(f"{where}: expected a number, got {value!r}")
-        try:
-            return float(value)
-        except ValueError:
-            raise UsageError(f"{where}: expected a number, got {value!r}") from None
+            raise UsageError(f"{where}: expected {what}, got {value!r}") from None
     if typ is str:
         if not isinstance(value, str):
             raise UsageError(f"{where}: expected a string, got {value!r}")
