@@ -199,6 +199,11 @@ def markdown(summary: dict) -> str:
                               if k.endswith("_s") and k not in ("wall_s", "median_wall_s"))
             L += [f"Round boundaries: {rb['boundaries']}, {rb['wall_s']:.1f} s in all (median "
                   f"{rb['median_wall_s']:.2f} s); parts summed (s): {parts}.", ""]
+        for pr in tr.get("profiled") or []:   # train --profile-steps: the step's own split, from inside the run
+            if pr:
+                L += [f"Profiled steps {pr['steps'][0]}-{pr['steps'][1]}: wall {pr['wall_ms']:.1f} ms a step, device "
+                      f"{pr['device_ms']:.1f} ms, host {pr['cpu_ms']:.1f} ms on the busiest thread "
+                      f"(profile/steps_{pr['steps'][0]}-{pr['steps'][1]}.txt in results.tar.gz).", ""]
         va = R[c]["val"]
         if va:
             pts = va["points"]
@@ -316,6 +321,7 @@ def pack(d: Path, out_tar: Path) -> None:
     for run in runs(d).values():
         names += [f"{run.name}/{n}" for n in ("metrics.jsonl", "val_metrics.jsonl", "training.png", "resolved_config.toml",
                                              "export/config.json", "latest.json", "window_rounds.jsonl")]
+        names += [f"{run.name}/profile/{p.name}" for p in sorted((run / "profile").glob("steps_*"))]  # --profile-steps
     for sub in sorted(d.glob("eval-*")):
         names += [f"{sub.name}/{n}" for n in ("eval_report.json", "eval_report.md", "eval_prompts.jsonl",
                                               "acceptance.png", "resolved_config.toml",

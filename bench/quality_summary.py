@@ -185,6 +185,7 @@ def training_curve(train_dir: Path) -> dict | None:
             "tau_walk_last_10pct": sum(walks) / len(walks) if walks else None,
             "median_step_s": step_s[len(step_s) // 2], "windows": windows,
             "round_boundaries": round_boundaries(train_dir),
+            "profiled": [_json(f) for f in sorted((train_dir / "profile").glob("steps_*.json"))],   # --profile-steps
             "points": [(s, r["tau"]) for s, r in zip(seen, recs)]}
 
 

@@ -204,4 +204,7 @@ def normalize(cfg: RunConfig) -> RunConfig:
             raise UsageError(f"{cfg.source}: {message}")
     if ex.shards:
         parse_shard_subset(ex.shards, ex.num_shards)
+    if tr.profile_steps:
+        from .train.step_profile import parse_profile_steps
+        parse_profile_steps(tr.profile_steps)
     return cfg

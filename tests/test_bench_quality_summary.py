@@ -258,3 +258,15 @@ def test_the_summary_and_report_sum_the_round_boundaries(tmp_path):
     md = report_module().markdown(qr.build(tmp_path))
     assert "Round boundaries: 3, 1.8 s in all (median 0.60 s); parts summed (s): drain 0.15, snapshot 0.20, " \
            "collect 0.60." in md
+    # train --profile-steps: each profiled window's split under the table, and its files in results.tar.gz
+    (run / "profile").mkdir()
+    (run / "profile" / "steps_100-120.json").write_text(json.dumps(
+        {"steps": [100, 120], "wall_ms": 47.94, "device_ms": 21.5, "cpu_ms": 40.26, "cpu_ms_other_threads": [3.0]}))
+    (run / "profile" / "steps_100-120.txt").write_text("tables\n")
+    md = report_module().markdown(qr.build(tmp_path))
+    assert "Profiled steps 100-120: wall 47.9 ms a step, device 21.5 ms, host 40.3 ms on the busiest thread" in md
+    report_module().pack(tmp_path, tmp_path / "results.tar.gz")
+    import tarfile
+    with tarfile.open(tmp_path / "results.tar.gz") as tar:
+        assert {"quality/train-lossless/profile/steps_100-120.json",
+                "quality/train-lossless/profile/steps_100-120.txt"} <= set(tar.getnames())

@@ -37,6 +37,7 @@ def test_compiled_flex_trainer_validates_under_the_lock_and_follows_eager_sdpa(t
         cfg.train.device, cfg.train.compile, cfg.drafter.attention = "cuda", compile_, attention
         cfg.train.context_tokens, cfg.train.num_anchors = 128, 8
         cfg.train.checkpoint_every = 4
+        cfg.train.profile_steps = "2:4"              # the profiler inside the locked, compiled loop (quality19t)
         locks.clear()
         runs[name] = run_train(cfg)
         assert locks or name == "eager"             # the compiled run locked after its first step (on CUDA the
@@ -51,4 +52,6 @@ def test_compiled_flex_trainer_validates_under_the_lock_and_follows_eager_sdpa(t
     assert vals[-1]["val_loss"] == pytest.approx(runs["eager"]["val"]["val_loss"], rel=3e-2)
     assert sorted(p.name for p in (tmp_path / "compiled").glob("ckpt-*"))
     assert (tmp_path / "compiled" / "export").is_dir()
+    prof = json.loads((tmp_path / "compiled" / "profile" / "steps_2-4.json").read_text())
+    assert prof["device_ms"] > 0 and prof["wall_ms"] > 0   # CUDA kernels seen, no recompile under the lock
     assert torch.cuda.is_available()

@@ -24,6 +24,7 @@ from ..errors import UsageError, ValidationError
 from ..faults import fault_point, trace_batch
 from .checkpoint import find_resume, load_checkpoint, read_state, save_checkpoint
 from .checkpoint_writer import BackgroundCheckpoints
+from .step_profile import StepProfiler
 from .components import (FrozenHead, build_drafter_config, build_model, build_optimizer, cache_identity,
                          check_against_cache, check_resume_identity, init_state_from_export, resolve_param_dtype)
 from .graceful import GracefulStop
@@ -195,6 +196,7 @@ def run_train(cfg: RunConfig) -> dict:
 
     # window mode: what each round boundary spends its time on (round_clock.py; window_rounds.jsonl, rank 0)
     clock = RoundClock(out_dir / "window_rounds.jsonl" if coord is not None and info.is_main else None)
+    profiler = StepProfiler(tr.profile_steps, out_dir, info.is_main, device)   # --profile-steps (rank 0)
 
     def settle(block: bool) -> None:
         """A finished background write (and its deletions): its errors raised here, its deletion time noted."""
@@ -255,6 +257,7 @@ def run_train(cfg: RunConfig) -> dict:
                                 lr=sched.get_last_lr()[0], shard_wait_s=shard_wait if coord is not None else None,
                                 peak_mem_gib=logger.peak_mem_gib())
                     report(stats.push(step_stats, note))  # reads the step before this one
+                    profiler.after_step(step)
                     shard_wait = 0.0
                     settle(False)
                     if validator is not None and step % tr.val_every == 0 and step != total:
@@ -309,6 +312,7 @@ def run_train(cfg: RunConfig) -> dict:
                 pass
             raise
         finally:
+            profiler.close()
             if ckw is not None:  # an error elsewhere: let a background write complete (resume collects it)
                 try:
                     ckw.wait()
