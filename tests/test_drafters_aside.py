@@ -45,3 +45,15 @@ def test_restore_refuses_when_both_copies_exist(tmp_path):
     r = _sh(repo, "drafters_restore")
     assert r.returncode == 1 and "both bench/drafters and .drafters-aside/drafters exist" in r.stderr
     assert (repo / ".drafters-aside" / "drafters" / "s23").is_dir()                           # nothing lost
+
+
+def test_prepare_gpu_carry_moves_aside_every_parts_dir_it_reads():
+    """Every VAR_PARTS that prepare_gpu_carry.sh packs into stash calls is rewritten to the aside copy (session 25:
+    KERNEL_PARTS=bench/drafters/s25 was not, so its parts were looked for where they no longer were)."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "scripts" / "prepare_gpu_carry.sh").read_text()
+    read = set(re.findall(r"parts_calls (\w+_PARTS)", text))
+    (aside_line,) = [ln for ln in text.splitlines() if ln.startswith("drafters_aside ")]
+    assert read and read <= set(aside_line.split("#")[0].split()[1:])
