@@ -200,10 +200,9 @@ def markdown(summary: dict) -> str:
             L += [f"Round boundaries: {rb['boundaries']}, {rb['wall_s']:.1f} s in all (median "
                   f"{rb['median_wall_s']:.2f} s); parts summed (s): {parts}.", ""]
         for pr in tr.get("profiled") or []:   # train --profile-steps: the step's own split, from inside the run
-            if pr:
-                L += [f"Profiled steps {pr['steps'][0]}-{pr['steps'][1]}: wall {pr['wall_ms']:.1f} ms a step, device "
-                      f"{pr['device_ms']:.1f} ms, host {pr['cpu_ms']:.1f} ms on the busiest thread "
-                      f"(profile/steps_{pr['steps'][0]}-{pr['steps'][1]}.txt in results.tar.gz).", ""]
+            a, b = pr["steps"]
+            L += [f"Profiled steps {a}-{b}: wall {pr['wall_ms']:.1f} ms a step, device {pr['device_ms']:.1f} ms, host "
+                  f"{pr['cpu_ms']:.1f} ms on the busiest thread (profile/steps_{a}-{b}.txt in results.tar.gz).", ""]
         va = R[c]["val"]
         if va:
             pts = va["points"]

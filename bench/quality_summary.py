@@ -185,7 +185,7 @@ def training_curve(train_dir: Path) -> dict | None:
             "tau_walk_last_10pct": sum(walks) / len(walks) if walks else None,
             "median_step_s": step_s[len(step_s) // 2], "windows": windows,
             "round_boundaries": round_boundaries(train_dir),
-            "profiled": [_json(f) for f in sorted((train_dir / "profile").glob("steps_*.json"))],   # --profile-steps
+            "profiled": [p for p in map(_json, sorted((train_dir / "profile").glob("steps_*.json"))) if p],
             "points": [(s, r["tau"]) for s, r in zip(seen, recs)]}
 
 

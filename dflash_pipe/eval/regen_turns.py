@@ -7,9 +7,10 @@ The driver loop is one host thread that launches the device's work, collects ans
 prompts and writes rows. On the H100 in session 25 (`bench/regen_throughput.py`, 8,192 first turns, batch 1,024) it
 spent 3.1 s of a 10.1 s run tokenizing while the device was busy 8.5 s. Tokenized ahead, the loop's tokenizing
 went from 5.5 to 1.4 s on all 13,829 prompts, but that run was device-bound and the time became waiting for the
-device (1.007x, rows identical; BENCHMARKS.md, session 25): it pays where the host is slower. The first prompt of a conversation depends only on its source
-messages, so it can be chat-templated and tokenized before the conversation is admitted; later turns depend on
-the target's own answers and stay in the loop (`Regenerator.next_requests`).
+device (1.007x, rows identical; BENCHMARKS.md, session 25): it pays where the host is slower. The first prompt of
+a conversation depends only on its source messages, so it can be chat-templated and tokenized before the
+conversation is admitted; later turns depend on the target's own answers and stay in the loop
+(`Regenerator.next_requests`).
 
 `PromptReadAhead` keeps up to `depth` chunks of `chunk` conversations read ahead: the reading stays on the loop's
 thread (the reader and its DataStats are not shared between threads; a chunk is ~0.01 s of JSON), and each chunk's

@@ -34,7 +34,7 @@ class BackgroundCheckpoints:
         self._thread: threading.Thread | None = None
         self._boundary: int | None = None
         self._error: BaseException | None = None
-        self.snapshot_s = self.write_s = self.after_write_s = 0.0  # totals over the run (logged per write)
+        self.snapshot_s = self.write_s = 0.0  # totals over the run (logged per write)
         self.last_after_write_s = 0.0       # the finished write's after_write time (RoundClock's collect)
         self.writes = 0
 
@@ -61,7 +61,6 @@ class BackgroundCheckpoints:
             t3 = time.perf_counter()
             self.write_s += t2 - t1
             self.last_after_write_s = t3 - t2
-            self.after_write_s += t3 - t2
             self.writes += 1
             log.info("window: checkpoint at step %d (round %d) complete: snapshot %.0f ms on the step loop, "
                      "write %.0f ms and deletions %.0f ms in the background", step, boundary, snap_s * 1e3,

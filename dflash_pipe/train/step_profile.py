@@ -44,11 +44,11 @@ def parse_profile_steps(spec: str) -> list[tuple[int, int]]:
     return out
 
 
+DEVICE_TIME_KEYS = ("self_device_time_total", "self_cuda_time_total")   # (older torch: the cuda name)
+
+
 def _device_us(evt) -> float:
-    for name in ("self_device_time_total", "self_cuda_time_total"):   # (older torch: the cuda name)
-        if hasattr(evt, name):
-            return float(getattr(evt, name))
-    return 0.0
+    return next((float(getattr(evt, k)) for k in DEVICE_TIME_KEYS if hasattr(evt, k)), 0.0)
 
 
 class StepProfiler:
@@ -59,7 +59,6 @@ class StepProfiler:
         self.out_dir, self.device = Path(out_dir) / "profile", device
         self._prof = None
         self._t0 = 0.0
-        self.written: list[Path] = []
 
     def after_step(self, step: int) -> None:
         if not self.windows:
@@ -99,7 +98,8 @@ class StepProfiler:
         prof.__exit__(None, None, None)
         avgs = prof.key_averages()
         n = b - a
-        device_us = sum(_device_us(e) for e in avgs if str(getattr(e, "device_type", "")).endswith(("CUDA", "PrivateUse1")))
+        device_us = sum(_device_us(e) for e in avgs
+                        if str(getattr(e, "device_type", "")).endswith(("CUDA", "PrivateUse1")))
         by_thread: dict[int, float] = {}   # host time of the top-level ops, per thread (the loop, the loader's)
         for e in prof.events():
             if getattr(e, "cpu_parent", None) is None and str(getattr(e, "device_type", "CPU")).endswith("CPU"):
@@ -114,7 +114,7 @@ class StepProfiler:
                  f"{rec['device_ms']} ms, host (top-level ops, busiest thread) {rec['cpu_ms']} ms, other threads "
                  f"{rec['cpu_ms_other_threads']} ms", ""]
         if self.device.type == "cuda":
-            for key in ("self_device_time_total", "self_cuda_time_total"):
+            for key in DEVICE_TIME_KEYS:
                 try:
                     lines += ["top ops by device time:", avgs.table(sort_by=key, row_limit=30), ""]
                     break
@@ -123,7 +123,6 @@ class StepProfiler:
         lines += ["top ops by host time:", avgs.table(sort_by="self_cpu_time_total", row_limit=30)]
         stem.with_suffix(".txt").write_text("\n".join(lines) + "\n")
         stem.with_suffix(".json").write_text(json.dumps(rec) + "\n")
-        self.written.append(stem.with_suffix(".txt"))
         print(f"train: profiled {lines[0]} -> {stem}.txt", flush=True)
 
     def close(self) -> None:

@@ -24,7 +24,6 @@ from ..errors import UsageError, ValidationError
 from ..faults import fault_point, trace_batch
 from .checkpoint import find_resume, load_checkpoint, read_state, save_checkpoint
 from .checkpoint_writer import BackgroundCheckpoints
-from .step_profile import StepProfiler
 from .components import (FrozenHead, build_drafter_config, build_model, build_optimizer, cache_identity,
                          check_against_cache, check_resume_identity, init_state_from_export, resolve_param_dtype)
 from .graceful import GracefulStop
@@ -36,6 +35,7 @@ from .metrics import StepLogger, plot_history, step_flops
 from .round_carry import RoundCarry
 from .device_feed import DeviceFeed
 from .round_clock import RoundClock
+from .step_profile import StepProfiler
 from .step_stats import PendingStepStats, StepStats
 from .window_lr import WindowLR, planned_total
 from .window_run import WindowCoordinator, window_group
