@@ -202,7 +202,9 @@ def markdown(summary: dict) -> str:
         for pr in tr.get("profiled") or []:   # train --profile-steps: the step's own split, from inside the run
             a, b = pr["steps"]
             L += [f"Profiled steps {a}-{b}: wall {pr['wall_ms']:.1f} ms a step, device {pr['device_ms']:.1f} ms, host "
-                  f"{pr['cpu_ms']:.1f} ms on the busiest thread (profile/steps_{a}-{b}.txt in results.tar.gz).", ""]
+                  f"{pr['cpu_ms']:.1f} ms on the busiest thread (profile/steps_{a}-{b}.txt in results.tar.gz)"
+                  + (f"; inside the window, not training steps: {', '.join(pr['inside'])}" if pr.get("inside") else "")
+                  + ".", ""]
         va = R[c]["val"]
         if va:
             pts = va["points"]

@@ -265,6 +265,11 @@ def test_the_summary_and_report_sum_the_round_boundaries(tmp_path):
     (run / "profile" / "steps_100-120.txt").write_text("tables\n")
     md = report_module().markdown(qr.build(tmp_path))
     assert "Profiled steps 100-120: wall 47.9 ms a step, device 21.5 ms, host 40.3 ms on the busiest thread" in md
+    (run / "profile" / "steps_200-220.json").write_text(json.dumps(   # a window a validation landed in says so
+        {"steps": [200, 220], "wall_ms": 90.0, "device_ms": 30.0, "cpu_ms": 60.0, "cpu_ms_other_threads": [],
+         "inside": ["validation after step 210"]}))
+    md = report_module().markdown(qr.build(tmp_path))
+    assert "results.tar.gz); inside the window, not training steps: validation after step 210." in md
     report_module().pack(tmp_path, tmp_path / "results.tar.gz")
     import tarfile
     with tarfile.open(tmp_path / "results.tar.gz") as tar:

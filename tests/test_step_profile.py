@@ -56,5 +56,6 @@ def test_a_failing_profiler_turns_itself_off_and_the_run_goes_on(tmp_path, monke
     prof = StepProfiler("1:2,4:5", tmp_path, True, torch.device("cpu"))
     for step in range(1, 7):
         prof.after_step(step)
+        prof.before_next_step(step)
     assert prof.windows == [] and not (tmp_path / "profile").exists()
     assert capsys.readouterr().out.count("profiling off") == 1

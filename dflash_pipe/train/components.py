@@ -120,6 +120,7 @@ class FrozenHead:
 
         heads = read_embeddings_and_head(path)  # reads only these tensors; handles tied heads
         self.embed_VH = heads.embed_VH.to(torch.float32)
+        self._mask_rows: dict[int, torch.Tensor] = {}   # the MASK token's row, on the device
 
         self.lm_head_VH = heads.lm_head_VH.to(device=device, dtype=dtype)
         self.lm_head_VH.requires_grad_(False)
@@ -127,12 +128,26 @@ class FrozenHead:
 
     def block_embeds(self, anchor_tokens_N: torch.Tensor, mask_token_id: int, block_size: int,
                      dtype: torch.dtype) -> torch.Tensor:
-        """[N*B, H]: each block is [embed(anchor token), embed(MASK) x (B-1)]; gathered on the CPU."""
-        anchor = self.embed_VH[anchor_tokens_N.cpu()]
-        mask = self.embed_VH[mask_token_id]
-        n, h = anchor.shape
+        """[N*B, H]: each block is [embed(anchor token), embed(MASK) x (B-1)].
+
+        The table stays in host memory (5 GB in fp32 at the seed's vocabulary), so the N anchor rows are gathered
+        there, into pinned memory on CUDA, and only they cross; the blocks are put together on the device. Until
+        session 26 the whole [N*B, H] block tensor crossed from pageable memory (19 MB a step for SmolLM2, 168 MB at
+        the seed's size), and a copy from pageable memory makes the step's stream wait for everything queued
+        before it: the host could not run ahead of the GPU into the next step."""
+        idx = anchor_tokens_N.cpu()
+        n, h = idx.shape[0], self.embed_VH.shape[1]
+        if self.device.type == "cuda":
+            pinned = torch.empty((n, h), dtype=self.embed_VH.dtype, pin_memory=True)
+            torch.index_select(self.embed_VH, 0, idx, out=pinned)
+            anchor = pinned.to(self.device, non_blocking=True)  # the pinned block is reused once this copy is done
+        else:
+            anchor = self.embed_VH[idx]
+        mask = self._mask_rows.get(mask_token_id)
+        if mask is None:
+            mask = self._mask_rows[mask_token_id] = self.embed_VH[mask_token_id].to(self.device)
         blocks = torch.cat([anchor[:, None, :], mask.expand(n, block_size - 1, h)], dim=1)
-        return blocks.reshape(n * block_size, h).to(self.device, dtype=dtype, non_blocking=True)
+        return blocks.reshape(n * block_size, h).to(dtype)
 
 
 def init_state_from_export(export_dir: str, dcfg: DrafterModelConfig) -> dict[str, torch.Tensor]:

@@ -250,7 +250,9 @@ class BatchLoader:
                                                                   self.max_per_doc, rng, self.copy_weight)
         with self._stat_lock:
             self.decode_s += time.perf_counter() - t0
-        t = torch.from_numpy
+        # pinned (on this producer thread) when the planes are: a copy from pageable memory blocks the step loop's
+        # thread until it is done, and these ~12 small tensors were half the host time of the trainer's copies
+        t = (lambda a: torch.from_numpy(a).pin_memory()) if self.pin else torch.from_numpy
 
         def release(planes=planes, scale=scale):
             self.plane_pool.give(planes)

@@ -52,26 +52,40 @@ def _device_us(evt) -> float:
 
 
 class StepProfiler:
-    """Call `after_step(step)` after every step (step = steps done so far); a no-op without windows."""
+    """The trainer calls `after_step(step)` right after every step (it ends a window at B before that step's
+    validation or checkpoint), `before_next_step(step)` once that step's validation and checkpoint are done (it
+    starts a window at A after them: session 26's windows began at multiples of --val-every, and the 32
+    validation batches run there made up most of each window) and `note(what)` for any other work that lands
+    inside a window (a validation, a checkpoint, a round boundary), which the window's report then names.
+    All are no-ops without windows. step = steps done so far."""
 
     def __init__(self, spec: str, out_dir: Path, is_main: bool, device: torch.device):
         self.windows = parse_profile_steps(spec) if is_main else []
         self.out_dir, self.device = Path(out_dir) / "profile", device
         self._prof = None
         self._t0 = 0.0
+        self._notes: list[str] = []
 
     def after_step(self, step: int) -> None:
-        if not self.windows:
+        if self._prof is not None and step >= self.windows[0][1]:
+            self._guarded(self._stop, *self.windows.pop(0))
+
+    def before_next_step(self, step: int) -> None:
+        if not self.windows or self._prof is not None:
             return
-        a, b = self.windows[0]
+        a, _ = self.windows[0]
+        if step == a:
+            self._guarded(self._start, *self.windows[0])
+        elif step > a:   # resumed past the window: skip it
+            self.windows.pop(0)
+
+    def note(self, what: str) -> None:
+        if self._prof is not None:
+            self._notes.append(what)
+
+    def _guarded(self, fn, a: int, b: int) -> None:
         try:
-            if self._prof is None and step == a:
-                self._start()
-            elif self._prof is not None and step >= b:
-                self.windows.pop(0)
-                self._stop(a, b)
-            elif self._prof is None and step > a:   # resumed past the window: skip it
-                self.windows.pop(0)
+            fn(a, b)
         except Exception as exc:  # noqa: BLE001 - a measurement never stops the training run
             log.warning("train: --profile-steps %d:%d failed (%s: %s); profiling off for this run", a, b,
                         type(exc).__name__, exc)
@@ -82,7 +96,8 @@ class StepProfiler:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _start(self) -> None:
+    def _start(self, a: int, b: int) -> None:
+        self._notes = []
         acts = [torch.profiler.ProfilerActivity.CPU]
         if self.device.type == "cuda":
             acts.append(torch.profiler.ProfilerActivity.CUDA)
@@ -107,12 +122,14 @@ class StepProfiler:
         busiest = sorted(by_thread.values(), reverse=True)
         rec = {"steps": [a, b], "wall_ms": round(wall * 1e3 / n, 3), "device_ms": round(device_us / 1e3 / n, 3),
                "cpu_ms": round((busiest[0] if busiest else 0.0) / 1e3 / n, 3),
-               "cpu_ms_other_threads": [round(t / 1e3 / n, 3) for t in busiest[1:]], "device": str(self.device)}
+               "cpu_ms_other_threads": [round(t / 1e3 / n, 3) for t in busiest[1:]], "device": str(self.device),
+               "inside": self._notes}
         self.out_dir.mkdir(parents=True, exist_ok=True)
         stem = self.out_dir / f"steps_{a}-{b}"
         lines = [f"steps {a}..{b} ({n}): wall {rec['wall_ms']} ms a step, device (kernels + copies) "
                  f"{rec['device_ms']} ms, host (top-level ops, busiest thread) {rec['cpu_ms']} ms, other threads "
-                 f"{rec['cpu_ms_other_threads']} ms", ""]
+                 f"{rec['cpu_ms_other_threads']} ms" + (f"; inside the window: {', '.join(self._notes)}"
+                                                        if self._notes else ""), ""]
         if self.device.type == "cuda":
             for key in DEVICE_TIME_KEYS:
                 try:

@@ -213,6 +213,7 @@ def run_train(cfg: RunConfig) -> dict:
         try:
             cap = tr.max_steps or None  # otherwise every epoch runs until its data ends (follow: when extraction does)
             phases = coord.rounds if coord is not None else tr.epochs  # window mode: one phase per round
+            profiler.before_next_step(step)   # a window from this step (0, or where a resumed run starts)
             while epoch < phases and (cap is None or step < cap):
                 follow_first = tr.follow and epoch == 0
                 stats.begin_phase()
@@ -263,14 +264,18 @@ def run_train(cfg: RunConfig) -> dict:
                     if validator is not None and step % tr.val_every == 0 and step != total:
                         report(stats.drain())
                         logger.log_validation(step - 1, validator.run(model))
+                        profiler.note(f"validation after step {step}")
                     stopping = stop.should_stop(step)  # every rank, every step (a collective when world > 1)
                     if stopping or (tr.checkpoint_every and step % tr.checkpoint_every == 0 and step != total):
                         sync_checkpoint(step, epoch, step_in_epoch)
+                        profiler.note(f"checkpoint after step {step}")
+                    profiler.before_next_step(step)
                     fault_point("train.after_step")
                     if stopping:
                         stop.leave(step, total, out_dir)  # raises StopRequested: exit 130, no export
                 if coord is not None and epoch + 1 < phases:
                     clock.begin()
+                    profiler.note(f"round boundary after step {step}")
                 with clock.part("drain"):
                     report(stats.drain())  # the phase's last step: before its boundary and the next phase's clock
                 if coord is not None and not phase_done:
