@@ -313,7 +313,9 @@ def plot(summary: dict, d: Path, out_png: Path) -> None:
     plt.close(fig)
 
 
-def pack(d: Path, out_tar: Path) -> None:
+def pack(d: Path, out_tar: Path, extra: tuple[Path, ...] = ()) -> None:
+    """results.tar.gz: what the report read under `d`, the logs' tails, and `extra` files (quality.png: the device
+    brings back 8 files a call, and the PNG is the first left out when a call has more)."""
     # the regenerated rows themselves leave as $OUT/regen_rows_*.tar (bench/regen_seed.py ship): at tens of M
     # tokens they would push this archive past what a call brings back (16 MiB a file)
     names = ["regenerated.jsonl.progress.json", "regenerated-more.jsonl.progress.json", "cache-val/manifest.json"]
@@ -333,6 +335,9 @@ def pack(d: Path, out_tar: Path) -> None:
             p = d / n
             if p.is_file():
                 tar.add(p, arcname=f"quality/{n}")
+        for p in extra:
+            if p.is_file():
+                tar.add(p, arcname=f"quality/{p.name}")
         for p in sorted((d / "logs").glob("*.log")):
             data = p.read_bytes()[-LOG_TAIL_BYTES:]
             info = tarfile.TarInfo(f"quality/logs/{p.name}")
@@ -351,8 +356,11 @@ def main() -> None:
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
     md = markdown(summary)
     (args.out / "summary.md").write_text(md)
-    pack(args.dir, args.out / "results.tar.gz")
-    plot(summary, args.dir, args.out / "quality.png")
+    png = args.out / "quality.png"
+    try:
+        plot(summary, args.dir, png)
+    finally:   # the archive is written whether or not the plot was
+        pack(args.dir, args.out / "results.tar.gz", extra=(png,))
     print(md, end="")
 
 

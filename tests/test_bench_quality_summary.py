@@ -270,8 +270,11 @@ def test_the_summary_and_report_sum_the_round_boundaries(tmp_path):
          "inside": ["validation after step 210"]}))
     md = report_module().markdown(qr.build(tmp_path))
     assert "results.tar.gz); inside the window, not training steps: validation after step 210." in md
-    report_module().pack(tmp_path, tmp_path / "results.tar.gz")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "quality.png").write_bytes(b"png")   # the report's PNG travels inside the archive too
+    report_module().pack(tmp_path, tmp_path / "results.tar.gz", extra=(tmp_path / "out" / "quality.png",
+                                                                       tmp_path / "out" / "missing.png"))
     import tarfile
     with tarfile.open(tmp_path / "results.tar.gz") as tar:
-        assert {"quality/train-lossless/profile/steps_100-120.json",
+        assert {"quality/train-lossless/profile/steps_100-120.json", "quality/quality.png",
                 "quality/train-lossless/profile/steps_100-120.txt"} <= set(tar.getnames())
