@@ -5,13 +5,14 @@ Why: on the H100 the compiled SmolLM2 drafter step runs at a median 46-54 ms ins
 run itself can say whether the difference is device work (extraction sharing the GPU), host work between steps
 (the loader, logging, the step statistics) or waiting. A window of ~20 steps costs a few seconds of a run.
 
-For each window the profiler starts after step A and stops after step B (steps counted as the log counts them),
-then writes, under <output_dir>/profile/:
+For each window the profiler starts after step A (and after that step's validation or checkpoint, if any) and
+stops right after step B (steps counted as the log counts them); validation, checkpoints or round boundaries that
+fall inside are named in the report. It then writes, under <output_dir>/profile/:
 
     steps_A-B.txt    wall, device and host time per step, then the top ops by device time and by host time
     steps_A-B.json   the per-step numbers (wall_ms; device_ms: kernels and copies summed; cpu_ms: host time of
                      the top-level ops on the busiest thread, the step loop's as a rule; cpu_ms_other_threads:
-                     the loader's and the checkpoint writer's), for scripts
+                     the loader's and the checkpoint writer's; inside: the non-step work in the window), for scripts
 
 device_ms below wall_ms means the device idled; a host op whose time is close to the wall is the bound.
 """
