@@ -199,6 +199,12 @@ def markdown(summary: dict) -> str:
                               if k.endswith("_s") and k not in ("wall_s", "median_wall_s"))
             L += [f"Round boundaries: {rb['boundaries']}, {rb['wall_s']:.1f} s in all (median "
                   f"{rb['median_wall_s']:.2f} s); parts summed (s): {parts}.", ""]
+        th = tr.get("threads")
+        if th and th.get("threads_ms"):   # the whole run: is the step loop's thread busy all along?
+            L += [f"Threads over the run ({th['steps']:,} steps, wall {th['wall_ms_per_step']:.1f} ms a step), ms a step "
+                  "on a CPU (+ runnable, waiting for one): " + ", ".join(
+                      f"{k} {v['cpu']:.1f} (+{v['runnable_wait']:.1f})" for k, v in list(th["threads_ms"].items())[:8])
+                  + ".", ""]
         for pr in tr.get("profiled") or []:   # train --profile-steps: the step's own split, from inside the run
             a, b = pr["steps"]
             L += [f"Profiled steps {a}-{b}: wall {pr['wall_ms']:.1f} ms a step, device {pr['device_ms']:.1f} ms, host "
@@ -323,7 +329,8 @@ def pack(d: Path, out_tar: Path, extra: tuple[Path, ...] = ()) -> None:
         names += [f"cache-{c}/manifest.json", f"cache-{c}/resolved_config.toml"]
     for run in runs(d).values():
         names += [f"{run.name}/{n}" for n in ("metrics.jsonl", "val_metrics.jsonl", "training.png", "resolved_config.toml",
-                                             "export/config.json", "latest.json", "window_rounds.jsonl")]
+                                             "export/config.json", "latest.json", "window_rounds.jsonl",
+                                             "thread_times.json")]
         names += [f"{run.name}/profile/{p.name}" for p in sorted((run / "profile").glob("steps_*"))]  # --profile-steps
     for sub in sorted(d.glob("eval-*")):
         names += [f"{sub.name}/{n}" for n in ("eval_report.json", "eval_report.md", "eval_prompts.jsonl",

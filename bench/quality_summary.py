@@ -186,6 +186,7 @@ def training_curve(train_dir: Path) -> dict | None:
             "median_step_s": step_s[len(step_s) // 2], "windows": windows,
             "round_boundaries": round_boundaries(train_dir),
             "profiled": [p for p in map(_json, sorted((train_dir / "profile").glob("steps_*.json"))) if p],
+            "threads": _json(train_dir / "thread_times.json"),   # CPU time per thread over the run (thread_times.py)
             "points": [(s, r["tau"]) for s, r in zip(seen, recs)]}
 
 

@@ -23,14 +23,22 @@ def test_profiled_steps_write_the_split_and_the_op_tables(tmp_path, capsys):
     cfg.drafter.num_layers, cfg.drafter.block_size = 1, 4
     cfg.train.context_tokens, cfg.train.num_anchors, cfg.train.max_steps = 96, 8, 6
     cfg.train.profile_steps = "1:3,5:9"           # the second window is still open when the run ends
-    run_train(normalize(cfg))
+    steps = run_train(normalize(cfg))["steps"]
     prof = tmp_path / "out" / "profile"
     assert sorted(p.name for p in prof.iterdir()) == ["steps_1-3.json", "steps_1-3.txt"]
     rec = json.loads((prof / "steps_1-3.json").read_text())
     assert rec["steps"] == [1, 3] and rec["wall_ms"] > 0 and 0 < rec["cpu_ms"] <= 3 * rec["wall_ms"]
     text = (prof / "steps_1-3.txt").read_text()
     assert "top ops by host time" in text and "aten::" in text   # the step's own ops, by name
-    assert "train: profiled steps 1..3" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "train: profiled steps 1..3" in out
+    # CPU time per thread, in the window and over the whole run (Linux /proc): the step loop's thread and the
+    # loader's pools by name
+    assert rec["threads_ms"]["MainThread"]["cpu"] > 0
+    run = json.loads((tmp_path / "out" / "thread_times.json").read_text())
+    assert run["steps"] == steps > 3 and run["wall_ms_per_step"] > 0
+    assert run["threads_ms"]["MainThread"]["cpu"] > 0 and {"dflash-batch", "dflash-decode"} <= set(run["threads_ms"])
+    assert f"train: threads over {steps} steps, ms a step on a CPU" in out
 
 
 @pytest.mark.parametrize("spec", ["5", "3:3", "4:8,6:9", "a:b", "-1:2"])

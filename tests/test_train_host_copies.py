@@ -71,3 +71,31 @@ def test_a_resumed_run_skips_the_windows_it_started_past(tmp_path):
         prof.after_step(step)
         prof.before_next_step(step)
     assert [p.name for p in (tmp_path / "profile").glob("*.json")] == ["steps_10-12.json"]
+
+
+def test_thread_times_group_pools_and_count_new_threads_from_zero():
+    import threading
+    import time
+
+    from dflash_pipe.train import thread_times
+
+    assert thread_times.group_name("dflash-decode_3") == "dflash-decode"
+    assert thread_times.group_name("MainThread") == "MainThread"
+    before = thread_times.snapshot()
+    assert before and all(isinstance(v[1], int) for v in before.values())
+    done = threading.Event()
+
+    def spin():   # ~50 ms on a CPU in a thread born inside the window
+        t0 = time.thread_time()
+        while time.thread_time() - t0 < 0.05:
+            pass
+        done.wait()
+
+    t = threading.Thread(target=spin, name="spinner_0")
+    t.start()
+    time.sleep(0.2)
+    after = thread_times.snapshot()
+    done.set()
+    t.join()
+    rows = thread_times.per_step_ms(before, after, steps=10)
+    assert 4.0 <= rows["spinner"]["cpu"] <= 15.0          # ~50 ms over 10 steps, counted from 0

@@ -12,7 +12,9 @@ fall inside are named in the report. It then writes, under <output_dir>/profile/
     steps_A-B.txt    wall, device and host time per step, then the top ops by device time and by host time
     steps_A-B.json   the per-step numbers (wall_ms; device_ms: kernels and copies summed; cpu_ms: host time of
                      the top-level ops on the busiest thread, the step loop's as a rule; cpu_ms_other_threads:
-                     the loader's and the checkpoint writer's; inside: the non-step work in the window), for scripts
+                     the loader's and the checkpoint writer's; inside: the non-step work in the window;
+                     threads_ms: each thread group's time on a CPU, and runnable but waiting for one, a step,
+                     from /proc: thread_times.py), for scripts
 
 device_ms below wall_ms means the device idled; a host op whose time is close to the wall is the bound.
 """
@@ -27,6 +29,7 @@ from pathlib import Path
 import torch
 
 from ..errors import UsageError
+from . import thread_times
 
 log = logging.getLogger("dflash_pipe.train")
 
@@ -66,6 +69,7 @@ class StepProfiler:
         self._prof = None
         self._t0 = 0.0
         self._notes: list[str] = []
+        self._threads: dict = {}
 
     def after_step(self, step: int) -> None:
         if self._prof is not None and step >= self.windows[0][1]:
@@ -105,11 +109,13 @@ class StepProfiler:
         self._sync()
         self._prof = torch.profiler.profile(activities=acts)
         self._prof.__enter__()
+        self._threads = thread_times.snapshot()
         self._t0 = time.perf_counter()
 
     def _stop(self, a: int, b: int) -> None:
         self._sync()
         wall = time.perf_counter() - self._t0
+        threads = thread_times.per_step_ms(self._threads, thread_times.snapshot(), b - a)
         prof, self._prof = self._prof, None
         prof.__exit__(None, None, None)
         avgs = prof.key_averages()
@@ -124,13 +130,17 @@ class StepProfiler:
         rec = {"steps": [a, b], "wall_ms": round(wall * 1e3 / n, 3), "device_ms": round(device_us / 1e3 / n, 3),
                "cpu_ms": round((busiest[0] if busiest else 0.0) / 1e3 / n, 3),
                "cpu_ms_other_threads": [round(t / 1e3 / n, 3) for t in busiest[1:]], "device": str(self.device),
-               "inside": self._notes}
+               "inside": self._notes, "threads_ms": threads}
         self.out_dir.mkdir(parents=True, exist_ok=True)
         stem = self.out_dir / f"steps_{a}-{b}"
         lines = [f"steps {a}..{b} ({n}): wall {rec['wall_ms']} ms a step, device (kernels + copies) "
                  f"{rec['device_ms']} ms, host (top-level ops, busiest thread) {rec['cpu_ms']} ms, other threads "
                  f"{rec['cpu_ms_other_threads']} ms" + (f"; inside the window: {', '.join(self._notes)}"
-                                                        if self._notes else ""), ""]
+                                                        if self._notes else "")]
+        if threads:
+            lines.append("threads, ms a step on a CPU (+ runnable, waiting for one): " + ", ".join(
+                f"{k} {v['cpu']} (+{v['runnable_wait']})" for k, v in threads.items()))
+        lines.append("")
         if self.device.type == "cuda":
             for key in DEVICE_TIME_KEYS:
                 try:

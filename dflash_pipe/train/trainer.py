@@ -35,6 +35,7 @@ from .metrics import StepLogger, plot_history, step_flops
 from .round_carry import RoundCarry
 from .device_feed import DeviceFeed
 from .round_clock import RoundClock
+from . import thread_times
 from .step_profile import StepProfiler
 from .step_stats import PendingStepStats, StepStats
 from .window_lr import WindowLR, planned_total
@@ -214,6 +215,7 @@ def run_train(cfg: RunConfig) -> dict:
             cap = tr.max_steps or None  # otherwise every epoch runs until its data ends (follow: when extraction does)
             phases = coord.rounds if coord is not None else tr.epochs  # window mode: one phase per round
             profiler.before_next_step(step)   # a window from this step (0, or where a resumed run starts)
+            threads0, step0, t_loop = (thread_times.snapshot() if info.is_main else {}), step, time.perf_counter()
             while epoch < phases and (cap is None or step < cap):
                 follow_first = tr.follow and epoch == 0
                 stats.begin_phase()
@@ -299,6 +301,8 @@ def run_train(cfg: RunConfig) -> dict:
                                             cfg, info)
                             coord.collect(epoch)
             log_last_step()
+            if (line := thread_times.report_run(out_dir, threads0, step - step0, time.perf_counter() - t_loop)):
+                print(line, flush=True)   # is the step loop's thread busy all along? (thread_times.py)
             sync_checkpoint(step, epoch, step_in_epoch)
             if coord is not None and epoch >= coord.rounds:
                 coord.finish()  # every shard read K times: delete the rest, mark the cache consumed
