@@ -201,8 +201,10 @@ def markdown(summary: dict) -> str:
                   f"{rb['median_wall_s']:.2f} s); parts summed (s): {parts}.", ""]
         th = tr.get("threads")
         if th and th.get("threads_ms"):   # the whole run: is the step loop's thread busy all along?
-            L += [f"Threads over the run ({th['steps']:,} steps, wall {th['wall_ms_per_step']:.1f} ms a step), ms a step "
-                  "on a CPU (+ runnable, waiting for one): " + ", ".join(
+            wait = th.get("device_wait_ms_per_step")
+            L += [f"Threads over the run ({th['steps']:,} steps, wall {th['wall_ms_per_step']:.1f} ms a step"
+                  + (f", the step loop waiting for the device {wait:.1f} of it" if wait is not None else "")
+                  + "), ms a step on a CPU (+ runnable, waiting for one): " + ", ".join(
                       f"{k} {v['cpu']:.1f} (+{v['runnable_wait']:.1f})" for k, v in list(th["threads_ms"].items())[:8])
                   + ".", ""]
         for pr in tr.get("profiled") or []:   # train --profile-steps: the step's own split, from inside the run

@@ -271,11 +271,12 @@ def test_the_summary_and_report_sum_the_round_boundaries(tmp_path):
     md = report_module().markdown(qr.build(tmp_path))
     assert "results.tar.gz); inside the window, not training steps: validation after step 210." in md
     (run / "thread_times.json").write_text(json.dumps(   # train's CPU time per thread over the run
-        {"steps": 1000, "wall_ms_per_step": 55.0, "threads_ms": {"MainThread": {"cpu": 41.5, "runnable_wait": 0.2},
+        {"steps": 1000, "wall_ms_per_step": 55.0, "device_wait_ms_per_step": 3.25, "threads_ms": {"MainThread": {"cpu": 41.5, "runnable_wait": 0.2},
                                                                  "dflash-decode": {"cpu": 12.0, "runnable_wait": 1.0}}}))
     md = report_module().markdown(qr.build(tmp_path))
-    assert ("Threads over the run (1,000 steps, wall 55.0 ms a step), ms a step on a CPU (+ runnable, waiting for "
-            "one): MainThread 41.5 (+0.2), dflash-decode 12.0 (+1.0).") in md
+    assert ("Threads over the run (1,000 steps, wall 55.0 ms a step, the step loop waiting for the device 3.2 of "
+            "it), ms a step on a CPU (+ runnable, waiting for one): MainThread 41.5 (+0.2), dflash-decode 12.0 "
+            "(+1.0).") in md
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "quality.png").write_bytes(b"png")   # the report's PNG travels inside the archive too
     report_module().pack(tmp_path, tmp_path / "results.tar.gz", extra=(tmp_path / "out" / "quality.png",

@@ -38,7 +38,8 @@ def test_profiled_steps_write_the_split_and_the_op_tables(tmp_path, capsys):
     run = json.loads((tmp_path / "out" / "thread_times.json").read_text())
     assert run["steps"] == steps > 3 and run["wall_ms_per_step"] > 0
     assert run["threads_ms"]["MainThread"]["cpu"] > 0 and {"dflash-batch", "dflash-decode"} <= set(run["threads_ms"])
-    assert f"train: threads over {steps} steps, ms a step on a CPU" in out
+    assert run["device_wait_ms_per_step"] == 0          # the CPU step has no device to wait for
+    assert f"train: threads over {steps} steps, wall " in out and "waiting for the device 0.0 of it" in out
 
 
 @pytest.mark.parametrize("spec", ["5", "3:3", "4:8,6:9", "a:b", "-1:2"])

@@ -54,4 +54,6 @@ def test_compiled_flex_trainer_validates_under_the_lock_and_follows_eager_sdpa(t
     assert (tmp_path / "compiled" / "export").is_dir()
     prof = json.loads((tmp_path / "compiled" / "profile" / "steps_2-4.json").read_text())
     assert prof["device_ms"] > 0 and prof["wall_ms"] > 0   # CUDA kernels seen, no recompile under the lock
+    threads = json.loads((tmp_path / "compiled" / "thread_times.json").read_text())
+    assert 0 <= threads["device_wait_ms_per_step"] <= threads["wall_ms_per_step"]   # timed around the CUDA wait
     assert torch.cuda.is_available()

@@ -77,6 +77,7 @@ class PendingStepStats:
         self.device, self.defer = device, defer
         self._pending = None  # (stats, host values, start mark, end mark, note)
         self._last_mark = self._mark()
+        self.device_wait_s = 0.0  # host time spent waiting here for the device to finish a step: ~0 = host-bound
 
     def _mark(self):
         if self.device.type != "cuda":
@@ -110,13 +111,14 @@ class PendingStepStats:
         entry, self._pending = self._pending, None
         return self._read(entry) if entry is not None else None
 
-    @staticmethod
-    def _read(entry) -> StepRecord:
+    def _read(self, entry) -> StepRecord:
         stats, values, start, end, note = entry
         if isinstance(end, float):
             seconds = end - start
         else:
+            t0 = time.perf_counter()
             end.synchronize()  # the step, and the copy of its values queued after it, are done
+            self.device_wait_s += time.perf_counter() - t0
             seconds = start.elapsed_time(end) / 1e3
         metrics, grad_norm = stats.read(values)
         return StepRecord(metrics, grad_norm, seconds, note)

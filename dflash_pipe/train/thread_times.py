@@ -53,16 +53,20 @@ def per_step_ms(before: dict, after: dict, steps: int) -> dict[str, dict[str, fl
             for k, (r, w) in rows if r or w}
 
 
-def report_run(out_dir: Path, before: dict, steps: int, wall_s: float) -> str | None:
+def report_run(out_dir: Path, before: dict, steps: int, wall_s: float, device_wait_s: float) -> str | None:
     """The whole run's CPU time per thread group, per step: <out_dir>/thread_times.json and one line for the log.
-    None when there is nothing to report (no /proc, no steps)."""
+    `device_wait_s`: the step loop's time waiting for the device to finish a step (step_stats.py); a CUDA wait
+    spins, so it counts as the step loop's CPU time too: the loop's own work is its CPU time less this. None when
+    there is nothing to report (no /proc, no steps)."""
     import json
 
     threads = per_step_ms(before, snapshot(), steps) if before and steps > 0 else {}
     if not threads:
         return None
-    rec = {"steps": steps, "wall_ms_per_step": round(wall_s * 1e3 / steps, 3), "threads_ms": threads}
+    rec = {"steps": steps, "wall_ms_per_step": round(wall_s * 1e3 / steps, 3),
+           "device_wait_ms_per_step": round(device_wait_s * 1e3 / steps, 3), "threads_ms": threads}
     (Path(out_dir) / "thread_times.json").write_text(json.dumps(rec) + "\n")
     top = ", ".join(f"{k} {v['cpu']:.1f} (+{v['runnable_wait']:.1f})" for k, v in list(threads.items())[:6])
-    return (f"train: threads over {steps} steps, ms a step on a CPU (+ runnable, waiting for one), wall "
-            f"{rec['wall_ms_per_step']:.1f}: {top}")
+    return (f"train: threads over {steps} steps, wall {rec['wall_ms_per_step']:.1f} ms a step, the step loop waiting "
+            f"for the device {rec['device_wait_ms_per_step']:.1f} of it; ms a step on a CPU (+ runnable, waiting for "
+            f"one): {top}")

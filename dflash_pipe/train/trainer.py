@@ -301,7 +301,8 @@ def run_train(cfg: RunConfig) -> dict:
                                             cfg, info)
                             coord.collect(epoch)
             log_last_step()
-            if (line := thread_times.report_run(out_dir, threads0, step - step0, time.perf_counter() - t_loop)):
+            if (line := thread_times.report_run(out_dir, threads0, step - step0, time.perf_counter() - t_loop,
+                                                    stats.device_wait_s)):
                 print(line, flush=True)   # is the step loop's thread busy all along? (thread_times.py)
             sync_checkpoint(step, epoch, step_in_epoch)
             if coord is not None and epoch >= coord.rounds:
