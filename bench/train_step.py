@@ -30,7 +30,7 @@ from dflash_pipe.config import RunConfig  # noqa: E402
 from dflash_pipe.drafter import DrafterModelConfig, lock_compilation, unlock_compilation  # noqa: E402
 from dflash_pipe.drafter.attention import set_flex_tuning  # noqa: E402
 from dflash_pipe.drafter.grouped import set_group_blocks  # noqa: E402
-from dflash_pipe.train.components import build_model, build_optimizer  # noqa: E402
+from dflash_pipe.train.components import block_embeds, build_model, build_optimizer  # noqa: E402
 from dflash_pipe.train.master_weights import MasterWeights  # noqa: E402
 from dflash_pipe.train.loader import TrainBatch  # noqa: E402
 from dflash_pipe.train.metrics import step_flops  # noqa: E402
@@ -66,19 +66,17 @@ class BenchHead:
         g = torch.Generator(device=device).manual_seed(1)
         self.lm_head_VH = (torch.randn(shape.vocab, shape.hidden, generator=g, device=device) * 0.02).to(torch.bfloat16)
         self.device = device
+        self._mask_rows: dict = {}
 
-    def block_embeds(self, anchor_tokens_N, mask_token_id, block_size, dtype):
-        anchor = self.embed_VH[anchor_tokens_N.cpu()]
-        mask = self.embed_VH[mask_token_id]
-        n, h = anchor.shape
-        blocks = torch.cat([anchor[:, None, :], mask.expand(n, block_size - 1, h)], dim=1)
-        return blocks.reshape(n * block_size, h).to(self.device, dtype=dtype, non_blocking=True)
+    def block_embeds(self, anchor_tokens_N, mask_token_id, block_size, dtype):   # the trainer's own
+        return block_embeds(self.embed_VH, self._mask_rows, anchor_tokens_N, mask_token_id, block_size, dtype,
+                            self.device)
 
 
 def make_batches(shape: SeedShape, count: int, planes_pool: list[torch.Tensor], max_doc: int = 0) -> list[TrainBatch]:
     out = []
     for i, b in enumerate(structure_batches(shape, count, max_doc=max_doc)):
-        t = torch.from_numpy
+        t = (lambda a: torch.from_numpy(a).pin_memory()) if torch.cuda.is_available() else torch.from_numpy
         out.append(TrainBatch(0, i, planes_pool[i % len(planes_pool)], None, t(b["input_ids"]), t(b["ctx_doc"]),
                               t(b["ctx_pos"]), t(b["anchor_index"]), t(b["block_doc"]), t(b["block_valid"]),
                               t(b["labels"]), t(b["input_ids"][b["anchor_index"]]), None, None, b["docs"],

@@ -128,26 +128,34 @@ class FrozenHead:
 
     def block_embeds(self, anchor_tokens_N: torch.Tensor, mask_token_id: int, block_size: int,
                      dtype: torch.dtype) -> torch.Tensor:
-        """[N*B, H]: each block is [embed(anchor token), embed(MASK) x (B-1)].
+        """[N*B, H]: each block is [embed(anchor token), embed(MASK) x (B-1)] (`block_embeds` below)."""
+        return block_embeds(self.embed_VH, self._mask_rows, anchor_tokens_N, mask_token_id, block_size, dtype,
+                            self.device)
 
-        The table stays in host memory (5 GB in fp32 at the seed's vocabulary), so the N anchor rows are gathered
-        there, into pinned memory on CUDA, and only they cross; the blocks are put together on the device. Until
-        session 26 the whole [N*B, H] block tensor crossed from pageable memory (19 MB a step for SmolLM2, 168 MB at
-        the seed's size), and a copy from pageable memory makes the step's stream wait for everything queued
-        before it: the host could not run ahead of the GPU into the next step."""
-        idx = anchor_tokens_N.cpu()
-        n, h = idx.shape[0], self.embed_VH.shape[1]
-        if self.device.type == "cuda":
-            pinned = torch.empty((n, h), dtype=self.embed_VH.dtype, pin_memory=True)
-            torch.index_select(self.embed_VH, 0, idx, out=pinned)
-            anchor = pinned.to(self.device, non_blocking=True)  # the pinned block is reused once this copy is done
-        else:
-            anchor = self.embed_VH[idx]
-        mask = self._mask_rows.get(mask_token_id)
-        if mask is None:
-            mask = self._mask_rows[mask_token_id] = self.embed_VH[mask_token_id].to(self.device)
-        blocks = torch.cat([anchor[:, None, :], mask.expand(n, block_size - 1, h)], dim=1)
-        return blocks.reshape(n * block_size, h).to(dtype)
+
+def block_embeds(embed_VH: torch.Tensor, mask_rows: dict, anchor_tokens_N: torch.Tensor, mask_token_id: int,
+                 block_size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[N*B, H] on `device`: each block is [embed(anchor token), embed(MASK) x (B-1)]; `mask_rows` caches the MASK
+    row on the device.
+
+    The table stays in host memory (5 GB in fp32 at the seed's vocabulary), so the N anchor rows are gathered
+    there, into pinned memory on CUDA, and only they cross; the blocks are put together on the device. Until
+    session 26 the whole [N*B, H] block tensor crossed from pageable memory (19 MB a step for SmolLM2, 168 MB at
+    the seed's size), and a copy from pageable memory makes the step's stream wait for everything queued
+    before it: the host could not run ahead of the GPU into the next step."""
+    idx = anchor_tokens_N.cpu()
+    n, h = idx.shape[0], embed_VH.shape[1]
+    if device.type == "cuda":
+        pinned = torch.empty((n, h), dtype=embed_VH.dtype, pin_memory=True)
+        torch.index_select(embed_VH, 0, idx, out=pinned)
+        anchor = pinned.to(device, non_blocking=True)  # the pinned block is reused once this copy is done
+    else:
+        anchor = embed_VH[idx]
+    mask = mask_rows.get(mask_token_id)
+    if mask is None:
+        mask = mask_rows[mask_token_id] = embed_VH[mask_token_id].to(device)
+    blocks = torch.cat([anchor[:, None, :], mask.expand(n, block_size - 1, h)], dim=1)
+    return blocks.reshape(n * block_size, h).to(dtype)
 
 
 def init_state_from_export(export_dir: str, dcfg: DrafterModelConfig) -> dict[str, torch.Tensor]:
