@@ -41,7 +41,7 @@ def snapshot() -> dict[int, tuple[str, int, int]]:
 
 def per_step_ms(before: dict, after: dict, steps: int) -> dict[str, dict[str, float]]:
     """{group: {"cpu": ms a step on a CPU, "runnable_wait": ms a step waiting for one}}, busiest first; threads that
-    started inside the window count from 0."""
+    started inside the window count from 0, threads that ended inside it are not counted (their /proc entry is gone)."""
     acc: dict[str, list[int]] = {}
     for tid, (name, run, wait) in after.items():
         _, run0, wait0 = before.get(tid, (name, 0, 0))
