@@ -203,8 +203,9 @@ class TrainConfig:
     val_batches: int = opt(8, "Batches per validation pass (each rank takes its share of the validation cache).")
     device: str = opt("auto", "'auto', 'cpu', 'cuda' (under torchrun: the local rank's GPU).")
     profile_steps: str = opt("", "Profile these steps of rank 0 with torch.profiler, e.g. '200:220,3000:3020' (after "
-                             "step A and its validation or checkpoint, to step B): wall, device and host time per step and the top ops go to "
-                             "<output_dir>/profile/steps_A-B.txt (train/step_profile.py). Empty = off.")
+                             "step A and its validation or checkpoint, to step B): wall, device and host time per "
+                             "step and the top ops go to <output_dir>/profile/steps_A-B.txt (train/step_profile.py). "
+                             "Empty = off.")
 
 
 @dataclass

@@ -279,8 +279,8 @@ def test_the_summary_and_report_sum_the_round_boundaries(tmp_path):
             "(+1.0).") in md
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "quality.png").write_bytes(b"png")   # the report's PNG travels inside the archive too
-    report_module().pack(tmp_path, tmp_path / "results.tar.gz", extra=(tmp_path / "out" / "quality.png",
-                                                                       tmp_path / "out" / "missing.png"))
+    pngs = (tmp_path / "out" / "quality.png", tmp_path / "out" / "missing.png")
+    report_module().pack(tmp_path, tmp_path / "results.tar.gz", extra=pngs)
     import tarfile
     with tarfile.open(tmp_path / "results.tar.gz") as tar:
         assert {"quality/train-lossless/profile/steps_100-120.json", "quality/quality.png",

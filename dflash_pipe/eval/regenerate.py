@@ -35,8 +35,9 @@ targets (hybrid / recurrent layers) fall back to HF `generate`, greedy, named in
 4 x batch_size conversations are in flight; their ready turns are served oldest conversation
 first, and the answers are written in input order. While the device runs a launch, the host
 detokenizes the answers just collected and tokenizes the round's new prompts in one batched call
-(`encode_prompts`; a conversation's first prompt is tokenized ahead on a worker thread, regen_turns.py); the time of each phase is logged at the end and kept in the sidecar's "timing" (updated at
-every flush, so a run stopped by a deadline keeps its split up to its last flush).
+(`encode_prompts`; a conversation's first prompt is tokenized ahead on a worker thread, regen_turns.py); the
+time of each phase is logged at the end and kept in the sidecar's "timing" (updated at every flush, so a run
+stopped by a deadline keeps its split up to its last flush).
 
 Prefix-stable, resumable and crash-safe: rows are appended in input order only (a finished
 conversation waits for the earlier ones), so a file made with max_samples = N is the prefix of
@@ -211,8 +212,13 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
     stats = DataStats()
     d = cfg.data
     convs = iter(load_conversations(d.source, d.format, d.strict, stats, d.skip_samples, d.max_samples))
+
+    def samples_to_write(conv) -> list[str]:
+        """The conversation's sample ids neither written nor skipped yet (none for a plain-text row)."""
+        return [] if conv.is_text else [sid for sid in dec.sample_ids(conv.sample_id) if sid not in skip]
+
     prompts = PromptReadAhead(convs, bundle.tokenizer, chunk=max(64, backend.B // 4), enabled=prefetch_prompts,
-                              wanted=lambda c: not c.is_text and any(s not in skip for s in dec.sample_ids(c.sample_id)))
+                              wanted=lambda c: bool(samples_to_write(c)))
     bar = progress_bar(d.max_samples * dec.samples or None, "regenerate", "conv")
     if done:
         print(f"regenerate: resuming {output}: {len(done)} conversations already written", flush=True)
@@ -304,9 +310,8 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
                     exhausted = True
                     break
                 conv, first_ids = item
-                ids = dec.sample_ids(conv.sample_id)
-                todo = [] if conv.is_text else [sid for sid in ids if sid not in skip]
-                bar.update(len(ids) - len(todo))
+                todo = samples_to_write(conv)
+                bar.update(len(dec.sample_ids(conv.sample_id)) - len(todo))
                 for sid in todo:
                     st = ConvState(sid, conv.messages, order=order, first_ids=first_ids)
                     order += 1

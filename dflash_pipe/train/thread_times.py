@@ -8,6 +8,7 @@ step loop's thread was busy all along (host-bound), and how much the other threa
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 from pathlib import Path
@@ -58,8 +59,6 @@ def report_run(out_dir: Path, before: dict, steps: int, wall_s: float, device_wa
     `device_wait_s`: the step loop's time waiting for the device to finish a step (step_stats.py); a CUDA wait
     spins, so it counts as the step loop's CPU time too: the loop's own work is its CPU time less this. None when
     there is nothing to report (no /proc, no steps)."""
-    import json
-
     threads = per_step_ms(before, snapshot(), steps) if before and steps > 0 else {}
     if not threads:
         return None
