@@ -99,3 +99,13 @@ def test_thread_times_group_pools_and_count_new_threads_from_zero():
     t.join()
     rows = thread_times.per_step_ms(before, after, steps=10)
     assert 4.0 <= rows["spinner"]["cpu"] <= 15.0          # ~50 ms over 10 steps, counted from 0
+
+
+def test_without_proc_the_thread_report_is_left_out(tmp_path, monkeypatch):
+    """Not Linux (no /proc/self/task): no snapshot, no thread_times.json, no log line; training is unaffected."""
+    from dflash_pipe.train import thread_times
+
+    monkeypatch.setattr(thread_times, "_TASKS", tmp_path / "no-proc")
+    assert thread_times.snapshot() == {}
+    assert thread_times.report_run(tmp_path, thread_times.snapshot(), steps=5, wall_s=1.0, device_wait_s=0.0) is None
+    assert not (tmp_path / "thread_times.json").exists()
