@@ -24,19 +24,15 @@ import shutil
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.seed_shape import SeedShape, heavy_tailed_features, structure_batches  # noqa: E402
-from dflash_pipe.cache import init_or_check_spec, make_spec, shard_name, try_finalize, write_sidecar  # noqa: E402
-from dflash_pipe.cache.codec import LOSSLESS, encode_hidden  # noqa: E402
+from bench.seed_shape import SeedShape, write_seed_shard  # noqa: E402
+from dflash_pipe.cache import shard_name  # noqa: E402
 from dflash_pipe.cache.fs import open_cache_fs  # noqa: E402
-from dflash_pipe.cache.schema import shard_meta  # noqa: E402
-from dflash_pipe.cache.writer import ShardWriter, make_row  # noqa: E402
 from dflash_pipe.train.loader import BatchLoader, CacheIndex  # noqa: E402
 
 STEP_GBPS_SEED = 419e6 / 0.2826 / 1e9  # BENCHMARKS.md, session 4: the step's consumption at 5 x 5120
@@ -44,31 +40,7 @@ STEP_GBPS_SEED = 419e6 / 0.2826 / 1e9  # BENCHMARKS.md, session 4: the step's co
 
 def build_cache(root: Path, shape: SeedShape, layers: int, batches: int, row_group_mb: int, workers: int) -> int:
     """Write `batches` packed rows' worth of documents into one shard; returns the feature width."""
-    width = shape.hidden * layers
-    spec = make_spec({"bench": "objstore"}, {"hidden_size": shape.hidden},
-                     {"width": width, "num_layers": layers, "codec": LOSSLESS, "topk": 0,
-                      "layer_ids": list(range(layers))}, 1, {})
-    init_or_check_spec(root, spec)
-    w = ShardWriter(root, shard_name(0, 1), 0, LOSSLESS, 0, shard_meta(LOSSLESS, 0, width, layers, spec["fingerprint"]),
-                    row_group_mb << 20)
-    feats = heavy_tailed_features(shape.context, width, 0)
-    rows = []
-    with ThreadPoolExecutor(workers) as pool:
-        for bi, b in enumerate(structure_batches(shape, batches)):
-            starts = np.flatnonzero(np.diff(np.concatenate([[-2], b["ctx_doc"]])) != 0)
-            for s in starts:
-                j = b["ctx_doc"][s]
-                if j < 0:
-                    continue
-                T = int((b["ctx_doc"] == j).sum())
-                rows.append(pool.submit(make_row, f"b{bi}d{j}", len(rows), b["input_ids"][s:s + T].astype(np.int32),
-                                        (np.arange(T) > 0).astype(np.uint8),
-                                        encode_hidden(feats[s:s + T], LOSSLESS, layers)))
-        for r in rows:
-            w.add(r.result())
-    info = w.commit()
-    write_sidecar(root, spec, info, {})
-    try_finalize(root, spec)
+    width, _, _ = write_seed_shard(root, shape, layers, batches, row_group_mb, workers, {"bench": "objstore"})
     return width
 
 

@@ -85,3 +85,45 @@ def heavy_tailed_features(tokens: int, width: int, seed: int, device="cpu") -> t
     x = x / torch.rand(tokens, width, generator=g, device=device).clamp_min(0.05).sqrt()
     x[:, 7] *= 100
     return x.to(torch.bfloat16)
+
+
+def write_seed_shard(root: Path, shape: SeedShape, layers: int, batches: int, row_group_mb: int, workers: int,
+                     meta: dict) -> tuple[int, object, float]:
+    """A one-shard lossless cache at `root` holding the documents of `batches` packed rows (synthetic heavy-tailed
+    features, `layers` captured layers), encoded on `workers` threads; finalized, so the loader can open it.
+    Returns (feature width, the shard's ShardInfo, seconds spent encoding and writing the rows)."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dflash_pipe.cache import init_or_check_spec, make_spec, shard_name, try_finalize, write_sidecar
+    from dflash_pipe.cache.codec import LOSSLESS, encode_hidden
+    from dflash_pipe.cache.schema import shard_meta
+    from dflash_pipe.cache.writer import ShardWriter, make_row
+
+    width = shape.hidden * layers
+    spec = make_spec(meta, {"hidden_size": shape.hidden}, {"width": width, "num_layers": layers, "codec": LOSSLESS,
+                     "topk": 0, "layer_ids": list(range(layers))}, 1, {})
+    init_or_check_spec(root, spec)
+    w = ShardWriter(root, shard_name(0, 1), 0, LOSSLESS, 0, shard_meta(LOSSLESS, 0, width, layers, spec["fingerprint"]),
+                    row_group_mb << 20)
+    docs = structure_batches(shape, batches)
+    feats = heavy_tailed_features(shape.context, width, 0)
+    rows = []
+    with ThreadPoolExecutor(workers) as pool:
+        t0 = time.perf_counter()
+        for bi, b in enumerate(docs):
+            for s in np.flatnonzero(np.diff(np.concatenate([[-2], b["ctx_doc"]])) != 0):  # each document's start
+                j = b["ctx_doc"][s]
+                if j < 0:
+                    continue
+                T = int((b["ctx_doc"] == j).sum())
+                rows.append(pool.submit(make_row, f"b{bi}d{j}", len(rows), b["input_ids"][s:s + T].astype(np.int32),
+                                        (np.arange(T) > 0).astype(np.uint8),
+                                        encode_hidden(feats[s:s + T], LOSSLESS, layers)))
+        for r in rows:
+            w.add(r.result())
+        enc_s = time.perf_counter() - t0
+    info = w.commit()
+    write_sidecar(root, spec, info, {})
+    try_finalize(root, spec)
+    return width, info, enc_s

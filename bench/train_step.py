@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.seed_shape import SeedShape, heavy_tailed_features, structure_batches  # noqa: E402
+from bench.seed_shape import SeedShape, heavy_tailed_features, structure_batches, write_seed_shard  # noqa: E402
 from dflash_pipe.cache.codec import LOSSLESS, encode_hidden  # noqa: E402
 from dflash_pipe.config import RunConfig  # noqa: E402
 from dflash_pipe.drafter import DrafterModelConfig, lock_compilation, unlock_compilation  # noqa: E402
@@ -220,40 +220,10 @@ def loader_rate(shape: SeedShape, workers: int, batches: int = 8, row_group_mb: 
     from dflash_pipe.config import ExtractConfig
 
     row_group_mb = row_group_mb or ExtractConfig().row_group_mb
-    from dflash_pipe.cache import init_or_check_spec, make_spec, shard_name, try_finalize, write_sidecar
-    from dflash_pipe.cache.schema import shard_meta
-    from dflash_pipe.cache.writer import ShardWriter, make_row
     from dflash_pipe.train.loader import BatchLoader, CacheIndex
-    from concurrent.futures import ThreadPoolExecutor
 
-    width = shape.hidden * shape.target_layers
     tmp = Path(tempfile.mkdtemp(prefix="dflash-loader-bench-"))
-    spec = make_spec({"bench": 1}, {"hidden_size": shape.hidden}, {"width": width, "num_layers": shape.target_layers,
-                     "codec": LOSSLESS, "topk": 0, "layer_ids": list(range(shape.target_layers))}, 1, {})
-    init_or_check_spec(tmp, spec)
-    w = ShardWriter(tmp, shard_name(0, 1), 0, LOSSLESS, 0,
-                    shard_meta(LOSSLESS, 0, width, shape.target_layers, spec["fingerprint"]), row_group_mb << 20)
-    docs = structure_batches(shape, batches)
-    feats = heavy_tailed_features(shape.context, width, 0)
-    rows = []
-    with ThreadPoolExecutor(workers) as pool:
-        t0 = time.perf_counter()
-        for bi, b in enumerate(docs):
-            starts = np.flatnonzero(np.diff(np.concatenate([[-2], b["ctx_doc"]])) != 0)
-            for s in starts:
-                j = b["ctx_doc"][s]
-                if j < 0:
-                    continue
-                T = int((b["ctx_doc"] == j).sum())
-                rows.append(pool.submit(make_row, f"b{bi}d{j}", len(rows), b["input_ids"][s:s + T].astype(np.int32),
-                                        (np.arange(T) > 0).astype(np.uint8),
-                                        encode_hidden(feats[s:s + T], LOSSLESS, shape.target_layers)))
-        for r in rows:
-            w.add(r.result())
-        enc_s = time.perf_counter() - t0
-    info = w.commit()
-    write_sidecar(tmp, spec, info, {})
-    try_finalize(tmp, spec)
+    width, info, enc_s = write_seed_shard(tmp, shape, shape.target_layers, batches, row_group_mb, workers, {"bench": 1})
     index = CacheIndex(tmp)
     loader = BatchLoader(index, rank=0, world=1, seed=0, context_tokens=shape.context, num_anchors=shape.anchors,
                          max_anchors_per_doc=512, block_size=shape.block, shuffle_rows=1, workers=workers,
