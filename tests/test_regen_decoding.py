@@ -356,3 +356,25 @@ def test_samples_equal_to_an_earlier_sample_are_counted_as_duplicates(cfg, llama
     assert by_id["a#0"] == by_id["a#1"] == by_id["a#2"]
     plain = _run(cfg, llama, tmp_path / "s.jsonl", **SAMPLING)
     assert plain.get("duplicate_rows", 0) == 0                         # distinct samples: nothing counted
+
+
+@pytest.mark.parametrize("nth", [1, 2])
+def test_out_of_memory_inside_a_prefill_reruns_each_request_once(cfg, llama, tmp_path, monkeypatch, nth):
+    """A refill places its requests in slots before it prefills them and trims `ready` after: an OOM in its 1st or
+    2nd prefill call must not queue the placed ones twice (they were answered twice and the turns repeated)."""
+    _run(cfg, llama, tmp_path / "ref.jsonl", batch_size=1, attention="sdpa")
+    real = regen_backends.EngineBackend._prefill
+    calls = {"n": 0, "faults": 0}
+
+    def prefill_oom_at_batch_4(self, rows, reqs, *a, **kw):
+        if self.B == 4:
+            calls["n"] += 1
+            if calls["n"] == nth:
+                calls["faults"] += 1
+                raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return real(self, rows, reqs, *a, **kw)
+
+    monkeypatch.setattr(regen_backends.EngineBackend, "_prefill", prefill_oom_at_batch_4)
+    _run(cfg, llama, tmp_path / "oom.jsonl", batch_size=4, attention="sdpa")
+    assert calls["faults"] == 1
+    assert (tmp_path / "oom.jsonl").read_bytes() == (tmp_path / "ref.jsonl").read_bytes()

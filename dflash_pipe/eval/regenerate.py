@@ -283,8 +283,12 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
             t_b = time.perf_counter()
             split["launch_s"] += t_b - t_a
             if oom:
+                # an OOM inside a prefill leaves the requests it had already placed in slots in `ready` too (the
+                # backend trims `ready` after its calls): each goes back once
+                queued = {id(r) for r in ready}
                 for req in backend.take_back():
-                    _queue(ready, req)
+                    if id(req) not in queued:
+                        _queue(ready, req)
                 smaller = backend.B
                 backend = None               # free its cache before allocating the smaller one
                 backend = make_backend(bundle, eos, pad, _halve(smaller), cfg.extract.max_length,
