@@ -144,6 +144,38 @@ def test_crash_inside_a_batch_write_then_resume(reference, cfg, llama, tmp_path,
     assert out.read_bytes() == before
 
 
+def test_crash_between_a_flushs_rows_and_its_sidecar_is_counted_as_rows_uncounted(reference, cfg, llama, tmp_path,
+                                                                                   monkeypatch):
+    """The rows reach the file, the sidecar update after them does not: the resume keeps the rows (the output is the
+    truth), and says how many rows the counters (tokens, truncations) leave out instead of silently undercounting."""
+    out = tmp_path / "o.jsonl"
+    clean = _regen(cfg, llama, tmp_path / "clean.jsonl")
+    real_write, real_append = regen_mod.atomic_write_json, regen_mod.JsonlAppender.append
+    seen = {"rows": 0, "appends": 0}
+
+    def append(self, rows):
+        seen["appends"] += 1
+        seen["rows"] = len(rows)
+        return real_append(self, rows)
+
+    def write(path, obj):
+        if seen["appends"] == 2:                  # the second flush's sidecar update: death before it
+            raise KeyboardInterrupt
+        return real_write(path, obj)
+
+    monkeypatch.setattr(regen_mod.JsonlAppender, "append", append)
+    monkeypatch.setattr(regen_mod, "atomic_write_json", write)
+    with pytest.raises(KeyboardInterrupt):
+        _regen(cfg, llama, out)
+    lost = seen["rows"]
+    assert lost > 0
+    monkeypatch.setattr(regen_mod, "atomic_write_json", real_write)
+    state = _regen(cfg, llama, out)
+    assert _rows(out) == reference
+    assert state["rows_uncounted"] == lost and state["rows_written"] == clean["rows_written"]
+    assert state["generated_tokens"] < clean["generated_tokens"]
+
+
 def test_resume_with_other_settings_or_a_foreign_file_is_refused(reference, cfg, llama, tmp_path):
     out = tmp_path / "ref.jsonl"
     with pytest.raises(ValidationError, match="max_new_tokens"):

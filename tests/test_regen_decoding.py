@@ -78,7 +78,8 @@ def test_inverse_cdf_sampling_follows_the_distribution_and_the_top_p_cut():
                                       (dict(greedy_after=4), "--greedy-after 4 .* needs --temperature"),
                                       (dict(first_sample=-1, temperature=1.0), "--first-sample"),
                                       (dict(first_sample=2), "--first-sample 2 .* --temperature 0"),
-                                      (dict(attention="rows"), "attention 'rows' needs CUDA")])
+                                      (dict(attention="rows"), "attention 'rows' needs CUDA"),
+                                      (dict(max_turns=-1), "--max-turns")])
 def test_bad_decoding_flags_are_usage_errors_naming_the_flag(cfg, llama, tmp_path, kw, flag):
     with pytest.raises(UsageError, match=flag) as err:
         _run(cfg, llama, tmp_path / "x.jsonl", **kw)
@@ -378,3 +379,48 @@ def test_out_of_memory_inside_a_prefill_reruns_each_request_once(cfg, llama, tmp
     _run(cfg, llama, tmp_path / "oom.jsonl", batch_size=4, attention="sdpa")
     assert calls["faults"] == 1
     assert (tmp_path / "oom.jsonl").read_bytes() == (tmp_path / "ref.jsonl").read_bytes()
+
+
+# raises on a system turn (as Gemma's template does) and on one user text (a later turn of conversation "a")
+RAISING_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not "
+                    "supported') }}{% endif %}{% if m['content'] == 'Tell me more.' %}{{ raise_exception('no more') }}"
+                    "{% endif %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+                    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_a_prompt_the_chat_template_raises_on_is_counted_and_skipped_not_fatal(cfg, llama, tmp_path, monkeypatch,
+                                                                               prefetch):
+    from tests.test_eval_regenerate import ROWS
+
+    monkeypatch.setattr(llama.tokenizer, "chat_template", RAISING_TEMPLATE)
+    state = _run(cfg, llama, tmp_path / "all.jsonl", prefetch_prompts=prefetch)
+    assert state["template_errors"] == 2
+    assert "System role not supported" in state["skipped"]["src:2"] and "first prompt" in state["skipped"]["src:2"]
+    # the reference: the same data without the system conversation, and "a" cut before its failing turn
+    kept = [r for r in ROWS if r.get("id", "src:2") != "src:2"]
+    kept[0] = dict(kept[0], conversations=kept[0]["conversations"][:2])
+    (tmp_path / "kept.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
+    cfg.data.source = str(tmp_path / "kept.jsonl")
+    _run(cfg, llama, tmp_path / "ref.jsonl", prefetch_prompts=prefetch)
+    assert (tmp_path / "all.jsonl").read_bytes() == (tmp_path / "ref.jsonl").read_bytes()
+
+
+def test_a_prompt_longer_than_the_models_context_is_counted_and_skipped(cfg, llama, tmp_path, monkeypatch, capsys):
+    """[extract] max_length above the target's context: the context is the limit (a prompt past it is skipped and
+    counted, its reason naming the context), not max_length."""
+    from dflash_pipe.eval.runner import encode_prompt
+    from tests.test_eval_regenerate import ROWS
+
+    first = {r["id"]: encode_prompt(llama.tokenizer, r["messages"][:1]) for r in ROWS
+             if r.get("id") in ("e", "f")}
+    context = (len(first["e"]) + len(first["f"])) // 2 + NEW    # e's first prompt fits, f's does not (or the reverse)
+    longer, shorter = ("e", "f") if len(first["e"]) > len(first["f"]) else ("f", "e")
+    assert len(first[longer]) + NEW > context >= len(first[shorter]) + NEW
+    monkeypatch.setattr(llama.config, "max_position_embeddings", context)
+    cfg.extract.max_length = 4 * context
+    state = _run(cfg, llama, tmp_path / "o.jsonl", max_turns=1)
+    assert f"exceeds the model's context of {context} tokens" in state["skipped"][longer]
+    assert shorter not in state["skipped"] and state["prompts_too_long"] >= 1
+    assert f"the target's context is {context} tokens, under [extract] max_length {4 * context}" in \
+        capsys.readouterr().out

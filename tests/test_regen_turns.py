@@ -20,9 +20,9 @@ def _spy(monkeypatch):
     """Record each encode_prompts call of regen_turns: (thread name, number of prompts)."""
     calls = []
 
-    def spy(tok, convs):
+    def spy(tok, convs, failed=None):
         calls.append((threading.current_thread().name, len(convs)))
-        return encode_prompts(tok, convs)
+        return encode_prompts(tok, convs, failed)
 
     monkeypatch.setattr(regen_turns, "encode_prompts", spy)
     return calls

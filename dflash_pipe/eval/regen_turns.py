@@ -34,7 +34,7 @@ from .regen_requests import Completion, TurnRequest
 from .regen_sampling import Decoding, answer_key
 from .runner import encode_prompts
 
-COUNTERS = ("generated_tokens", "truncated_responses", "prompts_too_long", "empty_answers")
+COUNTERS = ("generated_tokens", "truncated_responses", "prompts_too_long", "empty_answers", "template_errors")
 
 
 @dataclass
@@ -76,9 +76,10 @@ class Regenerator:
     """Turns conversations into turn requests and answers back into conversations (module docstring)."""
 
     def __init__(self, tokenizer, eos: list[int], max_new_tokens: int, max_length: int, max_turns: int,
-                 dec: Decoding):
+                 dec: Decoding, limit: str = ""):
         self.tokenizer, self.eos, self.dec = tokenizer, eos, dec
         self.max_new_tokens, self.max_length, self.max_turns = max_new_tokens, max_length, max_turns
+        self.limit = limit or f"max_length {max_length}"    # what max_length is, for the skip reasons
 
     def next_request(self, st: ConvState) -> TurnRequest | None:
         """The conversation's next turn to generate, or None (it is finished)."""
@@ -97,15 +98,24 @@ class Regenerator:
             msgs = st.next_prompt()
             if msgs is not None:
                 todo.append((st, msgs))
-        reqs = []
-        encoded = iter(encode_prompts(self.tokenizer, [m for st, m in todo if st.first_ids is None]))
+        reqs, failed, k = [], {}, 0
+        encoded = encode_prompts(self.tokenizer, [m for st, m in todo if st.first_ids is None], failed)
         for st, _ in todo:
-            ids = next(encoded) if st.first_ids is None else list(st.first_ids.ids())   # (samples share theirs)
+            if st.first_ids is None:
+                ids, why = encoded[k], failed.get(k)
+                k += 1
+            else:
+                ids, why = st.first_ids.ids(), st.first_ids.failed()   # (samples share theirs)
             st.first_ids = None
+            if ids is None:                   # counted and skipped, as extraction skips such a row
+                st.counts["template_errors"] += 1
+                st.finish(f"{'first' if not st.turns else 'a'} prompt: {why}")
+                continue
+            ids = list(ids)
             if len(ids) + self.max_new_tokens > self.max_length:
                 st.counts["prompts_too_long"] += 1
                 st.finish(f"{'first' if not st.turns else 'a'} prompt of {len(ids)} tokens + max_new_tokens "
-                          f"exceeds max_length {self.max_length}")
+                          f"exceeds {self.limit}")
                 continue
             reqs.append(TurnRequest(st, ids, answer_key(self.dec.seed, st.sample_id, st.turns), st.order))
         return reqs
@@ -137,14 +147,18 @@ def first_prompt(messages: list[dict]) -> list[dict] | None:
 
 
 class FirstPromptIds:
-    """One conversation's first prompt ids, ready when its chunk's worker call returns."""
+    """One conversation's first prompt ids (None where the chat template failed on it), ready when its chunk's
+    worker call returns."""
     __slots__ = ("_future", "_k")
 
     def __init__(self, future: Future, k: int):
         self._future, self._k = future, k
 
-    def ids(self) -> list[int]:
-        return self._future.result()[self._k]
+    def ids(self) -> list[int] | None:
+        return self._future.result()[0][self._k]
+
+    def failed(self) -> str | None:
+        return self._future.result()[1].get(self._k)
 
 
 class PromptReadAhead:
@@ -174,7 +188,7 @@ class PromptReadAhead:
             self._ended = True
         prompts = [first_prompt(c.messages) if self._wanted(c) else None for c in convs]
         todo = [p for p in prompts if p is not None]
-        future = self._pool.submit(encode_prompts, self._tok, todo) if todo else None
+        future = self._pool.submit(_encode_noting_failures, self._tok, todo) if todo else None
         k = 0
         for conv, p in zip(convs, prompts):
             if p is None:
@@ -186,3 +200,9 @@ class PromptReadAhead:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _encode_noting_failures(tokenizer, prompts: list) -> tuple[list, dict[int, str]]:
+    """encode_prompts on the read-ahead's worker: (ids or None per prompt, why each None failed)."""
+    failed: dict[int, str] = {}
+    return encode_prompts(tokenizer, prompts, failed), failed

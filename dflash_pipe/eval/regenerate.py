@@ -12,9 +12,10 @@ system turns are kept verbatim. Details:
     trailing user turn after the last answer (nothing to train on);
   * a conversation stops (keeping the turns done so far) when the next prompt plus
     max_new_tokens would exceed cfg.extract.max_length tokens, which extraction would cut
-    anyway, or when the target answers with nothing; if that happens at the first turn the
+    anyway, when the target answers with nothing, or when the chat template raises on the prompt
+    (e.g. a system turn a template does not support); if that happens at the first turn the
     conversation is skipped (recorded in the sidecar with its reason, so a rerun does not retry
-    it; `prompts_too_long` / `empty_answers` count the events);
+    it; `prompts_too_long` / `empty_answers` / `template_errors` count the events);
   * a response that reaches max_new_tokens without an end-of-turn token is kept as it is
     (counted as truncated in the sidecar).
 Decoding is greedy by default; ``--temperature T --top-p P --seed S`` samples instead, and
@@ -143,6 +144,17 @@ def _halve(batch: int) -> int:
 
 # --------------------------------------------------------------------------- command
 
+def length_limit(max_length: int, bundle) -> tuple[int, str]:
+    """The tokens a conversation may reach (prompt + answer), and its name for the skip reasons: [extract]
+    max_length, or the model's context (max_position_embeddings) where that is shorter."""
+    context = getattr(getattr(bundle, "config", None), "max_position_embeddings", None)
+    if isinstance(context, int) and 0 < context < max_length:
+        print(f"regenerate: the target's context is {context} tokens, under [extract] max_length {max_length}: "
+              f"conversations stop (or are skipped) at {context}", flush=True)
+        return context, f"the model's context of {context} tokens"
+    return max_length, f"max_length {max_length}"
+
+
 def _validate(cfg: RunConfig, max_new_tokens: int, batch_size: int, dec: Decoding) -> None:
     if max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
@@ -183,6 +195,8 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
     _validate(cfg, max_new_tokens, batch_size, dec)
     if max_seconds < 0:
         raise UsageError(f"--max-seconds must be >= 0 (0 = no limit), got {max_seconds}")
+    if max_turns < 0:
+        raise UsageError(f"--max-turns must be >= 0 (0 = every turn), got {max_turns}")
     if compact and reuse_history and max_turns != 1:
         raise UsageError("--compact-tail moves rows, --reuse-history keeps a finished answer's row in place for its "
                          "next turn: use one of them")
@@ -200,12 +214,18 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
     state = load_sidecar(output, settings_of(cfg, bundle, max_new_tokens, max_turns, dec.settings()))
     state.pop("stopped_early", None)         # this run's own stop, if any, is recorded below
     done = scan_output(output)
-    state["rows_written"] = len(done)       # the output is the truth (a crash may precede a sidecar update)
+    if len(done) > state["rows_written"]:   # a crash between a flush's rows and its sidecar: the rows stay (the
+        # output is the truth) but their counters (tokens, truncations, ...) were never added; say how many
+        state["rows_uncounted"] = int(state.get("rows_uncounted", 0)) + len(done) - state["rows_written"]
+        print(f"regenerate: {len(done) - state['rows_written']} rows of {output} were written after the sidecar's "
+              f"last update (a crash): they are kept, the counters leave them out (rows_uncounted)", flush=True)
+    state["rows_written"] = len(done)
     skip = done | set(state["skipped"])
     atomic_write_json(sidecar_path(output), state)
-    regen = Regenerator(bundle.tokenizer, eos, max_new_tokens, cfg.extract.max_length, max_turns, dec)
+    max_len, limit = length_limit(cfg.extract.max_length, bundle)
+    regen = Regenerator(bundle.tokenizer, eos, max_new_tokens, max_len, max_turns, dec, limit)
     reuse_history = reuse_history and max_turns != 1
-    backend = make_backend(bundle, eos, pad, batch_size, cfg.extract.max_length, max_new_tokens, dec, engine,
+    backend = make_backend(bundle, eos, pad, batch_size, max_len, max_new_tokens, dec, engine,
                            attention, reuse_history, overlap, compact)
     print(f"regenerate: decode path: {backend.describe}", flush=True)
     state["decode_path"] = backend.describe          # informational (not a pinned setting)
@@ -291,7 +311,7 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
                         _queue(ready, req)
                 smaller = backend.B
                 backend = None               # free its cache before allocating the smaller one
-                backend = make_backend(bundle, eos, pad, _halve(smaller), cfg.extract.max_length,
+                backend = make_backend(bundle, eos, pad, _halve(smaller), max_len,
                                        max_new_tokens, dec, engine, attention, reuse_history, overlap, compact)
                 state["decode_path"] = backend.describe
             # host work while the device decodes: the last answers, the next turns, new prompts, the output
@@ -352,11 +372,14 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
     state["timing"] = _timing(split, backend, time.perf_counter() - t0)    # informational, this run only
     atomic_write_json(sidecar_path(output), state)
     print("regenerate: time split: " + ", ".join(f"{k} {v}" for k, v in state["timing"].items()), flush=True)
+    notes = [f"the counters leave out {state['rows_uncounted']} rows written before a crash"] \
+        if state.get("rows_uncounted") else []
+    if dec.samples > 1:
+        notes.append(f"{state.get('duplicate_rows', 0)} rows repeat an earlier sample of theirs "
+                     f"({state.get('duplicate_tokens', 0):,} tokens)")
     print(f"regenerate: {output}: {state['rows_written']} conversations, {len(state['skipped'])} skipped "
-          f"({state['prompts_too_long']} prompts too long for [extract] max_length, {state['empty_answers']} empty "
-          f"answers), "
-          f"{state['generated_tokens']:,} tokens generated ({state['truncated_responses']} responses hit "
-          f"--max-new-tokens)" + (f"; {state.get('duplicate_rows', 0)} rows repeat an earlier sample of theirs "
-                                  f"({state.get('duplicate_tokens', 0):,} tokens)" if dec.samples > 1 else ""),
-          flush=True)
+          f"({state['prompts_too_long']} prompts too long ({limit}), {state['empty_answers']} empty answers, "
+          f"{state.get('template_errors', 0)} prompts the chat template failed on), {state['generated_tokens']:,} "
+          f"tokens generated ({state['truncated_responses']} responses hit --max-new-tokens)"
+          + "".join(f"; {n}" for n in notes), flush=True)
     return state

@@ -78,18 +78,30 @@ def encode_prompt(tokenizer, messages: list[dict[str, str]]) -> list[int]:
     return [int(t) for t in tokenizer("\n\n".join(m["content"] for m in messages))["input_ids"]]
 
 
-def encode_prompts(tokenizer, conversations: list[list[dict[str, str]]]) -> list[list[int]]:
+def encode_prompts(tokenizer, conversations: list[list[dict[str, str]]],
+                   failed: dict[int, str] | None = None) -> list[list[int] | None]:
     """`encode_prompt` of many prompts at once: the templates rendered as text, then one batched tokenizer call
     (the Rust tokenizer's parallel path; `apply_chat_template(tokenize=True)` tokenizes its text the same way,
-    without special tokens)."""
+    without special tokens). With `failed` (a dict), a conversation the chat template raises on gets None and
+    `failed[i]` says why (e.g. a template without a system role, or one that needs alternating roles); without it
+    the template's error propagates."""
     if not conversations:
         return []
-    if getattr(tokenizer, "chat_template", None):
-        texts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in conversations]
-        enc = tokenizer(texts, add_special_tokens=False)["input_ids"]
-    else:
+    if not getattr(tokenizer, "chat_template", None):
         enc = tokenizer(["\n\n".join(m["content"] for m in msgs) for msgs in conversations])["input_ids"]
-    return [[int(t) for t in ids] for ids in enc]
+        return [[int(t) for t in ids] for ids in enc]
+    texts: list[str | None] = []
+    for i, m in enumerate(conversations):
+        try:
+            texts.append(tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False))
+        except Exception as exc:  # noqa: BLE001 - any template failure is this conversation's, reported by the caller
+            if failed is None:
+                raise
+            failed[i] = f"the chat template failed: {type(exc).__name__}: {exc}"
+            texts.append(None)
+    ok = [t for t in texts if t is not None]
+    enc = iter(tokenizer(ok, add_special_tokens=False)["input_ids"] if ok else [])
+    return [None if t is None else [int(x) for x in next(enc)] for t in texts]
 
 
 def check_drafter_fits(dcfg: DrafterModelConfig, bundle: TargetBundle, where: str) -> None:
