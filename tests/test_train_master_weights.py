@@ -135,3 +135,38 @@ def test_a_damaged_complete_checkpoint_is_a_named_cache_error(tmp_path, damage):
         load_checkpoint(ck, fresh[1], fresh[2], torch.device("cpu"))
     assert str(ck) in str(exc.value) and "damaged" in str(exc.value)
     assert "--resume" in exc.value.hint and exc.value.exit_code == 3
+
+
+@pytest.mark.parametrize("point", ["train.checkpoint.before_rename", "train.checkpoint.between_renames"])
+def test_writing_a_step_again_never_leaves_it_without_a_complete_checkpoint(tmp_path, monkeypatch, point):
+    """The same step written twice (a rerun that trained nothing; a round boundary after a periodic checkpoint),
+    the writer SIGKILLed on the way: the step's complete checkpoint is still found and loads (until session 27 the
+    old one was deleted before the new one's rename: a kill there lost the run's only checkpoint)."""
+    import os
+    import signal
+
+    from dflash_pipe.train.checkpoint import find_resume
+
+    run = _setup(torch.float32, 1 << 30)
+    _step(*run, seed=0, clip=0.0)
+    first = save_checkpoint(tmp_path, 1, run[1], run[2], {"step": 1, "which": "first"}, keep=1)
+    want = _fp32_state(run[1])
+    pid = os.fork()
+    if pid == 0:  # the child writes step 1 again and is killed at the point
+        monkeypatch.setenv("DFLASH_FAULT", point)
+        try:
+            save_checkpoint(tmp_path, 1, run[1], run[2], {"step": 1, "which": "second"}, keep=1)
+        finally:
+            os._exit(3)  # not reached: the fault point kills the process
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    if point == "train.checkpoint.between_renames":
+        assert not first.exists() and (tmp_path / ".ckpt-00000001.replaced" / "COMPLETE").exists()
+    assert find_resume(tmp_path, "auto") == first
+    fresh = _setup(torch.float32, 1 << 30)
+    state = load_checkpoint(first, fresh[1], fresh[2], torch.device("cpu"))
+    assert state["which"] == "first" and all(torch.equal(want[k], _fp32_state(fresh[1])[k]) for k in want)
+    # a completed rewrite replaces it and leaves nothing hidden behind
+    save_checkpoint(tmp_path, 1, run[1], run[2], {"step": 1, "which": "third"}, keep=1)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "latest.json") == ["ckpt-00000001"]
+    assert json.loads((first / "state.json").read_text())["which"] == "third"

@@ -109,9 +109,18 @@ def write_snapshot(out_dir: str | Path, step: int, snap: tuple[dict, dict, dict]
         fsync_path(tmp / MARKER)
         fsync_dir(tmp)
         fault_point("train.checkpoint.before_rename")
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        if final.exists():  # the same step again (a rerun that trained nothing, a round boundary after a periodic
+            # checkpoint): the complete one steps aside by a rename, never deleted before its successor is in
+            # place; a kill between the two renames leaves it complete under the hidden name (find_resume renames
+            # it back)
+            old = replaced_path(final)
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+            fault_point("train.checkpoint.between_renames")
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
         fsync_dir(out_dir)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -122,6 +131,23 @@ def write_snapshot(out_dir: str | Path, step: int, snap: tuple[dict, dict, dict]
     prune(out_dir, keep)
     atomic_write_json(out_dir / "latest.json", {"checkpoint": final.name, "step": step})
     return final
+
+
+def replaced_path(final: Path) -> Path:
+    """Where a complete checkpoint waits while its step is written again (hidden: prune's leftovers)."""
+    return final.parent / f".{final.name}.replaced"
+
+
+def restore_replaced(out_dir: Path) -> None:
+    """A writer killed between its two renames left a step's complete checkpoint under the hidden name and none
+    under its own: put it back (the new one's temp dir is a leftover that prune removes)."""
+    for p in out_dir.glob(f".{PREFIX}*.replaced"):
+        final = out_dir / p.name[1:-len(".replaced")]
+        if (p / MARKER).exists() and not final.exists():
+            try:
+                os.replace(p, final)
+            except OSError:  # another rank of this run put it back first
+                pass
 
 
 def complete_checkpoints(out_dir: str | Path) -> list[Path]:
@@ -145,6 +171,8 @@ def find_resume(out_dir: str | Path, resume: str) -> Path | None:
     if resume == "never":
         return None
     if resume == "auto":
+        if Path(out_dir).is_dir():
+            restore_replaced(Path(out_dir))
         ckpts = complete_checkpoints(out_dir)
         return ckpts[-1] if ckpts else None
     path = Path(resume)
