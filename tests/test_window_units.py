@@ -346,3 +346,56 @@ def test_a_trainer_outside_a_streaming_window_group_is_refused_by_name(tmp_path,
     with pytest.raises(SystemExit) as err:                      # not in its own list
         main(args + ["--window-group", "/runs/a,/runs/b"])
     assert err.value.code == 2 and "does not list this run's --output-dir" in capsys.readouterr().err
+
+
+def test_a_failed_ledger_save_in_the_read_ahead_look_leaves_the_order_unfixed_until_a_look_saves_it(tmp_path,
+                                                                                                   monkeypatch):
+    """The read-ahead's look (peek_schedule, rank 0; its errors are dropped) finds a new shard and fails to save the
+    ledger (disk full): the shard must not keep a place in the commit order that only memory knows (until session 27
+    it did, and the next look, seeing nothing new, never saved it: a kill then resumed with another order). The next
+    look fixes and saves the order once the disk has room; a restarted trainer finds the same order."""
+    import errno
+    import shutil
+
+    import torch
+
+    from dflash_pipe.io_utils import disk_error
+    from dflash_pipe.train import window_run
+    from dflash_pipe.train.loader import CacheIndex
+
+    spec = write_train_cache(tmp_path / "staged", num_docs=16, num_shards=4, seed=7)
+    live = tmp_path / "live"
+    live.mkdir()
+    for f in ("cache_spec.json", "target_head.safetensors"):
+        shutil.copy(tmp_path / "staged" / f, live / f)
+
+    def commit(i):
+        for ext in ("parquet", "json"):
+            shutil.copy(tmp_path / "staged" / f"shard-{i:05d}-of-00004.{ext}", live / f"shard-{i:05d}-of-00004.{ext}")
+
+    def coordinator():
+        return window_run.WindowCoordinator(CacheIndex(live, follow=True, wait_s=5), tmp_path / "out", 3, 0, 1,
+                                            torch.device("cpu"), 0.01, 5.0, 0, 96, 8)
+
+    commit(0)
+    coord = coordinator()
+    coord.wait_round(0)
+    commit(2)                                   # another extract job commits shard 2 before shard 1
+    real = window_run.save_ledger
+    fails = {"n": 0}
+
+    def disk_full(*a, **kw):
+        fails["n"] += 1
+        raise disk_error(OSError(errno.ENOSPC, "No space left on device"), live / "window.json", "writing")
+
+    monkeypatch.setattr(window_run, "save_ledger", disk_full)
+    with pytest.raises(RuntimeFailure):
+        coord.peek_schedule(1)                  # the read-ahead's look (RoundCarry drops this error)
+    assert fails["n"] == 1 and coord.ledger.order() == [0] == load_ledger(live, spec).order()
+    monkeypatch.setattr(window_run, "save_ledger", real)
+    coord.wait_round(1)                         # the next collective look saves what it fixes
+    assert coord.order == [0, 2] == load_ledger(live, spec).order()
+    commit(1)                                   # a kill now: the restarted trainer keeps the order it trained on
+    restarted = coordinator()
+    restarted.wait_round(2)
+    assert restarted.order == [0, 2, 1]

@@ -172,10 +172,17 @@ class WindowCoordinator:
         known = frozenset(self.ledger.order())
         committed = committed_shards(self.cache_dir, self.spec, skip=known)
         new = sorted(i for i in committed if i not in known and not committed[i].get("deleted"))
-        for i in new:  # the first look that sees a shard fixes its place in the commit order
+        n0 = len(self.ledger.shards)
+        for i in new:  # the first look that sees a shard fixes its place in the commit order...
             self.ledger.add(i, committed[i]["bytes"])
         if new:
-            save_ledger(self.cache_dir, self.ledger)
+            try:
+                save_ledger(self.cache_dir, self.ledger)
+            except BaseException:  # ...once it is saved: until then the order in memory stays the one on disk
+                # (the read-ahead's look drops its errors; a kill after training on an unsaved order would
+                # resume with another), and the next look adds these shards again
+                del self.ledger.shards[n0:]
+                raise
         return self.ledger.order()
 
     def wait_round(self, round_: int, before_waiting=None) -> float:
