@@ -399,3 +399,33 @@ def test_a_failed_ledger_save_in_the_read_ahead_look_leaves_the_order_unfixed_un
     restarted = coordinator()
     restarted.wait_round(2)
     assert restarted.order == [0, 2, 1]
+
+
+def test_max_steps_equal_to_the_planned_total_still_ends_the_last_round_and_consumes_the_cache(tmp_path):
+    """--max-steps on a round's last step: the round is over all the same (until session 27 the loop stopped at the
+    cap before it saw the round's end: no end_round, no finish, a shard left and the ledger never finished)."""
+    import shutil
+
+    from dflash_pipe.config import RunConfig, normalize
+    from dflash_pipe.train.trainer import run_train
+
+    write_train_cache(tmp_path / "staged", num_docs=16, num_shards=4, seed=7)
+
+    def run(name, max_steps):
+        cache = tmp_path / f"c-{name}"
+        shutil.copytree(tmp_path / "staged", cache)
+        cfg = RunConfig()
+        cfg.train.cache_dir, cfg.train.output_dir = str(cache), str(tmp_path / f"out-{name}")
+        cfg.drafter.num_layers, cfg.drafter.block_size = 1, 4
+        cfg.train.context_tokens, cfg.train.num_anchors, cfg.train.checkpoint_every = 96, 8, 0
+        cfg.train.follow, cfg.train.passes_per_shard, cfg.train.follow_poll_s = True, 2, 0.05
+        cfg.train.loader_workers, cfg.train.max_steps = 1, max_steps
+        steps = run_train(normalize(cfg))["steps"]
+        led = load_ledger(cache)
+        assert led.finished and [e.state for e in led.shards] == [DELETED] * 4
+        assert not list(cache.glob("shard-*.parquet"))
+        return steps, (tmp_path / f"out-{name}" / "metrics.jsonl").read_text()
+
+    total, free = run("free", 0)
+    steps, capped = run("capped", total)   # (the lr curve differs: the cap fixes its length from the first step)
+    assert steps == total == len(capped.splitlines()) == len(free.splitlines())

@@ -275,6 +275,8 @@ def run_train(cfg: RunConfig) -> dict:
                     fault_point("train.after_step")
                     if stopping:
                         stop.leave(step, total, out_dir)  # raises StopRequested: exit 130, no export
+                if coord is not None and not phase_done and step_in_epoch >= coord.schedule(epoch).steps:
+                    phase_done = True  # --max-steps fell on the round's last step: the round is over all the same
                 if coord is not None and epoch + 1 < phases:
                     clock.begin()
                     profiler.note(f"round boundary after step {step}")
