@@ -285,10 +285,24 @@ def test_follow_trainer_started_before_extraction_waits_for_the_spec_and_head(tm
         CacheIndex(tmp_path / "nothing", follow=True, wait_s=0.2)  # and it does give up
 
 
-def test_checkpointing_every_M_rounds_trains_the_same_and_deletes_only_after_each_checkpoint(tmp_path, monkeypatch):
+def _window_run_config(staged: Path, cache: Path, out: Path):
+    """A 1-layer window run (K = 2, no periodic checkpoints) on a copy of the staged cache."""
     import shutil
 
-    from dflash_pipe.config import RunConfig, normalize
+    from dflash_pipe.config import RunConfig
+
+    shutil.copytree(staged, cache)
+    cfg = RunConfig()
+    cfg.train.cache_dir, cfg.train.output_dir = str(cache), str(out)
+    cfg.drafter.num_layers, cfg.drafter.block_size = 1, 4
+    cfg.train.context_tokens, cfg.train.num_anchors, cfg.train.checkpoint_every = 96, 8, 0
+    cfg.train.follow, cfg.train.passes_per_shard, cfg.train.follow_poll_s = True, 2, 0.05
+    cfg.train.loader_workers = 1
+    return cfg
+
+
+def test_checkpointing_every_M_rounds_trains_the_same_and_deletes_only_after_each_checkpoint(tmp_path, monkeypatch):
+    from dflash_pipe.config import normalize
     from dflash_pipe.train import trainer as trainer_mod
     from dflash_pipe.train import window_run
     from dflash_pipe.train.checkpoint import complete_checkpoints, read_state
@@ -302,14 +316,8 @@ def test_checkpointing_every_M_rounds_trains_the_same_and_deletes_only_after_eac
 
     def run(m):
         events.clear()
-        cache = tmp_path / f"c{m}"
-        shutil.copytree(tmp_path / "staged", cache)
-        cfg = RunConfig()
-        cfg.train.cache_dir, cfg.train.output_dir = str(cache), str(tmp_path / f"out{m}")
-        cfg.drafter.num_layers, cfg.drafter.block_size = 1, 4
-        cfg.train.context_tokens, cfg.train.num_anchors, cfg.train.checkpoint_every = 96, 8, 0
-        cfg.train.follow, cfg.train.passes_per_shard, cfg.train.follow_poll_s = True, 2, 0.05
-        cfg.train.window_checkpoint_rounds, cfg.train.loader_workers = m, 1
+        cfg = _window_run_config(tmp_path / "staged", tmp_path / f"c{m}", tmp_path / f"out{m}")
+        cfg.train.window_checkpoint_rounds = m
         trainer_mod.run_train(normalize(cfg))
         rows = [json.loads(ln) for ln in (tmp_path / f"out{m}" / "metrics.jsonl").read_text().splitlines()]
         final = read_state(complete_checkpoints(tmp_path / f"out{m}")[-1])
@@ -404,22 +412,15 @@ def test_a_failed_ledger_save_in_the_read_ahead_look_leaves_the_order_unfixed_un
 def test_max_steps_equal_to_the_planned_total_still_ends_the_last_round_and_consumes_the_cache(tmp_path):
     """--max-steps on a round's last step: the round is over all the same (until session 27 the loop stopped at the
     cap before it saw the round's end: no end_round, no finish, a shard left and the ledger never finished)."""
-    import shutil
-
-    from dflash_pipe.config import RunConfig, normalize
+    from dflash_pipe.config import normalize
     from dflash_pipe.train.trainer import run_train
 
     write_train_cache(tmp_path / "staged", num_docs=16, num_shards=4, seed=7)
 
     def run(name, max_steps):
         cache = tmp_path / f"c-{name}"
-        shutil.copytree(tmp_path / "staged", cache)
-        cfg = RunConfig()
-        cfg.train.cache_dir, cfg.train.output_dir = str(cache), str(tmp_path / f"out-{name}")
-        cfg.drafter.num_layers, cfg.drafter.block_size = 1, 4
-        cfg.train.context_tokens, cfg.train.num_anchors, cfg.train.checkpoint_every = 96, 8, 0
-        cfg.train.follow, cfg.train.passes_per_shard, cfg.train.follow_poll_s = True, 2, 0.05
-        cfg.train.loader_workers, cfg.train.max_steps = 1, max_steps
+        cfg = _window_run_config(tmp_path / "staged", cache, tmp_path / f"out-{name}")
+        cfg.train.max_steps = max_steps
         steps = run_train(normalize(cfg))["steps"]
         led = load_ledger(cache)
         assert led.finished and [e.state for e in led.shards] == [DELETED] * 4
