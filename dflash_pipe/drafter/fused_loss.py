@@ -39,15 +39,20 @@ def _grad_logits(logits, labels_c, w_c, kd_ids_cK, kd_lp_cK, kd_weight: float, o
     if kd_ids_cK is not None:
         p = torch.exp(kd_lp_cK.to(acc))
         tail = (1.0 - p.sum(-1)).clamp(min=0.0)
-        q_ids = q.gather(-1, kd_ids_cK)
-        q_out = (1.0 - q_ids.double().sum(-1)).clamp(min=1e-12).to(acc)
-        kd = -(p * torch.log(q_ids.clamp(min=1e-38))).sum(-1) - tail * torch.log(q_out)
+        # The student's mass outside the teacher's ids in log space, from the logits with those ids masked: not
+        # 1 - sum(q_ids), which loses every digit once the student puts more than ~1 - 1e-7 on the ids (a
+        # confident drafter on an easy token); until session 27 that noise, divided by a clamped Q_out, made
+        # the gradient ~2,000x too large on such rows. q_i / Q_out = exp(z_i - lse_out) off the ids, 0 on them.
+        outside = logits.scatter(-1, kd_ids_cK, torch.finfo(acc).min)   # as loss.py: finite, exp() gives 0
+        lse_out = torch.logsumexp(outside, dim=-1)
+        lq_ids = logits.gather(-1, kd_ids_cK) - lse[:, None]
+        kd = -(p * lq_ids).sum(-1) - tail * (lse_out - lse)
         kd_sum = (kd * w_c).sum()
         kw = kd_weight * w_c
-        # q_i * (sum p + t) - t q_i / Q_out on every i, then fix up the teacher's ids
-        coef = (p.sum(-1) + tail - tail / q_out) * kw
-        grad_z = (grad_z + q * coef[:, None]).scatter_add(
-            -1, kd_ids_cK, (-p * kw[:, None]) + (tail * kw / q_out)[:, None] * q_ids)
+        # q_i (sum p + t) on every i, - t q_i / Q_out off the teacher's ids, - p_i on them
+        grad_z = grad_z + q * ((p.sum(-1) + tail) * kw)[:, None] - torch.exp(outside - lse_out[:, None]) * \
+            (tail * kw)[:, None]
+        grad_z = grad_z.scatter_add(-1, kd_ids_cK, -p * kw[:, None])
     return ce_sum, kd_sum, pred, grad_z.to(out_dtype)
 
 
