@@ -216,3 +216,23 @@ def test_stale_temp_cleanup_keeps_a_live_writers_files(tmp_path):
         p.write_bytes(b"x")
     assert remove_stale_temps(tmp_path) == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == [live.name]
+
+
+def test_a_damaged_num_tokens_chunk_is_named_when_the_trainer_opens_the_cache(tmp_path):
+    """The trainer's cache index reads every shard's num_tokens column first: a flipped byte there is a CacheError
+    naming shard, row group and field (it was a bare OSError, exit 4, with a hint about permissions and free space)."""
+    import pyarrow.parquet as pq
+
+    from dflash_pipe.train.cache_index import CacheIndex
+
+    write_cache(tmp_path, make_docs(14, W, seed=3), W, NL, num_shards=2, row_group_bytes=3000)
+    victim = Path(load_manifest(tmp_path)["shards"][0]["abs_path"])
+    meta = pq.ParquetFile(victim).metadata.row_group(0)
+    col = next(meta.column(i) for i in range(meta.num_columns) if meta.column(i).path_in_schema == "num_tokens")
+    data = bytearray(victim.read_bytes())
+    data[col.data_page_offset + col.total_compressed_size - 3] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    with pytest.raises(CacheError) as err:
+        CacheIndex(tmp_path).refresh()
+    assert victim.name in str(err.value) and "row group 0, field num_tokens" in str(err.value)
+    assert err.value.exit_code == 3 and "rerun extract" in err.value.hint

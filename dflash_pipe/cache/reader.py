@@ -168,8 +168,10 @@ class ShardReader:
         raise CacheError(f"shard {self.path}: row group {i}: {first}") from None
 
     def num_tokens_column(self):
-        """Every row's token count (one small column chunk per row group), as a numpy array."""
-        return self.file.read(columns=["num_tokens"], use_threads=False).column("num_tokens").to_numpy()
+        """Every row's token count (one small column chunk per row group), as a numpy array; read row group by row
+        group through `_read`, so a damaged chunk is named (shard, row group, field) and a network error retried."""
+        parts = [self._read(i, ["num_tokens"]).column("num_tokens").to_numpy() for i in range(self.num_row_groups)]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
     def read_row_group(self, i: int, with_features: bool = True) -> list[RowRef]:
         cols = list(self.columns) if with_features else ["sample_id", "doc_index", "num_tokens", "input_ids",
