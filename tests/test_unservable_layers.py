@@ -83,7 +83,7 @@ def test_extract_refuses_before_writing_anything(tmp_path, monkeypatch):
         pass
 
     def fake_load_target(*args, **kwargs):
-        return SimpleNamespace(num_layers=8, hidden_size=64)
+        return SimpleNamespace(num_layers=8, hidden_size=64, config=SimpleNamespace())
 
     monkeypatch.setattr(loading, "load_target", fake_load_target)
     cfg = load_manifest(REPO / "manifests" / "tiny-qwen3.5.toml")
@@ -101,3 +101,24 @@ def test_extract_refuses_before_writing_anything(tmp_path, monkeypatch):
     cfg.extract.layer_ids, cfg.extract.allow_unservable_layers = [1, 7], True
     with pytest.raises(Loaded):
         run_extract(normalize(cfg))
+
+
+def test_extract_refuses_a_max_length_past_the_context_or_a_sliding_window():
+    """Extraction's masks are block-causal without a window, and positions stop at the model's context: an
+    [extract] max_length past either is a usage error naming the limit and the manifest setting."""
+    from types import SimpleNamespace
+
+    from dflash_pipe.target.layers import check_extract_length
+
+    check_extract_length(SimpleNamespace(), 4096)                         # nothing known: nothing refused
+    check_extract_length(SimpleNamespace(max_position_embeddings=4096, sliding_window=4096,
+                                         use_sliding_window=False), 4096)   # Qwen3: the window is off
+    with pytest.raises(UsageError, match="exceeds the target's context of 2048") as err:
+        check_extract_length(SimpleNamespace(max_position_embeddings=2048), 4096)
+    assert "at most 2048" in err.value.hint and err.value.exit_code == 2
+    gemma = SimpleNamespace(max_position_embeddings=131072, sliding_window=1024,
+                            layer_types=["sliding_attention"] * 5 + ["full_attention"])
+    check_extract_length(gemma, 1024)
+    with pytest.raises(UsageError, match="window 1024 tokens") as err:
+        check_extract_length(gemma, 2048)
+    assert "at most 1024" in err.value.hint

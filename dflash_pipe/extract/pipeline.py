@@ -129,7 +129,7 @@ def _owned_shards(cfg: RunConfig, info: DistInfo) -> list[int]:
 
 
 def run_extract(cfg: RunConfig) -> ExtractSummary:
-    from ..target.layers import check_servable, default_target_layer_ids, validate_layer_ids
+    from ..target.layers import check_extract_length, check_servable, default_target_layer_ids, validate_layer_ids
     from ..target.loading import load_target
     from ..target.runner import TargetRunner
 
@@ -147,6 +147,7 @@ def run_extract(cfg: RunConfig) -> ExtractSummary:
                                    bundle.num_layers)
     check_servable(layer_ids, bundle.num_layers, ex.allow_unservable_layers,
                    "pass --allow-unservable-layers ([extract] allow_unservable_layers = true)")
+    check_extract_length(bundle.config, ex.max_length)
     data_fp = dataset_fingerprint(cfg.data.source, cfg.data.format, cfg.data.skip_samples, cfg.data.max_samples)
     fields = fingerprint_fields(cfg, bundle.identity, layer_ids, data_fp, dtype)
     width = len(layer_ids) * bundle.hidden_size

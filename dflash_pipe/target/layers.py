@@ -79,3 +79,22 @@ def check_servable(layer_ids: Sequence[int], num_target_layers: int, allowed: bo
                      f"layer {last}",
                      f"choose layers below {last} (an empty --layer-ids gives the DFlash default); to train a "
                      f"drafter that vLLM will not serve, {override}")
+
+
+def check_extract_length(config, max_length: int) -> None:
+    """Refuse an [extract] max_length the target cannot take as extraction runs it: past its context
+    (max_position_embeddings), or past the window of its sliding-window layers (extraction's block-causal masks
+    have no window: a token would attend further back than the target itself ever does, so its features would be
+    ones the served target never computes)."""
+    context = getattr(config, "max_position_embeddings", None)
+    if isinstance(context, int) and 0 < context < max_length:
+        raise UsageError(f"[extract] max_length {max_length} exceeds the target's context of {context} tokens "
+                         f"(max_position_embeddings)", f"set [extract] max_length to at most {context} in the manifest")
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None) or []
+    sliding = "sliding_attention" in types or bool(getattr(config, "use_sliding_window", False))
+    if sliding and isinstance(window, int) and 0 < window < max_length:
+        raise UsageError(f"the target has sliding-window attention layers (window {window} tokens) and [extract] "
+                         f"max_length is {max_length}: extraction's attention masks have no window, so tokens past "
+                         f"{window} would get features the target never computes",
+                         f"set [extract] max_length to at most {window} in the manifest")
