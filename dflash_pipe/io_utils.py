@@ -30,8 +30,19 @@ def is_temp_name(name: str) -> bool:
     return name.startswith(".") and TMP_MARK in name
 
 
+def _host_tag() -> str:
+    """8 hex digits naming this host (its hostname's hash): a temp file's pid means something only here."""
+    import socket
+
+    return hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+
+
+HOST_TAG = _host_tag()
+
+
 def temp_path_for(path: Path) -> Path:
-    return path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
+    """`.<name>.tmp-<pid>-<host tag>-<random>` beside `path` (the pid and host say whose it is)."""
+    return path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}-{HOST_TAG}-{secrets.token_hex(4)}")
 
 
 def fsync_path(path: Path) -> None:
@@ -188,10 +199,15 @@ def safe_child(root: Path, relative: str, what: str) -> Path:
 
 
 def temp_writer_alive(name: str) -> bool:
-    """Whether the process that owns a temp file (its name carries the pid, `temp_path_for`) still runs on
-    this host. A name without a readable pid counts as dead."""
+    """Whether the process that owns a temp file (its name carries the pid and host, `temp_path_for`) still runs.
+    Another host's (e.g. `extract --shards` jobs on several nodes writing one shared cache dir) counts as alive: its
+    pid cannot be checked from here, and deleting a live writer's file would fail its commit. A name without a
+    readable pid counts as dead; one without a host tag (written before session 27) as this host's."""
     try:
-        pid = int(name.split(TMP_MARK, 1)[1].split("-", 1)[0])
+        parts = name.split(TMP_MARK, 1)[1].split("-")
+        pid = int(parts[0])
+        if len(parts) >= 3 and parts[1] != HOST_TAG:
+            return True
         os.kill(pid, 0)
     except (ValueError, IndexError, ProcessLookupError):
         return False

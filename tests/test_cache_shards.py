@@ -202,20 +202,26 @@ def test_row_groups_reach_the_disk_before_the_commit(tmp_path, monkeypatch, sync
 def test_stale_temp_cleanup_keeps_a_live_writers_files(tmp_path):
     """Two extraction jobs on disjoint --shards share one cache dir: a job starting must not delete the other
     job's temp files (found when bench/extract_parallel.py started two at once: the first job's target head
-    lost its temp file before the rename). Only a writer whose pid is gone left stale ones."""
+    lost its temp file before the rename), nor, on several nodes, another host's. Only a writer of this host whose
+    pid is gone left stale ones."""
     import subprocess as sp
 
-    from dflash_pipe.io_utils import remove_stale_temps, temp_path_for
+    from dflash_pipe.io_utils import HOST_TAG, remove_stale_temps, temp_path_for
 
     live = temp_path_for(tmp_path / "target_head.safetensors")          # this process: alive
+    assert f"-{HOST_TAG}-" in live.name
     gone = sp.Popen([sys.executable, "-c", "pass"])
     gone.wait()
-    dead = tmp_path / f".shard-00001-of-00004.parquet.tmp-{gone.pid}-abcd1234"
+    dead = tmp_path / f".shard-00001-of-00004.parquet.tmp-{gone.pid}-abcd1234"            # before session 27
+    dead_here = tmp_path / f".shard-00002-of-00004.parquet.tmp-{gone.pid}-{HOST_TAG}-abcd1234"
+    # a job on another node writing the same shared cache dir: its pid means nothing here, its file stays
+    other_host = "0" * 8 if HOST_TAG != "0" * 8 else "1" * 8
+    elsewhere = tmp_path / f".shard-00003-of-00004.parquet.tmp-{gone.pid}-{other_host}-ab"
     odd = tmp_path / ".manifest.json.tmp-notapid"
-    for p in (live, dead, odd):
+    for p in (live, dead, dead_here, elsewhere, odd):
         p.write_bytes(b"x")
-    assert remove_stale_temps(tmp_path) == 2
-    assert sorted(p.name for p in tmp_path.iterdir()) == [live.name]
+    assert remove_stale_temps(tmp_path) == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, elsewhere.name])
 
 
 def test_a_damaged_num_tokens_chunk_is_named_when_the_trainer_opens_the_cache(tmp_path):
