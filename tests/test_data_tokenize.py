@@ -111,6 +111,17 @@ def test_trimming_template_masks_the_trimmed_text(tok):
     assert [t for _, t in masked_runs(tok, sample)] == ["padded answer" + EOT]
 
 
+def test_trimming_template_masks_the_answer_not_a_later_quote_of_its_untrimmed_text(tok):
+    """The untrimmed text may occur later (the next user turn quotes "Yes\n"; a user's "hello \n" inside the answer):
+    the span is whichever of the two texts comes first, so the answer is masked and no row is dropped."""
+    c = conv(("u", "Is it?"), ("a", "Yes\n"), ("u", "Yes\nplease explain"), ("a", "Sure."))
+    sample = tokenize_conversation(tok, c, 512, chat_template=TRIM_TEMPLATE)
+    assert [t for _, t in masked_runs(tok, sample)] == ["Yes" + EOT, "Sure." + EOT]
+    c = conv(("u", "hello \n"), ("a", "You said hello \n back"))
+    sample = tokenize_conversation(tok, c, 512, chat_template=TRIM_TEMPLATE)
+    assert sample is not None and [t for _, t in masked_runs(tok, sample)] == ["You said hello \n back" + EOT]
+
+
 @pytest.mark.parametrize("template,eot", [(None, EOT), (PLAIN_TEMPLATE, "")])
 def test_tokens_straddling_the_content_boundary_count_as_content(tok, template, eot):
     # Leading/trailing whitespace in the content can merge with the template's newline into one

@@ -144,12 +144,14 @@ class ConversationTokenizer:
             if not content.strip():
                 continue
             lo = max(cursor, self._prefix_end(messages, i, rendered)) if is_assistant else cursor
+            # the text as written or as a trimming template (Llama-3's `| trim`) renders it, whichever comes first
+            # (the longer on a tie): the untrimmed text may also occur later, e.g. "Yes\n" answered, then quoted
+            # by the next user turn, and taking that later one masked the user's text instead of the answer
             found = None
             for needle in (content, content.strip()):
                 at = rendered.find(needle, lo)
-                if at >= 0:
+                if at >= 0 and (found is None or at < found[0]):
                     found = (at, at + len(needle))
-                    break
             if found is None:
                 if is_assistant:
                     raise RowProblem("template_mismatch", f"messages[{i}].content",
