@@ -154,15 +154,19 @@ def all_objects(server: MotoServer, prefix: str = "") -> dict[str, bytes]:
     return out
 
 
+# the error answers FaultProxy can give: a throttle, and credentials refused (a bucket policy change)
+ERRORS = {"503": (b"503 Slow Down", b"SlowDown"), "403": (b"403 Forbidden", b"AccessDenied")}
+
+
 @dataclass
 class FaultProxy:
     """HTTP/1.1 proxy on 127.0.0.1 in front of moto. `fail(n, how, match)`: the next n requests for which
-    match(method, path) holds get `how` ('503' or 'reset'); the rest are forwarded."""
+    match(method, path) holds get `how` ('reset' or a key of ERRORS); the rest are forwarded."""
 
     upstream_port: int
     port: int = 0
     requests: int = 0
-    failed: dict = field(default_factory=lambda: {"503": 0, "reset": 0})
+    failed: dict = field(default_factory=lambda: dict.fromkeys(["reset", *ERRORS], 0))
     _budget: list = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -245,10 +249,11 @@ class FaultProxy:
                 if fault == "reset":
                     conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                     return  # close() with linger 0 sends a TCP RST: "connection reset by peer"
-                if fault == "503":
-                    msg = b"<?xml version=\"1.0\"?><Error><Code>SlowDown</Code><Message>injected</Message></Error>"
-                    conn.sendall(b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nContent-Length: "
-                                 + str(len(msg)).encode() + b"\r\n\r\n" + msg)
+                if fault in ERRORS:
+                    status, code = ERRORS[fault]
+                    msg = b"<?xml version=\"1.0\"?><Error><Code>" + code + b"</Code><Message>injected</Message></Error>"
+                    conn.sendall(b"HTTP/1.1 " + status + b"\r\nContent-Type: application/xml\r\nContent-Length: "
+                                 + str(len(msg)).encode() + b"\r\n\r\n" + (msg if method != "HEAD" else b""))
                     continue
                 up = http.client.HTTPConnection("127.0.0.1", self.upstream_port, timeout=60)
                 fwd = {k: v for k, v in headers if k.lower() not in ("expect", "connection")}

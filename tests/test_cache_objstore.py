@@ -152,14 +152,14 @@ def test_transient_503s_and_connection_resets_are_retried(s3_env, tmp_path):
         proxy.fail(2, "503", puts)
         proxy.fail(1, "reset", puts)
         write_cache(uri, docs, WIDTH, LAYERS, num_shards=2)
-        assert proxy.failed == {"503": 2, "reset": 1}  # each was retried: the writes all landed
+        assert proxy.failed == {"503": 2, "reset": 1, "403": 0}  # each was retried: the writes all landed
         # more failures in a row than the SDK's 3 attempts: this layer's backoff retries take over
         proxy.fail(4, "503", ranged_gets)
         proxy.fail(2, "reset", ranged_gets)
         fs = open_cache_fs(uri)
         before = fs.retries
         got = rows_of(uri)
-        assert proxy.failed == {"503": 6, "reset": 3}
+        assert proxy.failed == {"503": 6, "reset": 3, "403": 0}
         assert fs.retries - before >= 1
         local = tmp_path / "cache"
         write_cache(local, docs, WIDTH, LAYERS, num_shards=2)
@@ -295,3 +295,47 @@ def test_window_ledger_budget_and_shard_deletion_work_on_s3(s3_env):
     assert reset_consumed(uri, spec, lambda i: sidecar_name(i, 3)) == [1]
     left = fs.list_sizes()
     assert sidecar_name(1, 3) not in left and "window.json" not in left and sidecar_name(0, 3) in left
+
+
+@pytest.mark.parametrize("how", ["403"])
+def test_credentials_refused_mid_read_are_a_usage_error_not_a_damaged_shard(s3_env, how):
+    """The store starts refusing the credentials while a trainer reads (a bucket policy changes): a UsageError (exit
+    2) with the credentials hint, not a CacheError whose hint says to delete the shard (session 27's review found
+    that), nor retries as a network error. (An expired token's 400 reaches pyarrow's GET as 'AWS Error UNKNOWN (HTTP
+    status 400)' with no code, so it cannot be told from other errors there; it stays on the retry path.)"""
+    proxy = FaultProxy(s3_env.port).start()
+    try:
+        uri = s3_uri(proxy, f"denied-{how}/cache")
+        write_cache(uri, make_docs(6, WIDTH, seed=2), WIDTH, LAYERS, num_shards=1)
+        man = load_manifest(uri)
+        reader = ShardReader(man["shards"][0]["abs_path"], man["fingerprint"])
+        proxy.fail(100, how, lambda method, path: method == "GET" and "shard-" in path)
+        with pytest.raises(UsageError, match="row group 0: access denied") as err:
+            reader.read_row_group(0)
+        assert "AWS_ACCESS_KEY_ID" in err.value.hint and "delete" not in err.value.hint
+        assert proxy.failed[how] <= 3                     # not the network path's 5 retries of every column
+        with pytest.raises(UsageError, match="footer: access denied"):
+            ShardReader(man["shards"][0]["abs_path"], man["fingerprint"])
+    finally:
+        proxy.stop()
+
+
+def test_object_store_locations_with_a_fragment_endpoint_credentials_or_two_endpoints_are_refused(s3_env, tmp_path):
+    """Found by session 27's review: '#' cut the prefix short, a user:password@ endpoint passed, and a shard named
+    without its endpoint was read from whichever endpoint of that bucket/prefix was opened first."""
+    proxy = FaultProxy(s3_env.port).start()     # a second endpoint in front of the same server
+    try:
+        with pytest.raises(UsageError, match="a '#' in an object-store location"):
+            open_cache_fs(f"s3://{BUCKET}/runs/exp#1/cache?endpoint={s3_env.endpoint}")
+        with pytest.raises(UsageError, match="credentials in the 'endpoint' URI parameter") as err:
+            open_cache_fs(f"s3://{BUCKET}/c?endpoint=http://{KEY_ID}:{SECRET}@127.0.0.1:{s3_env.port}")
+        assert SECRET not in str(err.value) + err.value.hint
+        write_cache(s3_uri(s3_env, "mirror/cache"), make_docs(4, WIDTH, seed=1), WIDTH, LAYERS, num_shards=1)
+        open_cache_fs(s3_uri(proxy, "mirror/cache"))   # the same bucket/prefix on a second endpoint
+        shard = load_manifest(s3_uri(s3_env, "mirror/cache"))["shards"][0]["abs_path"]   # named without the endpoint
+        with pytest.raises(UsageError, match="open on two endpoints in this process"):
+            ShardReader(shard)                          # it used to read the first endpoint's, silently
+    finally:
+        proxy.stop()
+    spaced = tmp_path / "my cache"
+    assert open_cache_fs(spaced.as_uri()).root == spaced   # file:// URIs are percent-decoded

@@ -33,7 +33,7 @@ import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
 from ..errors import CacheError, RuntimeFailure, UsageError
 from ..io_utils import atomic_write_bytes, atomic_write_json, remove_stale_temps, safe_child, sha256_file
@@ -355,6 +355,7 @@ class ObjectCacheFS(CacheFS):
 
 # -------------------------------------------------------------------- opening
 _FS_CACHE: dict[str, ObjectCacheFS] = {}
+_ENDPOINTS: dict[str, set[str]] = {}   # query-less URI -> the endpoints it is open on
 _FS_LOCK = threading.Lock()
 
 
@@ -367,13 +368,20 @@ def open_cache_fs(location: "str | Path | CacheFS") -> CacheFS:
     if parts is None or parts.scheme.lower() not in REMOTE_SCHEMES + ("file",):
         return LocalCacheFS(Path(location))
     if parts.scheme.lower() == "file":
-        return LocalCacheFS(Path(parts.path))
+        return LocalCacheFS(Path(unquote(parts.path)))   # file:///x/my%20cache is the directory "/x/my cache"
     with _FS_LOCK:
         if text not in _FS_CACHE:
             fs = _open_remote(parts)
             _FS_CACHE[text] = fs
             # its files are named by the URI without the query (fs.display): those resolve to this client
             _FS_CACHE.setdefault(fs.uri, fs)
+            _ENDPOINTS.setdefault(fs.uri, set()).add(fs.endpoint_url)
+        elif not parts.query and len(_ENDPOINTS.get(text, ())) > 1:
+            # a file name (no query) of a bucket/prefix open on two endpoints: which server it means is unknown;
+            # refused rather than read from the first one opened
+            raise UsageError(f"{text} is open on two endpoints in this process "
+                             f"({', '.join(sorted(_ENDPOINTS[text]))}): its files cannot be told apart by name",
+                             "use one endpoint per process (e.g. compare or copy two stores in two commands)")
         return _FS_CACHE[text]
 
 
@@ -383,7 +391,14 @@ def _open_remote(parts) -> ObjectCacheFS:
     if parts.username or parts.password or "@" in parts.netloc:
         raise UsageError(f"{safe}: credentials in the URI are refused (they would be written to configs and logs)",
                          CRED_HINT)
+    if parts.fragment or "#" in parts.path:
+        raise UsageError(f"{safe}#{parts.fragment}: a '#' in an object-store location is refused (it ends the path "
+                         "there: two locations differing after it would be one)", "name the prefix without '#'")
     query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
+    for key in ("endpoint", "endpoint_override"):
+        if "@" in query.get(key, ""):     # user:password@host (a password may hold '/', which ends a netloc)
+            raise UsageError(f"{safe}: credentials in the '{key}' URI parameter are refused (they would be written to "
+                             "configs and logs)", CRED_HINT)
     for bad in ("access_key", "secret_key", "session_token"):
         if bad in query:
             raise UsageError(f"{safe}: URI parameter '{bad}' is refused (it would be written to configs and logs)",

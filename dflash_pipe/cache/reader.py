@@ -23,9 +23,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from ..errors import CacheError, RuntimeFailure
+from ..errors import CacheError, RuntimeFailure, UsageError
 from .codec import decode_hidden, decode_split, decompress_hidden_into, hidden_columns, u8_tensor
-from .fs import TRANSIENT, is_remote, scrub, split_location
+from .fs import CRED_HINT, DENIED, TRANSIENT, is_remote, scrub, split_location
 from .schema import META_KEY, column_names
 
 
@@ -104,6 +104,7 @@ class ShardReader:
             except FileNotFoundError:
                 raise CacheError(f"shard {self.path} is missing", "rerun `dflash-pipe extract` to rebuild it") from None
             except (OSError, pa.ArrowException) as exc:
+                self._refuse_if_denied(exc, "footer")
                 if self._remote is not None and TRANSIENT.search(str(exc)) and attempt + 1 < self._remote.attempts:
                     attempt += 1
                     self._remote.note_retry(f"shard {self.path}: footer", attempt, exc)
@@ -148,6 +149,7 @@ class ShardReader:
             try:
                 return self.file.read_row_group(i, columns=columns, use_threads=False)
             except (OSError, pa.ArrowException) as exc:
+                self._refuse_if_denied(exc, f"row group {i}")
                 if self._remote is None or not TRANSIENT.search(str(exc)):
                     return self._damaged(i, columns, exc)
                 attempt += 1  # a network error, not damage: retry with backoff, bounded
@@ -155,6 +157,12 @@ class ShardReader:
                     raise RuntimeFailure(f"shard {self.path}: row group {i}: {scrub(str(exc))} (after {attempt} "
                                          "attempts)", "check the endpoint and the network, then rerun") from None
                 self._remote.note_retry(f"shard {self.path}: row group {i}", attempt, exc)
+
+    def _refuse_if_denied(self, exc: BaseException, what: str) -> None:
+        """The store refused the credentials (403, an expired token): a usage error with the credentials hint, not
+        a damaged shard (whose hint says to delete it) nor a network error to retry."""
+        if self._remote is not None and DENIED.search(str(exc)):
+            raise UsageError(f"shard {self.path}: {what}: access denied ({scrub(str(exc))})", CRED_HINT) from None
 
     def _damaged(self, i: int, columns: list[str], first: BaseException) -> pa.Table:
         """A read failed for another reason than the network: name the damaged column (a checksum

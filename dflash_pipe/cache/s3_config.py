@@ -22,7 +22,7 @@ TRANSIENT = re.compile(r"(AWS Error (NETWORK_CONNECTION|SLOW_DOWN|SERVICE_UNAVAI
                        r"REQUEST_TIMEOUT|UNKNOWN)|curlCode|HTTP status 5\d\d|response code 5\d\d|503|500|502|504|"
                        r"SlowDown|Throttl|[Cc]onnection (reset|refused|closed)|[Tt]imeout|Broken pipe)")
 DENIED = re.compile(r"ACCESS_DENIED|AccessDenied|InvalidAccessKeyId|SignatureDoesNotMatch|HTTP status 403|"
-                    r"response code 403", re.I)
+                    r"response code 403|ExpiredToken|InvalidToken|TokenRefreshRequired", re.I)
 # S3-compatible servers that do not take the SDK's aws-chunked uploads with trailing checksums (rclone serve s3,
 # older MinIO / Ceph RGW) answer an upload part with HTTP 411 MissingContentLength
 CHUNKED_REFUSED = re.compile(r"MissingContentLength|HTTP status 411", re.I)
@@ -44,8 +44,9 @@ def scrub(text: str) -> str:
         val = os.environ.get(var, "")
         if len(val) >= 4:
             text = text.replace(val, "***")
-    return re.sub(r"(?i)(secret_key|access_key|session_token|X-Amz-Signature|X-Amz-Credential)=[^&\s]+",
-                  r"\1=***", text)
+    text = re.sub(r"(?i)(secret_key|access_key|session_token|X-Amz-Signature|X-Amz-Credential|X-Amz-Security-Token|"
+                  r"X-Goog-Signature|X-Goog-Credential|Signature|AWSAccessKeyId)=[^&\s]+", r"\1=***", text)
+    return re.sub(r"(?i)(https?://)[^/@\s:]+:[^/@\s]+@", r"\1***:***@", text)   # user:password@ in an endpoint
 
 
 def s3_client(query: dict, safe: str):
