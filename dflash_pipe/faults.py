@@ -7,8 +7,8 @@ loss would: no cleanup handlers run. Unset (the normal case) this is a dictionar
 Points: extract.forward, extract.compress, extract.upload (object storage: after each row group handed
 to the shard's upload, which is not complete yet), extract.before_rename, extract.before_sidecar,
 extract.before_manifest, train.after_step, train.checkpoint.before_marker,
-train.checkpoint.before_rename,
-train.checkpoint.between_renames, train.window.after_retire, train.window.before_delete.
+train.checkpoint.before_rename, train.checkpoint.between_renames (a step written again: the complete one moved
+aside, the new one not yet in place), train.window.after_retire, train.window.before_delete.
 """
 
 from __future__ import annotations

@@ -217,9 +217,9 @@ def temp_writer_alive(name: str) -> bool:
 
 
 def remove_stale_temps(directory: Path) -> int:
-    """Delete temp files left by a killed writer (its pid is gone). A live writer's temp files stay: another
-    extraction job writing other shards of the same cache (`--shards`) is mid-write. Returns how many were
-    removed."""
+    """Delete temp files left by a killed writer of this host (its pid is gone). A live writer's temp files stay:
+    another extraction job writing other shards of the same cache (`--shards`) is mid-write, here or on another node.
+    Returns how many were removed."""
     n = 0
     if directory.is_dir():
         for p in directory.iterdir():
