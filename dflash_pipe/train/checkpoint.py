@@ -171,8 +171,7 @@ def find_resume(out_dir: str | Path, resume: str) -> Path | None:
     if resume == "never":
         return None
     if resume == "auto":
-        if Path(out_dir).is_dir():
-            restore_replaced(Path(out_dir))
+        restore_replaced(Path(out_dir))   # (a missing dir globs to nothing)
         ckpts = complete_checkpoints(out_dir)
         return ckpts[-1] if ckpts else None
     path = Path(resume)
