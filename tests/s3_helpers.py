@@ -154,8 +154,10 @@ def all_objects(server: MotoServer, prefix: str = "") -> dict[str, bytes]:
     return out
 
 
-# the error answers FaultProxy can give: a throttle, and credentials refused (a bucket policy change)
-ERRORS = {"503": (b"503 Slow Down", b"SlowDown"), "403": (b"403 Forbidden", b"AccessDenied")}
+# the error answers FaultProxy can give: a throttle, credentials refused (a bucket policy change) and an expired
+# session token (S3 answers 400 ExpiredToken)
+ERRORS = {"503": (b"503 Slow Down", b"SlowDown"), "403": (b"403 Forbidden", b"AccessDenied"),
+          "400": (b"400 Bad Request", b"ExpiredToken")}
 
 
 @dataclass

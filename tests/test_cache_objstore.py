@@ -152,14 +152,14 @@ def test_transient_503s_and_connection_resets_are_retried(s3_env, tmp_path):
         proxy.fail(2, "503", puts)
         proxy.fail(1, "reset", puts)
         write_cache(uri, docs, WIDTH, LAYERS, num_shards=2)
-        assert proxy.failed == {"503": 2, "reset": 1, "403": 0}  # each was retried: the writes all landed
+        assert proxy.failed == {"503": 2, "reset": 1, "403": 0, "400": 0}  # each was retried: the writes all landed
         # more failures in a row than the SDK's 3 attempts: this layer's backoff retries take over
         proxy.fail(4, "503", ranged_gets)
         proxy.fail(2, "reset", ranged_gets)
         fs = open_cache_fs(uri)
         before = fs.retries
         got = rows_of(uri)
-        assert proxy.failed == {"503": 6, "reset": 3, "403": 0}
+        assert proxy.failed == {"503": 6, "reset": 3, "403": 0, "400": 0}
         assert fs.retries - before >= 1
         local = tmp_path / "cache"
         write_cache(local, docs, WIDTH, LAYERS, num_shards=2)
@@ -297,12 +297,13 @@ def test_window_ledger_budget_and_shard_deletion_work_on_s3(s3_env):
     assert sidecar_name(1, 3) not in left and "window.json" not in left and sidecar_name(0, 3) in left
 
 
-@pytest.mark.parametrize("how", ["403"])
+@pytest.mark.parametrize("how", ["403", "400"])
 def test_credentials_refused_mid_read_are_a_usage_error_not_a_damaged_shard(s3_env, how):
     """The store starts refusing the credentials while a trainer reads (a bucket policy changes): a UsageError (exit
     2) with the credentials hint, not a CacheError whose hint says to delete the shard (session 27's review found
-    that), nor retries as a network error. (An expired token's 400 reaches pyarrow's GET as 'AWS Error UNKNOWN (HTTP
-    status 400)' with no code, so it cannot be told from other errors there; it stays on the retry path.)"""
+    that), nor retries as a network error. An expired session token (S3's 400 ExpiredToken) reaches pyarrow's GET as
+    'AWS Error UNKNOWN (HTTP status 400)' with no code: a 400 is never transient, so it is refused the same way
+    (until session 28 it was retried as a network error, then called a damaged shard)."""
     proxy = FaultProxy(s3_env.port).start()
     try:
         uri = s3_uri(proxy, f"denied-{how}/cache")
@@ -310,11 +311,13 @@ def test_credentials_refused_mid_read_are_a_usage_error_not_a_damaged_shard(s3_e
         man = load_manifest(uri)
         reader = ShardReader(man["shards"][0]["abs_path"], man["fingerprint"])
         proxy.fail(100, how, lambda method, path: method == "GET" and "shard-" in path)
-        with pytest.raises(UsageError, match="row group 0: access denied") as err:
+        # a 400 with its code parsed (ExpiredToken) reads as access denied; without it, as a refused bad request
+        refused = "access denied" if how == "403" else r"(access denied|the store refused the request as bad)"
+        with pytest.raises(UsageError, match="row group 0: " + refused) as err:
             reader.read_row_group(0)
         assert "AWS_ACCESS_KEY_ID" in err.value.hint and "delete" not in err.value.hint
         assert proxy.failed[how] <= 3                     # not the network path's 5 retries of every column
-        with pytest.raises(UsageError, match="footer: access denied"):
+        with pytest.raises(UsageError, match="footer: " + refused):
             ShardReader(man["shards"][0]["abs_path"], man["fingerprint"])
     finally:
         proxy.stop()

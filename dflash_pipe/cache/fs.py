@@ -37,8 +37,8 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 from ..errors import CacheError, RuntimeFailure, UsageError
 from ..io_utils import atomic_write_bytes, atomic_write_json, remove_stale_temps, safe_child, sha256_file
-from .s3_config import (CRED_HINT, DENIED, TRANSIENT, chunked_refusal, list_incomplete_uploads,  # noqa: F401
-                        s3_client, scrub)
+from .s3_config import (CRED_HINT, TRANSIENT, chunked_refusal, credentials_refusal,  # noqa: F401
+                        list_incomplete_uploads, s3_client, scrub)
 from .upload import Upload
 
 log = logging.getLogger("dflash_pipe.cache.fs")
@@ -195,9 +195,7 @@ class ObjectCacheFS(CacheFS):
                 raise
             except OSError as exc:
                 msg = scrub(str(exc))
-                if DENIED.search(msg):
-                    raise UsageError(f"{what}: access denied ({msg})", CRED_HINT) from None
-                refused = chunked_refusal(f"{what}: {msg}")
+                refused = credentials_refusal(what, msg) or chunked_refusal(f"{what}: {msg}")
                 if refused is not None:
                     raise refused from None
                 if not TRANSIENT.search(msg) or attempt == self.attempts:

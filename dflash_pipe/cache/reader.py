@@ -25,7 +25,7 @@ import torch
 
 from ..errors import CacheError, RuntimeFailure, UsageError
 from .codec import decode_hidden, decode_split, decompress_hidden_into, hidden_columns, u8_tensor
-from .fs import CRED_HINT, DENIED, TRANSIENT, is_remote, scrub, split_location
+from .fs import TRANSIENT, credentials_refusal, is_remote, scrub, split_location
 from .schema import META_KEY, column_names
 
 
@@ -159,10 +159,11 @@ class ShardReader:
                 self._remote.note_retry(f"shard {self.path}: row group {i}", attempt, exc)
 
     def _refuse_if_denied(self, exc: BaseException, what: str) -> None:
-        """The store refused the credentials (403, an expired token): a usage error with the credentials hint, not
-        a damaged shard (whose hint says to delete it) nor a network error to retry."""
-        if self._remote is not None and DENIED.search(str(exc)):
-            raise UsageError(f"shard {self.path}: {what}: access denied ({scrub(str(exc))})", CRED_HINT) from None
+        """The store refused the credentials (403) or the request (400, an expired token): a usage error with the
+        credentials hint, not a damaged shard (whose hint says to delete it) nor a network error to retry."""
+        refused = credentials_refusal(f"shard {self.path}: {what}", scrub(str(exc))) if self._remote else None
+        if refused is not None:
+            raise refused from None
 
     def _damaged(self, i: int, columns: list[str], first: BaseException) -> pa.Table:
         """A read failed for another reason than the network: name the damaged column (a checksum

@@ -30,6 +30,23 @@ CHUNKED_HINT = ("this S3-compatible server refuses aws-chunked uploads: run with
                 "AWS_REQUEST_CHECKSUM_CALCULATION=when_required in the environment")
 
 
+# a 400 Bad Request is never transient; on a GET that worked before it is most often an expired session token
+# (S3 answers ExpiredToken with 400, and pyarrow's GET reports it as 'AWS Error UNKNOWN (HTTP status 400)' without
+# the code, which TRANSIENT's UNKNOWN would otherwise retry)
+BAD_REQUEST = re.compile(r"HTTP status 400\b|response code 400\b")
+
+
+def credentials_refusal(what: str, message: str) -> UsageError | None:
+    """The usage error for a store that refused the credentials (403, a bad key or signature) or the request
+    (400, most often an expired token), else None. `message` must already be scrubbed."""
+    if DENIED.search(message):
+        return UsageError(f"{what}: access denied ({message})", CRED_HINT)
+    if BAD_REQUEST.search(message):
+        return UsageError(f"{what}: the store refused the request as bad (HTTP 400; an expired session token is the "
+                          f"usual cause) ({message})", "renew the credentials; " + CRED_HINT)
+    return None
+
+
 def chunked_refusal(message: str) -> UsageError | None:
     """The usage error for a store that refused an aws-chunked upload (a setting, not a transient fault), else None."""
     return UsageError(message, CHUNKED_HINT) if CHUNKED_REFUSED.search(message) else None
