@@ -137,6 +137,30 @@ def test_a_sidecar_from_before_the_decoding_flags_resumes_as_greedy(cfg, llama, 
         _run(cfg, llama, out, temperature=0.5)
 
 
+def test_the_output_pins_the_source_by_content_not_by_path(cfg, llama, tmp_path):
+    """An edited source at the same path is refused (until session 28 only the path was pinned, so a resume
+    appended answers of other conversations); the same content at another path resumes."""
+    out = tmp_path / "pinned.jsonl"
+    cfg.data.max_samples = 2
+    _run(cfg, llama, out)
+    src = tmp_path / "src.jsonl"
+    original = src.read_bytes()
+    src.write_bytes(original.replace(b"{", b'{"id": "edited", ', 1))
+    cfg.data.max_samples = 0
+    with pytest.raises(ValidationError, match=r"source_files: \[src.jsonl \(\d+ bytes, sha256 [0-9a-f]{12}\)\] in "
+                                              r"the file vs \[src.jsonl \(\d+ bytes"):
+        _run(cfg, llama, out)
+    moved = tmp_path / "moved" / "src.jsonl"
+    moved.parent.mkdir()
+    moved.write_bytes(original)
+    cfg.data.source = str(moved)
+    _run(cfg, llama, out)
+    src.write_bytes(original)
+    cfg.data.source = str(src)
+    _run(cfg, llama, tmp_path / "direct.jsonl")
+    assert out.read_bytes() == (tmp_path / "direct.jsonl").read_bytes()
+
+
 def test_hybrid_target_falls_back_to_hf_generate_and_refuses_sampling(cfg, tmp_path, tmp_path_factory, capsys):
     from dflash_pipe.target import load_target
 

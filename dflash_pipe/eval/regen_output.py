@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 from ..config import RunConfig
+from ..data.sources import dataset_identity
 from ..errors import ValidationError
 from ..io_utils import append_durably
 
@@ -81,10 +82,14 @@ class JsonlAppender:
 # --------------------------------------------------------------------------- sidecar
 
 def settings_of(cfg: RunConfig, bundle, max_new_tokens: int, max_turns: int, decoding: dict) -> dict:
+    """What the output file pins: a resume with other settings is refused. The source is pinned by content (each
+    file's name, size and sha256), so an edited file at the same path is refused and a moved copy resumes."""
     d = cfg.data
+    files = dataset_identity(d.source, d.format)["files"]
     return {"target": cfg.target.model, "weights_fingerprint": bundle.identity.get("weights_fingerprint"),
             "chat_template_hash": bundle.identity.get("chat_template_hash"), "dtype": bundle.identity.get("dtype"),
-            "source": d.source, "format": d.format, "skip_samples": d.skip_samples, "max_samples": d.max_samples,
+            "source": d.source, "source_files": files, "format": d.format, "skip_samples": d.skip_samples,
+            "max_samples": d.max_samples,
             "max_new_tokens": max_new_tokens, "max_length": cfg.extract.max_length,
             "mode": "multi-turn" if not max_turns else f"first {max_turns} turn(s)", **decoding}
 
@@ -105,6 +110,10 @@ def load_sidecar(output: Path, settings: dict) -> dict:
         raise ValidationError(f"{side}: unreadable progress sidecar ({exc})", "pass a new --output") from None
     old = {**DECODING_DEFAULTS, **OPTIONAL_ZERO, **state.get("settings", {})}
     now = {**OPTIONAL_ZERO, **settings}
+    if "source_files" in old:          # the content decides; the path may differ (the data were moved or copied)
+        old["source"] = now["source"]
+    else:                               # a sidecar from before session 28 pinned the path only: nothing to compare
+        old["source_files"] = now["source_files"]
     # Conversations are answered in input order, so a file made with max_samples = N is the prefix of one
     # made with more: a larger (or unlimited, 0) max_samples extends it instead of being refused.
     grows = old.get("max_samples", 0) != 0 and (settings["max_samples"] == 0 or
@@ -112,7 +121,14 @@ def load_sidecar(output: Path, settings: dict) -> dict:
     diff = {k: (old.get(k), now.get(k)) for k in {**old, **now}    # keys on either side: one the file has and
             if old.get(k) != now.get(k) and not (k == "max_samples" and grows)}   # this run lacks counts too
     if diff:
-        lines = "; ".join(f"{k}: {a!r} in the file vs {b!r} now" for k, (a, b) in diff.items())
+        lines = "; ".join(f"{k}: {_short(k, a)} in the file vs {_short(k, b)} now" for k, (a, b) in diff.items())
         raise ValidationError(f"{output} was generated with other settings ({lines})",
                               "rerun with the original settings to resume, or pass a new --output")
     return {**fresh, **state, "settings": settings}
+
+
+def _short(key: str, value) -> str:
+    """A setting as the refusal names it: the source's files as name (size bytes, sha256 prefix)."""
+    if key == "source_files" and isinstance(value, list):
+        return "[" + ", ".join(f"{f['name']} ({f['size']} bytes, sha256 {f['sha256'][:12]})" for f in value) + "]"
+    return repr(value)
