@@ -76,9 +76,11 @@ def load_manifest(path: str | Path | None) -> RunConfig:
         return cfg
     path = Path(path)
     try:
-        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+        raw = tomllib.loads(path.read_text(encoding="utf-8-sig"))   # a byte-order mark is skipped, as the readers do
     except FileNotFoundError:
         raise UsageError(f"run manifest {path} does not exist", "pass --manifest with an existing .toml file") from None
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"{path}: not UTF-8 text (byte {exc.start})", "save the manifest as UTF-8") from None
     except tomllib.TOMLDecodeError as exc:
         raise UsageError(f"{path}: not valid TOML: {exc}") from None
     for section, table in raw.items():
@@ -107,8 +109,8 @@ def _toml_value(v: Any) -> str:
         return "true" if v else "false"
     if isinstance(v, (int, float)):
         return repr(v)
-    if isinstance(v, str):
-        return json.dumps(v)
+    if isinstance(v, str):   # TOML basic string: non-ASCII as itself (JSON's surrogate pairs are not TOML), DEL escaped
+        return json.dumps(v, ensure_ascii=False).replace("\x7f", "\\u007f")
     if isinstance(v, list):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     raise TypeError(type(v))
@@ -146,6 +148,8 @@ def parse_shard_subset(spec: str, num_shards: int) -> list[int]:
         try:
             if "-" in part:
                 lo, hi = (int(x) for x in part.split("-", 1))
+                if lo > hi:
+                    raise UsageError(f"flag --shards: range '{part}' is reversed", f"use {hi}-{lo}")
                 out.update(range(lo, hi + 1))
             else:
                 out.add(int(part))

@@ -86,6 +86,30 @@ def test_shards_shorthand_and_subsets():
         parse_shard_subset("6-9", 8)
     with pytest.raises(UsageError, match="cannot parse"):
         parse_shard_subset("a-b", 8)
+    with pytest.raises(UsageError, match="range '5-2' is reversed") as err:   # it used to select no shard at all
+        parse_shard_subset("5-2", 8)
+    assert err.value.hint == "use 2-5"
+
+
+def test_a_manifest_not_in_utf8_or_with_a_bom(tmp_path):
+    """Found by session 28's review: Latin-1 bytes crashed with a traceback (exit 1), a UTF-8 byte-order mark gave
+    'not valid TOML' at line 1."""
+    latin = tmp_path / "latin.toml"
+    latin.write_bytes('[data]\nsource = "caf\u00e9.jsonl"\n'.encode("latin-1"))
+    with pytest.raises(UsageError, match=r"latin.toml: not UTF-8 text \(byte 20\)"):
+        load_manifest(latin)
+    bom = tmp_path / "bom.toml"
+    bom.write_bytes(b"\xef\xbb\xbf[train]\nlr = 1e-3\n")
+    assert load_manifest(bom).train.lr == 1e-3
+
+
+def test_resolved_config_with_characters_outside_the_bmp_and_controls_round_trips(tmp_path):
+    """JSON's ASCII escapes wrote an emoji as a surrogate pair, which TOML refuses: the resolved config a resume is
+    told to use could not be read back (session 28's review)."""
+    cfg = RunConfig()
+    cfg.data.source = "data/chats_\U0001F680/caf\u00e9\x7f\ttab\"q.jsonl"
+    again = load_manifest(_write(tmp_path, to_toml(cfg)))
+    assert again.data.source == cfg.data.source
 
 
 def test_shipped_manifests_parse():
