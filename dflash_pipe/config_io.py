@@ -188,7 +188,9 @@ def normalize(cfg: RunConfig) -> RunConfig:
         (0 <= tr.kd_weight <= 1, "--kd-weight must be in [0, 1]"),
         (tr.loss_chunk_tokens >= 1, "--loss-chunk-tokens must be >= 1"),
         (tr.val_every >= 1 and tr.val_batches >= 1, "--val-every and --val-batches must be >= 1"),
-        (tr.epochs >= 1 or tr.max_steps > 0, "--epochs must be >= 1 (or set --max-steps)"),
+        (tr.epochs >= 1 or tr.passes_per_shard > 0, "--epochs must be >= 1 (the window mode, --passes-per-shard, "
+                                                    "counts passes instead)"),
+        (tr.max_steps >= 0, "--max-steps must be >= 0 (0: no cap)"),
         (ex.max_cache_gib >= 0, "--max-cache-gib must be >= 0"),
         (ex.space_wait_timeout_s > 0 and tr.follow_timeout_s > 0, "--space-wait-timeout-s and --follow-timeout-s "
                                                                   "must be > 0"),

@@ -76,6 +76,20 @@ def init_process_group(info: DistInfo, device: torch.device, timeout_s: float = 
     return True
 
 
+def agree_on_plan(epoch_steps: list[int], device: torch.device) -> list[int]:
+    """Every rank's steps per epoch, made one plan (each epoch's minimum over the ranks). With --follow each rank
+    counts the shards committed when it looks, and a shard that lands between two ranks' looks would give them
+    different LR curves: DDP averages the gradients, but each rank's AdamW would apply its own lr and the replicas
+    drift apart. Every rank calls this (a collective when world > 1)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return epoch_steps
+    t = torch.tensor(epoch_steps, dtype=torch.int64, device=device if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return [int(x) for x in t.tolist()]
+
+
 def barrier() -> None:
     import torch.distributed as dist
 

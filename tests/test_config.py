@@ -66,6 +66,19 @@ def test_a_negative_copy_anchor_weight_is_refused_naming_the_flag():
     assert normalize(cfg).train.copy_anchor_weight == 2.0
 
 
+def test_a_negative_step_cap_or_no_epochs_outside_the_window_mode_is_a_usage_error():
+    """Both reached the trainer, which then said the cache 'yields no training batch' (exit 3, session 28's review)."""
+    for field, value, needle in (("max_steps", -1, "--max-steps must be >= 0"), ("epochs", 0, "--epochs must be >= 1")):
+        cfg = RunConfig()
+        cfg.train.max_steps = 3
+        setattr(cfg.train, field, value)
+        with pytest.raises(UsageError, match=needle):
+            normalize(cfg)
+    cfg = RunConfig()
+    cfg.train.epochs, cfg.train.passes_per_shard, cfg.train.follow = 0, 2, True   # the window mode counts passes
+    assert normalize(cfg).train.epochs == 0
+
+
 def test_grouped_attention_with_compile_on_is_refused_naming_both_flags():
     cfg = RunConfig()
     cfg.drafter.attention, cfg.train.compile = "sdpa-grouped", "on"

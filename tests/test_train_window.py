@@ -128,7 +128,7 @@ def test_the_lr_curve_ends_exactly_at_the_last_step_of_a_streamed_run(reference)
     yet the cosine reaches its floor after the last step, not before, and the final plan is exact."""
     got, _, lrs, final = reference[:4]
     assert final["step"] == len(got) == final["total_steps"]
-    assert lrs[-1] == 0.0 and min(lrs[:-1]) > 0 and lrs[-2] < 0.02 * max(lrs)
+    assert min(lrs) > 0 and lrs[-1] < 0.02 * max(lrs)   # each step's own lr: the floor (0) comes after the last
 
 
 def test_each_round_boundary_is_timed_part_by_part(reference):
@@ -269,7 +269,7 @@ def test_two_gloo_ranks_read_the_same_window_and_follow_the_schedule(staged, tmp
 
     assert read_state(complete_checkpoints(out)[-1])["total_steps"] == step  # exact at the end, on 2 ranks too
     lrs = [json.loads(ln)["lr"] for ln in (out / "metrics.jsonl").read_text().splitlines()]
-    assert lrs[-1] == 0.0 and min(lrs[:-1]) > 0
+    assert min(lrs) > 0 and lrs[-1] < 0.05 * max(lrs)   # each step's own lr: the floor (0) comes after the last
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from ..cache.codec import FP8
 from ..config import RunConfig, write_resolved
-from ..dist import DistInfo, barrier, destroy, init_process_group, pick_device, set_rank_cache_dirs
+from ..dist import DistInfo, agree_on_plan, barrier, destroy, init_process_group, pick_device, set_rank_cache_dirs
 from ..drafter.attention import compilation_locked
 from ..drafter import default_gamma, draft_loss, export_drafter, lock_compilation, unlock_compilation
 from ..errors import UsageError, ValidationError
@@ -124,11 +124,19 @@ def run_train(cfg: RunConfig) -> dict:
         total = est if not tr.max_steps else tr.max_steps  # --max-steps: the step curve over exactly that many
         if not tr.max_steps:
             window_lr = WindowLR(coord.passes, coord.n, tr.warmup_frac, tr.min_lr_frac)
+    elif resume is not None and tr.follow:  # the checkpoint's plan, before the LR curve is built over it: a fresh
+        state = read_state(resume)          # count would see the shards committed since and size another curve
+        epoch_steps, total = state["epoch_steps"], state["total_steps"]
     else:
         if tr.follow:
             loader.wait_for_step(0, 0, follow_first_epoch=True)
-        epoch_steps = _steps_per_epoch(loader, tr.epochs, tr.follow)
+        epoch_steps = agree_on_plan(_steps_per_epoch(loader, tr.epochs, tr.follow), device)
         total = sum(epoch_steps) if not tr.max_steps else min(tr.max_steps, sum(epoch_steps))
+        if resume is not None and read_state(resume)["total_steps"] != total:  # the LR curve is the checkpoint's
+            raise UsageError(f"checkpoint {resume} belongs to a run of {read_state(resume)['total_steps']} steps; "
+                             f"these flags (--epochs, --max-steps) plan {total}",
+                             "resume with the original flags, or start a new run from its weights "
+                             "(--init-from <its export> --output-dir <new>)")
     if total <= 0:
         raise ValidationError(f"cache {cfg.train_cache_dir} yields no training batch at --context-tokens "
                               f"{tr.context_tokens} (world size {info.world})", "add data or lower the world size")
@@ -244,6 +252,7 @@ def run_train(cfg: RunConfig) -> dict:
                         phase_done = True
                         break
                     batch, on_device = item
+                    lr_now = opt.param_groups[0]["lr"]  # the step's own lr (the scheduler moves on inside it)
                     step_stats = _train_step(ddp, weights, head, opt, sched, batch, dcfg, device, autocast, codec,
                                              n_layers, gamma, cfg, on_device, after_backward=batches.prefetch)
                     data_wait += batches.take_wait_s()
@@ -257,7 +266,7 @@ def run_train(cfg: RunConfig) -> dict:
                     note = dict(log=step % tr.log_every == 0 or step == total, step=step - 1, epoch=epoch,
                                 data_wait_s=data_wait, tokens=batch.tokens,
                                 anchors=int(batch.block_valid_N.sum()),  # a host tensor: no device sync
-                                lr=sched.get_last_lr()[0], shard_wait_s=shard_wait if coord is not None else None,
+                                lr=lr_now, shard_wait_s=shard_wait if coord is not None else None,
                                 peak_mem_gib=logger.peak_mem_gib())
                     report(stats.push(step_stats, note))  # reads the step before this one
                     profiler.after_step(step)
@@ -282,8 +291,8 @@ def run_train(cfg: RunConfig) -> dict:
                     profiler.note(f"round boundary after step {step}")
                 with clock.part("drain"):
                     report(stats.drain())  # the phase's last step: before its boundary and the next phase's clock
-                if coord is not None and not phase_done:
-                    break  # --max-steps inside a round: the position stays inside it
+                if not phase_done:
+                    break  # --max-steps inside an epoch or round: the position stays inside it
                 epoch += 1
                 step_in_epoch = 0
                 if coord is not None:  # round boundary: retire, checkpoint, then delete what it no longer needs
