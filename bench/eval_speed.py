@@ -101,7 +101,7 @@ def full_reference_pass(cfg: RunConfig, bundle, report: dict) -> dict:
         t1 = time.perf_counter()
         plan = plan_set(name, prompts, lambda m: encode_prompt(tok, m),
                         lambda r: tok.decode(r, skip_special_tokens=True), report["max_prompt_tokens"], batcher,
-                        lambda gen_id: None)
+                        lambda gen_id, ids: None)
         sync()
         out[name] = {"prompts": len(prompts), "generations": len(plan.generations), "pass_s": time.perf_counter() - t1,
                      "tokens": sum(len(g.ref) for g in plan.generations), "skipped": len(plan.skipped)}

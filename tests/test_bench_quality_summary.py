@@ -51,8 +51,8 @@ def test_an_unfinished_eval_counts_with_its_finished_prompts(tmp_path):
     fast = SpecResult([1, 2, 3, 4, 5, 6, 7], 4, proposed=[3, 3], accepted=[3, 1], slot_limit=[3, 3], committed=[4, 2])
     slow = SpecResult([1, 2, 3, 4, 5, 6, 7], 4, proposed=[3] * 6, accepted=[0] * 6, slot_limit=[3] * 6,
                       committed=[1] * 6)
-    prog.add("heldout", "p0", [1, 2, 3, 4, 5, 6, 7], 0.1, {"dflash:lossless": fast, "dflash:fp8": slow})
-    prog.add("heldout", "p1", [1, 2, 3, 4, 5, 6, 7], 0.1, {"dflash:lossless": slow, "dflash:fp8": slow})
+    prog.add("heldout", "p0", [9], [1, 2, 3, 4, 5, 6, 7], 0.1, {"dflash:lossless": fast, "dflash:fp8": slow})
+    prog.add("heldout", "p1", [8], [1, 2, 3, 4, 5, 6, 7], 0.1, {"dflash:lossless": slow, "dflash:fp8": slow})
     (ev / "eval_progress.jsonl").open("a").write('{"key": "key", "set": "held')       # a line cut by a kill
     got = qr.eval_sets(tmp_path)["heldout"]
     assert got["partial"] and got["set"]["prompts"] == 2

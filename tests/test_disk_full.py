@@ -169,7 +169,7 @@ def site_eval_report(d: Path):
 def site_eval_progress(d: Path):
     from dflash_pipe.eval.progress_log import EvalProgress
 
-    EvalProgress(d, "k").add("heldout", "p0", [1, 2], 0.1, {})
+    EvalProgress(d, "k").add("heldout", "p0", [7], [1, 2], 0.1, {})
     return d / "eval_progress.jsonl"
 
 

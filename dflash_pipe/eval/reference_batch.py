@@ -163,10 +163,11 @@ class ReferenceBatcher:
 
 
 def plan_set(set_name: str, prompts, encode: Callable[[list[dict]], list[int]], decode: Callable[[list[int]], str],
-             max_prompt: int, batcher: ReferenceBatcher, known: Callable[[str], list[int] | None]) -> SetPlan:
+             max_prompt: int, batcher: ReferenceBatcher,
+             known: Callable[[str, list[int]], list[int] | None]) -> SetPlan:
     """Every generation of one set with its reference, in waves of turns (module docstring).
 
-    known(gen_id): a reference already decoded (the progress file), or None."""
+    known(gen_id, prompt ids): a reference already decoded for that prompt (the progress file), or None."""
     t0 = time.perf_counter()
     histories = {i: list(p.messages) for i, p in enumerate(prompts)}     # prompts still going
     found: dict[tuple[int, int], Generation] = {}
@@ -188,7 +189,7 @@ def plan_set(set_name: str, prompts, encode: Callable[[list[dict]], list[int]], 
                 del histories[i]
                 continue
             kept += k == 0
-            wave.append((i, Generation(gen_id, ids, known(gen_id))))
+            wave.append((i, Generation(gen_id, ids, known(gen_id, ids))))
         todo = [g for _, g in wave if g.ref is None]
         t1 = time.perf_counter()
         for g, ref in zip(todo, batcher.generate([g.ids for g in todo])):
@@ -213,13 +214,13 @@ class BatchedReferenceSet:
     _encode / _warn_skipped."""
 
     def _run_batched(self, set_name: str, prompts, records: list[dict], cache_mode: str) -> dict:
-        known = lambda gen_id: (self.progress.get(set_name, gen_id) or (None,))[0]   # noqa: E731
+        known = lambda gen_id, ids: (self.progress.get(set_name, gen_id, ids) or (None,))[0]   # noqa: E731
         plan = plan_set(set_name, prompts, self._encode, lambda ref: self.tok.decode(ref, skip_special_tokens=True),
                         self.max_prompt, self.batcher, known)
         refs, walls, equal, res = [], [], [], {m: [] for m, _, _ in self.methods}
         bar = progress_bar(len(plan.generations), f"eval {set_name}", "generation")
         for i, g in enumerate(plan.generations):
-            done = self.progress.get(set_name, g.gen_id)
+            done = self.progress.get(set_name, g.gen_id, g.ids)
             if done is not None:
                 _, wall, results = done
                 same = self.progress.done[(set_name, g.gen_id)].get("batch1_equal")
@@ -267,7 +268,7 @@ class BatchedReferenceSet:
                     if not r.replay_agrees:
                         log.warning("%s %s: %s: replay took other steps than decoding (tau %.3f vs %.3f)", set_name,
                                     g.gen_id, name, again[name].tau or 0, r.tau or 0)
-        self.progress.add(set_name, g.gen_id, g.ref, wall, results, batch1_equal=same)
+        self.progress.add(set_name, g.gen_id, g.ids, g.ref, wall, results, batch1_equal=same)
         return wall, same, results
 
 

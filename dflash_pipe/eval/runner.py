@@ -299,14 +299,14 @@ class _SetRun(BatchedReferenceSet):
                         len(skipped), self.max_prompt, ", ".join(s["id"] for s in skipped))
 
     def _generation(self, set_name: str, gen_id: str, ids: list[int]):
-        done = self.progress.get(set_name, gen_id)
+        done = self.progress.get(set_name, gen_id, ids)
         if done is not None:
             return done
         if not self.warmed:
             _warm_up(self.greedy, ids, self.eos, self.methods, self.B)
             self.warmed = True
         ref, wall, results = _decode_prompt(self.greedy, ids, self.methods, self.B, self.max_new, self.eos, self.sync)
-        self.progress.add(set_name, gen_id, ref, wall, results)
+        self.progress.add(set_name, gen_id, ids, ref, wall, results)
         return ref, wall, results
 
 
