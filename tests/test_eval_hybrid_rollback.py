@@ -58,6 +58,20 @@ def test_auto_is_rollback_for_hybrid_and_refused_for_attention_only(qwen):
         resolve_cache_mode(llama.model, "rollback")
 
 
+def test_eval_checks_the_linear_attention_kernels_it_is_asked_for(qwen):
+    """`eval --target-linear-attn-kernels fla` on a CPU ran to the end on the PyTorch fallback (the flag was
+    accepted and ignored; session 28's review). Now it is checked as extract checks it, and the report names it."""
+    from dflash_pipe.errors import RuntimeFailure
+    from dflash_pipe.target.kernels import eval_linear_attn_kernels
+
+    cpu = torch.device("cpu")
+    with pytest.raises(RuntimeFailure, match="FLA kernels need a CUDA device"):
+        eval_linear_attn_kernels("fla", cpu, qwen.model)
+    assert eval_linear_attn_kernels("auto", cpu, qwen.model) == "torch"
+    assert eval_linear_attn_kernels("torch", cpu, qwen.model) == "torch"
+    assert eval_linear_attn_kernels("fla", cpu, load_target("random:tiny-llama", dtype="float32").model) == "none"
+
+
 REFEEDS = pytest.mark.parametrize("refeed", ["forward", "states"])
 
 

@@ -287,6 +287,11 @@ def test_replay_eval_gives_the_decoded_tau_and_acceptance_on_every_generation(ll
     with pytest.raises(UsageError, match="teacher-forced-every must be in"):
         run_eval(_cfg(tmp, reference="batched", replay=True, teacher_forced_every=99, output_dir=str(tmp / "bad"),
                       **kw), bundle=llama)
+    with pytest.raises(UsageError, match="must be in 0..4 ") as err:   # out of range first: not told to add --replay
+        run_eval(_cfg(tmp, reference="batched", teacher_forced_every=99, output_dir=str(tmp / "bad"), **kw), bundle=llama)
+    assert not err.value.hint
+    with pytest.raises(UsageError, match="teacher-forced-every must be >= 0"):   # before the target loads
+        run_eval(_cfg(tmp, reference="batched", teacher_forced_every=-1, output_dir=str(tmp / "bad"), **kw), bundle=None)
 
 
 def test_a_replay_that_disagrees_with_decoding_is_counted(llama, runs, monkeypatch):

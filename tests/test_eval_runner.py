@@ -242,6 +242,18 @@ def test_drafter_list_errors_name_the_entry(llama, tmp_path, spec, error):
         run_eval(_cfg(tmp_path, drafter=spec.format(a=a, b=b)), bundle=llama)
 
 
+def test_one_drafter_directory_with_an_equals_sign_in_its_path_is_one_drafter(tmp_path):
+    """'runs/lr=3e-4/export' was parsed as a name=dir list and refused (session 28's review)."""
+    from dflash_pipe.config import RunConfig
+    from dflash_pipe.eval.runner import drafter_specs
+
+    d, c = tiny_drafter(block_size=4)
+    export_drafter(d, c, tmp_path / "lr=3e-4" / "export")
+    cfg = RunConfig()
+    cfg.eval.drafter = str(tmp_path / "lr=3e-4" / "export")
+    assert [(s.method, s.export) for s in drafter_specs(cfg)] == [("dflash", tmp_path / "lr=3e-4" / "export")]
+
+
 def test_drafters_of_different_block_sizes_are_refused(llama, tmp_path):
     a, _ = _export_pair(tmp_path)
     d8, c8 = tiny_drafter(block_size=8)

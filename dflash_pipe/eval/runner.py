@@ -46,6 +46,7 @@ from ..errors import UsageError, ValidationError
 from ..io_utils import atomic_write_json, atomic_write_text
 from ..progress import progress_bar
 from ..target import load_target
+from ..target.kernels import eval_linear_attn_kernels
 from ..target.loading import TargetBundle
 from .generation import record as _record, run_methods as _run_methods, warm_up as _warm_up
 from .ngram import NgramProposer
@@ -128,7 +129,7 @@ _NAME_OK = re.compile(r"^[A-Za-z0-9_.-]+$")
 def drafter_specs(cfg: RunConfig) -> list[DrafterSpec]:
     """The drafters --drafter names (module docstring), each checked to exist."""
     raw = cfg.eval.drafter.strip()
-    if "=" not in raw and "," not in raw:
+    if not raw or Path(raw).is_dir() or ("=" not in raw and "," not in raw):   # one directory ('runs/lr=3e-4/export')
         d = Path(raw) if raw else Path(cfg.train.output_dir) / "export"
         specs = [DrafterSpec("dflash", d, Path(cfg.train.output_dir))]
     else:
@@ -162,6 +163,8 @@ def run_eval(cfg: RunConfig, *, bundle: TargetBundle | None = None) -> dict:
         raise UsageError(f"--max-new-tokens must be >= 1, got {ev.max_new_tokens}")
     if ev.baseline_every < 1:
         raise UsageError(f"--baseline-every must be >= 1 (1 = time every generation), got {ev.baseline_every}")
+    if ev.teacher_forced_every < 0:   # before minutes of loading; the upper bound (the block size) is checked later
+        raise UsageError(f"--teacher-forced-every must be >= 0 (0 = off), got {ev.teacher_forced_every}")
     device = resolve_device(ev.device)
     specs = drafter_specs(cfg)
     out_dir = output_dir(cfg)
@@ -172,6 +175,7 @@ def run_eval(cfg: RunConfig, *, bundle: TargetBundle | None = None) -> dict:
                              attn_implementation=t.attn_implementation)
     device = bundle.device
     model, tok = bundle.model, bundle.tokenizer
+    linear_kernels = eval_linear_attn_kernels(t.linear_attn_kernels, device, model)
     dcfgs, proposers = _load_drafters(specs, bundle, ev.draft_graphs)
     sets = load_prompt_sets(ev.prompts, ev.max_prompts, skip_samples=cfg.data.skip_samples,
                             source=cfg.data.source, format=cfg.data.format, mtbench_turns=ev.mtbench_turns)
@@ -202,14 +206,15 @@ def run_eval(cfg: RunConfig, *, bundle: TargetBundle | None = None) -> dict:
                                             "target_layer_ids": dcfgs[s.method].target_layer_ids,
                                             "mask_token_id": dcfgs[s.method].mask_token_id} for s in specs},
                     "device": str(device), "cache_mode": cache_mode, "target_forward": engine_note,
+                    "linear_attn_kernels": linear_kernels,
                     "max_new_tokens": ev.max_new_tokens, "reference": reference,
                     "max_prompt_tokens": max_prompt, "mtbench_turns": ev.mtbench_turns, "eos_token_ids": eos,
                     "sets": {}}
     records: list[dict] = []
-    if ev.teacher_forced_every and not ev.replay:
-        raise UsageError("--teacher-forced-every scans the reference with the replay's features", "add --replay")
     if not 0 <= ev.teacher_forced_every <= B:
         raise UsageError(f"--teacher-forced-every must be in 0..{B} (the block size), got {ev.teacher_forced_every}")
+    if ev.teacher_forced_every and not ev.replay:
+        raise UsageError("--teacher-forced-every scans the reference with the replay's features", "add --replay")
     if ev.replay and batcher is None:
         raise UsageError("--replay walks the methods against batched references, but the references are "
                          f"'{reference}'", "add --reference batched (it needs the static-KV engine: --engine static)")

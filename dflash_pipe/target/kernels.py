@@ -144,3 +144,18 @@ def resolve_linear_attn_kernels(requested: str, device: torch.device, gdn_module
                 "import fla before transformers' qwen3_5 modeling module (a fresh process with FLA installed "
                 "does this), or pass --linear-attn-kernels torch")
     return choice
+
+
+def eval_linear_attn_kernels(requested: str, device: torch.device, model: torch.nn.Module) -> str:
+    """The Gated DeltaNet kernels an eval runs ('fla', 'torch' or 'none'), checked against --linear-attn-kernels.
+    The eval decodes with the target's own forward, so it honours the request by refusing what that forward would
+    not do (before session 28 the flag was accepted and ignored)."""
+    from .gdn_packing import find_gdn_modules
+
+    gdn = [m for _, m in find_gdn_modules(model)]
+    choice = resolve_linear_attn_kernels(requested, device, gdn)
+    if choice == "torch" and hf_linear_attn_impl(gdn[0]) == "fla":
+        raise UsageError("--linear-attn-kernels torch: the eval decodes with the target's own forward, which "
+                         "transformers bound to the FLA kernels in this process",
+                         "use --linear-attn-kernels fla (or auto), or run where flash-linear-attention is not installed")
+    return choice
