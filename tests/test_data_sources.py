@@ -127,6 +127,24 @@ def test_text_files_are_split_into_paragraphs(tmp_path):
         list(iter_conversations(str(path), format="openai"))
 
 
+def test_crlf_text_and_parquet_with_both_message_spellings_read_as_their_lf_and_jsonl_twins(tmp_path):
+    """Found by session 28's review: CRLF paragraphs kept a '\\r' in every document (tokens trained on), and Parquet
+    rows of {role, content} messages beside {from, value} ones came back with from=None and were dropped."""
+    (tmp_path / "lf.txt").write_bytes(b"First paragraph,\nline two.\n\nSecond document.\n")
+    (tmp_path / "crlf.txt").write_bytes(b"First paragraph,\r\nline two.\r\n\r\nSecond document.\r\n")
+    texts = {n: [c.text for c in iter_conversations(str(tmp_path / f"{n}.txt"))] for n in ("lf", "crlf")}
+    assert texts["crlf"] == texts["lf"] == ["First paragraph,\nline two.", "Second document."]
+    rows = [{"id": "a", "conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]},
+            {"id": "b", "conversations": [{"role": "user", "content": "q2"}, {"role": "assistant", "content": "a2"}]}]
+    (tmp_path / "mixed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    msg = pa.struct([(k, pa.string()) for k in ("from", "value", "role", "content")])   # every key of the column
+    pq.write_table(pa.Table.from_pylist(rows, pa.schema([("id", pa.string()), ("conversations", pa.list_(msg))])),
+                   tmp_path / "mixed.parquet")
+    got = {n: [(c.sample_id, c.messages) for c in iter_conversations(str(tmp_path / f"mixed.{n}"))]
+           for n in ("jsonl", "parquet")}
+    assert got["parquet"] == got["jsonl"] and len(got["jsonl"]) == 2
+
+
 def test_parquet_row_groups_nulls_and_ids(tmp_path):
     conv_type = pa.list_(pa.struct([("from", pa.string()), ("value", pa.string())]))
     convs = [GOOD["conversations"], None, [{"from": "human", "value": "q"}], GOOD["conversations"], []]

@@ -83,8 +83,11 @@ def row_id(row: dict[str, Any]) -> str | None:
 def _message(msg: Any, fmt: str, field: str) -> dict[str, str]:
     if not isinstance(msg, dict):
         raise RowProblem("bad_message", field, f"a message must be an object, got {type(msg).__name__}")
+    # the spelling is the one with a non-null key: Parquet stores a list of messages as structs with every key any
+    # message of the column used, so {"role", "content"} messages come back with from=None, value=None beside them
+    present = {k for k, v in msg.items() if v is not None}
     for role_key, content_key in _MSG_KEYS[fmt]:
-        if role_key in msg or content_key in msg:
+        if role_key in present or content_key in present:
             break
     else:
         role_key, content_key = _MSG_KEYS[fmt][0]

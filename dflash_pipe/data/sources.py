@@ -41,7 +41,7 @@ from .stats import DataStats
 EMBEDDED_SHAREGPT = "embedded:sharegpt"
 SHAREGPT_FILENAME = "ShareGPT_V3_unfiltered_cleaned_split.json"
 # Bump when a reader change could alter which rows are kept or how they are normalised.
-READER_VERSION = 1
+READER_VERSION = 2   # 2 (session 28): CRLF .txt paragraphs as LF; Parquet messages with null keys of the other spelling
 _KINDS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet", ".pq": "parquet",
           ".txt": "txt", ".jsonl.gz": "jsonl", ".ndjson.gz": "jsonl"}
 
@@ -191,6 +191,8 @@ def _read_txt(path: Path) -> Iterator[JsonRecord]:
                 bad = bad or f"line {lineno}, byte {exc.start} is not UTF-8"
             if lineno == 1 and line.startswith("\ufeff"):
                 line = line[1:]
+            if line.endswith("\r\n"):   # CRLF files give the same documents as LF ones
+                line = line[:-2] + "\n"
             if line.strip():
                 if not para:
                     index, start = index + 1, lineno
