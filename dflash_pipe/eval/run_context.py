@@ -5,9 +5,9 @@ A tau table alone invites the wrong reading. The main job (manifests/default.tom
 shows the pipeline working end to end on real weights and prompts. It does not show what a
 trained drafter accepts. So the report says how big the run was (drafter layers, training steps,
 device), whether the outputs stayed lossless, and, for the SmolLM2 target, what the GPU recipe
-reaches and how to run it. The recipe numbers are quoted from BENCHMARKS.md (session 27, H100,
-2026-12-05: `bench/quality_gpu.sh` with `bench/quality19q.env`, then `quality19s.env`, `quality19t.env` and
-`quality19v.env`), which holds the full table and its provenance.
+reaches and how to run it. The recipe numbers are quoted from BENCHMARKS.md (session 28, H100,
+2026-12-05: `bench/quality_gpu.sh` with `bench/quality19q.env`, then `quality19s.env`, `quality19t.env`,
+`quality19v.env` and `quality19w.env`), which holds the full table and its provenance.
 """
 
 from __future__ import annotations
@@ -19,18 +19,18 @@ from .report import methods_of
 # measures the run's size, not the method.
 SMALL_RUN_STEPS = 1000
 
-# BENCHMARKS.md, "Session 27", the 5-layer KD drafter after five passes, every prompt of each set.
+# BENCHMARKS.md, "Session 28", the 5-layer KD drafter after six passes, every prompt of each set.
 GPU_RECIPE = {
     "target": "smollm2",
-    "what": "a 5-layer drafter trained five passes (KD 0.5) over 45.3 M supervised tokens of SmolLM2's own answers "
-            "to every ShareGPT turn (in four runs, each from the last one's weights), evaluated on every prompt",
-    "dflash_tau": {"MT-Bench": 3.35, "HumanEval": 3.09, "held-out ShareGPT": 3.32},
+    "what": "a 5-layer drafter trained six passes (KD 0.5) over 45.3 M supervised tokens of SmolLM2's own answers "
+            "to every ShareGPT turn (in five runs, each from the last one's weights), evaluated on every prompt",
+    "dflash_tau": {"MT-Bench": 3.41, "HumanEval": 3.16, "held-out ShareGPT": 3.40},
     "lookup_tau": {"MT-Bench": 2.62, "HumanEval": 2.32, "held-out ShareGPT": 2.23},
     "command": "scripts/prepare_gpu_carry.sh, then on the GPU the calls in bench/quality19q.env's header "
                "(`QUALITY_ENV=bench/quality19q.env bash bench/quality_gpu.sh bg`, then `watch`), then from its drafter "
                "bench/quality19s.env (pass 2), bench/quality19t.env (passes 3-4) and bench/quality19v.env with "
-               "QUALITY_PASSES=1 (pass 5) (BENCHMARKS.md, \"Session 27\")",
-    "source": "BENCHMARKS.md, session 27, H100, 2026-12-05",
+               "QUALITY_PASSES=1 (pass 5) and bench/quality19w.env (pass 6) (BENCHMARKS.md, \"Session 28\")",
+    "source": "BENCHMARKS.md, session 28, H100, 2026-12-05",
 }
 
 
