@@ -322,8 +322,8 @@ def test_checkpointing_every_M_rounds_trains_the_same_and_deletes_only_after_eac
         rows = [json.loads(ln) for ln in (tmp_path / f"out{m}" / "metrics.jsonl").read_text().splitlines()]
         final = read_state(complete_checkpoints(tmp_path / f"out{m}")[-1])
         assert final["step"] == len(rows) == final["total_steps"]  # the planned total is exact at the end
-        lrs = [r["lr"] for r in rows]  # logged after each step: the next step's lr
-        assert lrs[-1] == 0.0 and min(lrs[:-1]) > 0  # the cosine reaches 0 after the last step, not before
+        lrs = [r["lr"] for r in rows]  # each step's own lr
+        assert min(lrs) > 0 and lrs[-1] < 0.05 * max(lrs)  # the cosine reaches 0 after the last step, not before
         return [(r["loss"], r["grad_norm"], r["lr"]) for r in rows], list(events)
 
     every, ev1 = run(1)
