@@ -179,6 +179,10 @@ def make_plan(cfg: RunConfig) -> Plan:
         plan.stage1, plan.differing = "refuse", diff_fields(old.get("fingerprint_fields", {}), fields)
         plan.reason = (f"the cache was extracted with different settings ({', '.join(plan.differing)}); "
                        "use a new cache dir or --overwrite")
+        if cfg.extract.overwrite:   # extract deletes it and starts afresh, as the manifest asks
+            plan.stage1 = "run"
+            plan.reason = (f"the cache was extracted with different settings ({', '.join(plan.differing)}); "
+                           "[extract] overwrite = true: extract deletes it and extracts afresh")
         return plan
     done = committed_shards(cache_dir, old)
     plan.committed = len(done)

@@ -87,6 +87,14 @@ def test_target_data_or_extraction_changes_are_refused(extracted, extra, field):
     assert plan.stage1 == "refuse" and set(plan.differing) == {field}
 
 
+def test_a_changed_cache_with_overwrite_in_the_manifest_is_rerun_not_refused(extracted):
+    """`[extract] overwrite = true` made extract delete the cache, yet plan (and so run_pipeline) refused it
+    (session 28's review)."""
+    tmp, cache, out, _ = extracted
+    plan = _plan(write_manifest(tmp, "over.toml", cache, out, "extract.topk = 8\nextract.overwrite = true"))
+    assert plan.stage1 == "run" and set(plan.differing) == {"topk"} and "overwrite = true" in plan.reason
+
+
 def test_missing_shard_means_resume(extracted, tmp_path):
     import shutil
 
