@@ -103,6 +103,7 @@ def run_train(cfg: RunConfig) -> dict:
     compile_layers = tr.compile == "on" or (tr.compile == "auto" and device.type == "cuda"
                                             and dcfg.attention != "sdpa-grouped")
     resume = find_resume(out_dir, tr.resume)
+    saved = read_state(resume) if resume is not None else None  # the checkpoint's state.json, read once
     init = init_state_from_export(tr.init_from, dcfg) if tr.init_from and resume is None else None
     model = build_model(dcfg, device, tr.seed, compile_layers, tr.checkpoint_mlp_layers, init)
     weights = MasterWeights(model, resolve_param_dtype(cfg, precision))  # before DDP and the optimizer
@@ -115,8 +116,8 @@ def run_train(cfg: RunConfig) -> dict:
     coord = _window(cfg, index, out_dir, info, device, loader)
     window_lr = None
     if coord is not None:  # window mode: rounds instead of epochs; the LR curve runs over shard passes
-        if resume is not None:
-            epoch_steps, est = read_state(resume)["epoch_steps"], read_state(resume)["total_steps"]
+        if saved is not None:
+            epoch_steps, est = saved["epoch_steps"], saved["total_steps"]
         else:
             coord.wait_round(0)
             epoch_steps = [coord.schedule(0).steps]
@@ -124,16 +125,15 @@ def run_train(cfg: RunConfig) -> dict:
         total = est if not tr.max_steps else tr.max_steps  # --max-steps: the step curve over exactly that many
         if not tr.max_steps:
             window_lr = WindowLR(coord.passes, coord.n, tr.warmup_frac, tr.min_lr_frac)
-    elif resume is not None and tr.follow:  # the checkpoint's plan, before the LR curve is built over it: a fresh
-        state = read_state(resume)          # count would see the shards committed since and size another curve
-        epoch_steps, total = state["epoch_steps"], state["total_steps"]
+    elif saved is not None and tr.follow:  # the checkpoint's plan, before the LR curve is built over it: a fresh
+        epoch_steps, total = saved["epoch_steps"], saved["total_steps"]  # count would see later shards
     else:
         if tr.follow:
             loader.wait_for_step(0, 0, follow_first_epoch=True)
         epoch_steps = agree_on_plan(_steps_per_epoch(loader, tr.epochs, tr.follow), device)
         total = sum(epoch_steps) if not tr.max_steps else min(tr.max_steps, sum(epoch_steps))
-        if resume is not None and read_state(resume)["total_steps"] != total:  # the LR curve is the checkpoint's
-            raise UsageError(f"checkpoint {resume} belongs to a run of {read_state(resume)['total_steps']} steps; "
+        if saved is not None and saved["total_steps"] != total:  # the LR curve is the checkpoint's
+            raise UsageError(f"checkpoint {resume} belongs to a run of {saved['total_steps']} steps; "
                              f"these flags (--epochs, --max-steps) plan {total}",
                              "resume with the original flags, or start a new run from its weights "
                              "(--init-from <its export> --output-dir <new>)")
@@ -143,10 +143,10 @@ def run_train(cfg: RunConfig) -> dict:
     opt, sched = build_optimizer(weights.masters, cfg, device, total, lr_factor=window_lr)
     step, epoch, step_in_epoch = 0, 0, 0
     if resume is not None:
-        check_resume_identity(read_state(resume), spec, resume, dcfg, index.subset)  # before touching any weights
-        if read_state(resume).get("passes_per_shard", 0) != tr.passes_per_shard:
+        check_resume_identity(saved, spec, resume, dcfg, index.subset)  # before touching any weights
+        if saved.get("passes_per_shard", 0) != tr.passes_per_shard:
             raise ValidationError(f"checkpoint {resume} was trained with --passes-per-shard "
-                                  f"{read_state(resume).get('passes_per_shard', 0)}, this run asks for "
+                                  f"{saved.get('passes_per_shard', 0)}, this run asks for "
                                   f"{tr.passes_per_shard}", "resume with the original value, or a new --output-dir")
         state = load_checkpoint(resume, weights, opt, device)
         step, epoch, step_in_epoch = state["step"], state["epoch"], state["step_in_epoch"]
