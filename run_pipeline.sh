@@ -86,38 +86,75 @@ case "$stage1" in
     fi ;;
 esac
 
-pids=()
-cleanup() {
-  trap - INT TERM
-  echo "run_pipeline: interrupted; stopping stages (committed shards and checkpoints are kept)" >&2
-  for p in "${pids[@]}"; do kill -INT "$p" 2>/dev/null || true; done
-  wait || true
-  exit 130
+# Each stage runs in the background as a process group of its own (job control on for that one command).
+# Without job control bash starts a script's background commands with SIGINT and SIGQUIT ignored, which the
+# stage's processes inherit (Python then never sees Ctrl-C), and `kill -INT PID` reached only the stage's bash
+# launcher. INT, TERM or HUP to this script is forwarded as SIGINT to the whole group of each running stage
+# (its launcher and python, or torchrun, which forwards it to its workers); the stages stop cleanly (extract
+# keeps its committed shards, train writes a checkpoint) and exit; the script waits for them, then exits 130.
+# Another signal is forwarded too: the stages then stop at once.
+running=()                # pids of the running stages, each the leader of its process group
+declare -A stage_name=()  # pid -> the stage's name in messages
+interrupted=0
+
+signal_stages() { local p; for p in "${running[@]}"; do kill -"$1" -- "-$p" 2>/dev/null || true; done; }
+on_signal() {
+  if [ "$interrupted" = 0 ]; then
+    echo "run_pipeline: interrupted; stopping stages (committed shards and checkpoints are kept)" >&2 || true
+  fi
+  interrupted=1
+  signal_stages INT
 }
-trap cleanup INT TERM
+trap on_signal INT TERM HUP
+
+# start_stage NAME CMD...: start CMD in the background in a process group of its own (sets $!)
+start_stage() {
+  [ "$interrupted" = 0 ] || exit 130
+  local name="$1"; shift
+  set -m
+  "$@" </dev/null &
+  set +m
+  running+=("$!"); stage_name[$!]="$name"
+  [ "$interrupted" = 0 ] || kill -INT -- "-$!" 2>/dev/null || true  # a signal between the fork and here
+}
+
+# wait_stage PID: wait for that stage through any trapped signal; sets stage_rc. Exits 130 once no stage
+# runs if the pipeline was interrupted.
+wait_stage() {
+  local p keep=()
+  while :; do
+    stage_rc=0; wait "$1" || stage_rc=$?
+    # a trapped signal ends `wait` early (status > 128) while the stage still runs
+    [ "$stage_rc" -gt 128 ] && kill -0 "$1" 2>/dev/null || break
+  done
+  for p in "${running[@]}"; do [ "$p" = "$1" ] || keep+=("$p"); done
+  running=("${keep[@]}")
+  if [ "$interrupted" = 1 ] && [ "${#running[@]}" = 0 ]; then exit 130; fi
+}
 
 fail() { echo "run_pipeline: $1 failed (exit $2)" >&2; exit "$2"; }
 
 if [ "$stage1" != skip ] && [ "$FOLLOW" = 1 ]; then
-  stages/extract.sh "$MANIFEST" "${extract_args[@]}" & pids+=($!)
-  stages/train.sh "$MANIFEST" --follow & pids+=($!)
-  rc_e=0; rc_t=0
-  wait "${pids[0]}" || rc_e=$?
-  if [ "$rc_e" != 0 ]; then kill -INT "${pids[1]}" 2>/dev/null || true; wait "${pids[1]}" || true; fail "stage 1 (extract)" "$rc_e"; fi
-  wait "${pids[1]}" || rc_t=$?
-  [ "$rc_t" = 0 ] || fail "stage 2 (train --follow)" "$rc_t"
+  start_stage "stage 1 (extract)" stages/extract.sh "$MANIFEST" "${extract_args[@]}"; pid_e=$!
+  start_stage "stage 2 (train --follow)" stages/train.sh "$MANIFEST" --follow; pid_t=$!
+  wait_stage "$pid_e"; rc_e=$stage_rc
+  if [ "$rc_e" != 0 ] && [ "$interrupted" = 0 ]; then
+    signal_stages INT; wait_stage "$pid_t"; fail "stage 1 (extract)" "$rc_e"
+  fi
+  wait_stage "$pid_t"
+  [ "$stage_rc" = 0 ] || fail "stage 2 (train --follow)" "$stage_rc"
 else
   if [ "$stage1" != skip ]; then
-    stages/extract.sh "$MANIFEST" "${extract_args[@]}" & pids=($!)
-    wait "${pids[0]}" || fail "stage 1 (extract)" $?
+    start_stage "stage 1 (extract)" stages/extract.sh "$MANIFEST" "${extract_args[@]}"
+    wait_stage $!; [ "$stage_rc" = 0 ] || fail "stage 1 (extract)" "$stage_rc"
   fi
-  stages/train.sh "$MANIFEST" & pids=($!)
-  wait "${pids[0]}" || fail "stage 2 (train)" $?
+  start_stage "stage 2 (train)" stages/train.sh "$MANIFEST"
+  wait_stage $!; [ "$stage_rc" = 0 ] || fail "stage 2 (train)" "$stage_rc"
 fi
 
 if [ "$EVAL" = 1 ]; then
   first_gpu=$( [ "$DEVICE" = cpu ] && echo "" || cut -d, -f1 <<<"$TRAIN_GPUS")
-  CUDA_VISIBLE_DEVICES="${first_gpu}" "$PY" -m dflash_pipe eval -m "$MANIFEST" --device "$DEVICE" & pids=($!)
-  wait "${pids[0]}" || fail "eval" $?
+  start_stage eval env CUDA_VISIBLE_DEVICES="${first_gpu}" "$PY" -m dflash_pipe eval -m "$MANIFEST" --device "$DEVICE"
+  wait_stage $!; [ "$stage_rc" = 0 ] || fail "eval" "$stage_rc"
 fi
 echo "run_pipeline: done"

@@ -1,0 +1,180 @@
+"""run_pipeline.sh's stage handling with stub stages: signals reach the running stage.
+
+The script is copied into a temporary directory next to a stub `stages/` (common.sh, extract.sh, train.sh) and a
+stub interpreter that answers `-m dflash_pipe plan` with a fixed plan, so each run takes a fraction of a second
+and loads no model. The stub stages are shaped like the real ones: a bash launcher that runs a Python process as
+its child (not exec'd), which stops on KeyboardInterrupt as `dflash-pipe extract` does (Python's default SIGINT
+handler, not one installed by the stage) and exits 130.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+STAGE = r'''
+import os, sys, time
+stage, work = sys.argv[1], os.environ["STUB_DIR"]
+rank = os.environ.get("RANK")
+tag = stage if rank is None else f"{stage}.rank{rank}"
+seconds, rc = os.environ.get(f"STUB_{stage.upper()}", "0:0").split(":")
+open(os.path.join(work, f"{tag}.pid"), "w").write(str(os.getpid()))
+open(os.path.join(work, f"{tag}.args"), "w").write(" ".join(sys.argv[2:]))
+try:
+    end = time.monotonic() + float(seconds)
+    while time.monotonic() < end:
+        time.sleep(0.02)
+except KeyboardInterrupt:
+    open(os.path.join(work, f"{tag}.sigint"), "w").write("SIGINT")
+    sys.exit(130)
+open(os.path.join(work, f"{tag}.done"), "w").write(rc)
+sys.exit(int(rc))
+'''
+
+COMMON = '''set -euo pipefail
+_repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PY="$_repo/bin/python"
+gpu_count() { echo 0; }
+'''
+
+FAKE_PY = '''#!/usr/bin/env bash
+if [ "${1:-}" = -m ] && [ "${2:-}" = dflash_pipe ] && [ "${3:-}" = plan ]; then
+  echo '{"stage1": "run", "summary": "stub plan"}'; exit 0
+fi
+exec "%s" "$@"
+'''
+
+# the stage's launcher: python as its child (stages/common.sh's `launch` does not exec either)
+LAUNCHER = '''#!/usr/bin/env bash
+source "$(dirname "$0")/common.sh"
+echo $$ > "$STUB_DIR/{stage}.launcher.pid"
+if [ "${STUB_TORCHRUN:-}" = {stage} ]; then
+  "$PY" -m torch.distributed.run --standalone --nproc-per-node=2 --monitor-interval=0.1 \\
+    "$_repo/stage.py" {stage} "$@"
+else
+  "$PY" "$_repo/stage.py" {stage} "$@"
+fi
+'''
+
+
+@pytest.fixture
+def pipe(tmp_path):
+    """A copy of run_pipeline.sh beside stub stages; yields a function that starts it (Popen)."""
+    root = tmp_path / "repo"
+    (root / "stages").mkdir(parents=True)
+    (root / "bin").mkdir()
+    shutil.copy2(ROOT / "run_pipeline.sh", root / "run_pipeline.sh")
+    (root / "stages" / "common.sh").write_text(COMMON)
+    for stage in ("extract", "train"):
+        path = root / "stages" / f"{stage}.sh"
+        path.write_text(LAUNCHER.replace("{stage}", stage))
+        path.chmod(0o755)
+    (root / "bin" / "python").write_text(FAKE_PY % sys.executable)
+    (root / "bin" / "python").chmod(0o755)
+    (root / "stage.py").write_text(STAGE)
+    (root / "m.toml").write_text("# stub manifest\n")
+    work = tmp_path / "work"
+    work.mkdir()
+    procs = []
+
+    def start(*args, **stub):
+        env = {k: v for k, v in os.environ.items() if k not in ("EXTRACT_GPUS", "TRAIN_GPUS", "STRICT_GPUS")}
+        env.update({"STUB_DIR": str(work), **{f"STUB_{k.upper()}": str(v) for k, v in stub.items()}})
+        proc = subprocess.Popen([str(root / "run_pipeline.sh"), str(root / "m.toml"), "--no-eval", *args], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        procs.append(proc)
+        return proc
+
+    start.work = work
+    yield start
+    for pid_file in work.glob("*.pid"):  # any stub left running (they hold the script's stdout and stderr)
+        try:
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        except (ProcessLookupError, ValueError):
+            pass
+    for proc in procs:  # a script that outlived its test
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate(timeout=30)
+
+
+def wait_for(path: Path, proc, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None, f"run_pipeline.sh exited {proc.returncode} before {path.name}: {proc.stderr.read()}"
+        assert time.monotonic() < deadline, f"no {path.name} after {timeout} s"
+        time.sleep(0.02)
+
+
+def finish(proc, within: float):
+    """(returncode, stdout, stderr) of `proc`; fails if it runs past `within` seconds from now."""
+    try:
+        out, err = proc.communicate(timeout=within)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"run_pipeline.sh still running {within} s later")
+    return proc.returncode, out, err
+
+
+def stage_gone(work: Path, tag: str) -> bool:
+    try:
+        os.kill(int((work / f"{tag}.pid").read_text()), 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_reaches_the_running_stage_and_the_pipeline_exits_130_at_once(pipe, sig):
+    """The stage used to inherit SIGINT ignored and the script's `kill -INT` reached only the stage's bash
+    launcher: the pipeline said "interrupted" and then waited for the stage to do all its work."""
+    proc = pipe(extract="60:0")
+    wait_for(pipe.work / "extract.pid", proc)
+    proc.send_signal(sig)
+    rc, _, err = finish(proc, within=10)
+    assert rc == 130, err
+    assert (pipe.work / "extract.sigint").exists() and not (pipe.work / "extract.done").exists()
+    assert not (pipe.work / "train.pid").exists(), "stage 2 started after an interrupt"
+    assert "interrupted" in err and stage_gone(pipe.work, "extract")
+
+
+def test_sigint_during_follow_stops_both_stages(pipe):
+    proc = pipe("--follow", extract="60:0", train="60:0")
+    wait_for(pipe.work / "extract.pid", proc)
+    wait_for(pipe.work / "train.pid", proc)
+    proc.send_signal(signal.SIGINT)
+    rc, _, err = finish(proc, within=10)
+    assert rc == 130, err
+    assert (pipe.work / "extract.sigint").exists() and (pipe.work / "train.sigint").exists()
+    assert stage_gone(pipe.work, "extract") and stage_gone(pipe.work, "train")
+
+
+@pytest.mark.slow
+def test_sigint_reaches_torchrun_launched_train_workers(pipe):
+    """stages/common.sh launches train on GPUs with torchrun, whose workers run in sessions of their own: the
+    signal reaches torchrun through the stage's process group and torchrun forwards it to every worker."""
+    pytest.importorskip("torch")
+    proc = pipe(extract="0:0", train="120:0", torchrun="train")
+    for rank in (0, 1):
+        wait_for(pipe.work / f"train.rank{rank}.pid", proc, timeout=120)
+    proc.send_signal(signal.SIGINT)
+    rc, _, err = finish(proc, within=40)  # torchrun SIGKILLs workers 30 s after forwarding; they take ms here
+    assert rc == 130, err
+    for rank in (0, 1):
+        assert (pipe.work / f"train.rank{rank}.sigint").exists(), err
+        assert stage_gone(pipe.work, f"train.rank{rank}")
+
+
+def test_sequential_stage_failure_gives_its_exit_code_and_stage_2_does_not_start(pipe):
+    proc = pipe(extract="0:4", train="0:0")
+    rc, _, err = finish(proc, within=20)
+    assert rc == 4 and "stage 1 (extract) failed (exit 4)" in err, err
+    assert not (pipe.work / "train.pid").exists()
