@@ -13,8 +13,13 @@
 # --follow trains while extraction is still writing: on disjoint GPUs, or on the same GPU(s) only with
 # SHARE_GPU=1 (e.g. EXTRACT_GPUS=0 TRAIN_GPUS=0 SHARE_GPU=1 on a one-GPU machine). With [train]
 # passes_per_shard K > 0 in the manifest the cache is a bounded window ([extract] max_cache_gib).
-# Exit status: the failing stage's (2 usage, 3 validation, 4 runtime, 130 interrupted).
+# Exit status: the failing stage's (2 usage, 3 validation, 4 runtime, 130 interrupted). With --follow the first
+# stage to fail stops the other and its status is the pipeline's. SIGINT/SIGTERM/SIGHUP: forwarded as SIGINT to
+# each running stage's process group (extract keeps committed shards, train checkpoints), then exit 130.
 set -euo pipefail
+if [ "${BASH_VERSINFO[0]}" -lt 4 ] || { [ "${BASH_VERSINFO[0]}" = 4 ] && [ "${BASH_VERSINFO[1]}" -lt 4 ]; }; then
+  echo "run_pipeline: needs bash >= 4.4 (wait -n, empty arrays under set -u); this is bash $BASH_VERSION" >&2; exit 2
+fi
 cd "$(dirname "$0")"
 
 MANIFEST=manifests/default.toml
@@ -118,43 +123,49 @@ start_stage() {
   [ "$interrupted" = 0 ] || kill -INT -- "-$!" 2>/dev/null || true  # a signal between the fork and here
 }
 
-# wait_stage PID: wait for that stage through any trapped signal; sets stage_rc. Exits 130 once no stage
-# runs if the pipeline was interrupted.
-wait_stage() {
-  local p keep=()
-  while :; do
-    stage_rc=0; wait "$1" || stage_rc=$?
-    # a trapped signal ends `wait` early (status > 128) while the stage still runs
-    [ "$stage_rc" -gt 128 ] && kill -0 "$1" 2>/dev/null || break
+# wait_stages: wait for the running stages, in whichever order they end (a trapped signal ends `wait -n` early;
+# bash keeps an ended job's status for `wait PID`). The first to fail has the others stopped (SIGINT to their
+# groups) and, once none runs, ends the pipeline with its exit status. Interrupted: exit 130 once none runs.
+wait_stages() {
+  local p rc keep failed="" failed_rc=0 stopped=0
+  while [ "${#running[@]}" -gt 0 ]; do
+    wait -n 2>/dev/null || true
+    keep=()
+    for p in "${running[@]}"; do
+      if kill -0 "$p" 2>/dev/null; then keep+=("$p"); continue; fi  # running (or ended, not yet reaped)
+      rc=0; wait "$p" || rc=$?
+      if [ "$rc" != 0 ] && [ -z "$failed" ] && [ "$interrupted" = 0 ]; then failed="${stage_name[$p]}" failed_rc=$rc; fi
+    done
+    running=("${keep[@]}")
+    if [ -n "$failed" ] && [ "$stopped" = 0 ] && [ "${#running[@]}" -gt 0 ]; then
+      echo "run_pipeline: $failed failed first (exit $failed_rc); stopping" \
+           "$(for p in "${running[@]}"; do echo "${stage_name[$p]}"; done | paste -sd, -)" >&2
+      signal_stages INT; stopped=1
+    fi
   done
-  for p in "${running[@]}"; do [ "$p" = "$1" ] || keep+=("$p"); done
-  running=("${keep[@]}")
-  if [ "$interrupted" = 1 ] && [ "${#running[@]}" = 0 ]; then exit 130; fi
+  [ -z "$failed" ] || fail "$failed" "$failed_rc"
+  [ "$interrupted" = 0 ] || exit 130
 }
 
 fail() { echo "run_pipeline: $1 failed (exit $2)" >&2; exit "$2"; }
 
 if [ "$stage1" != skip ] && [ "$FOLLOW" = 1 ]; then
-  start_stage "stage 1 (extract)" stages/extract.sh "$MANIFEST" "${extract_args[@]}"; pid_e=$!
-  start_stage "stage 2 (train --follow)" stages/train.sh "$MANIFEST" --follow; pid_t=$!
-  wait_stage "$pid_e"; rc_e=$stage_rc
-  if [ "$rc_e" != 0 ] && [ "$interrupted" = 0 ]; then
-    signal_stages INT; wait_stage "$pid_t"; fail "stage 1 (extract)" "$rc_e"
-  fi
-  wait_stage "$pid_t"
-  [ "$stage_rc" = 0 ] || fail "stage 2 (train --follow)" "$stage_rc"
+  # both at once; extract done first: train reads the rest and runs to its end
+  start_stage "stage 1 (extract)" stages/extract.sh "$MANIFEST" "${extract_args[@]}"
+  start_stage "stage 2 (train --follow)" stages/train.sh "$MANIFEST" --follow
+  wait_stages
 else
   if [ "$stage1" != skip ]; then
     start_stage "stage 1 (extract)" stages/extract.sh "$MANIFEST" "${extract_args[@]}"
-    wait_stage $!; [ "$stage_rc" = 0 ] || fail "stage 1 (extract)" "$stage_rc"
+    wait_stages
   fi
   start_stage "stage 2 (train)" stages/train.sh "$MANIFEST"
-  wait_stage $!; [ "$stage_rc" = 0 ] || fail "stage 2 (train)" "$stage_rc"
+  wait_stages
 fi
 
 if [ "$EVAL" = 1 ]; then
   first_gpu=$( [ "$DEVICE" = cpu ] && echo "" || cut -d, -f1 <<<"$TRAIN_GPUS")
   start_stage eval env CUDA_VISIBLE_DEVICES="${first_gpu}" "$PY" -m dflash_pipe eval -m "$MANIFEST" --device "$DEVICE"
-  wait_stage $!; [ "$stage_rc" = 0 ] || fail "eval" "$stage_rc"
+  wait_stages
 fi
 echo "run_pipeline: done"

@@ -1,4 +1,4 @@
-"""run_pipeline.sh's stage handling with stub stages: signals reach the running stage.
+"""run_pipeline.sh's stage handling with stub stages: signals reach the running stage, the first failure wins.
 
 The script is copied into a temporary directory next to a stub `stages/` (common.sh, extract.sh, train.sh) and a
 stub interpreter that answers `-m dflash_pipe plan` with a fixed plan, so each run takes a fraction of a second
@@ -173,8 +173,31 @@ def test_sigint_reaches_torchrun_launched_train_workers(pipe):
         assert stage_gone(pipe.work, f"train.rank{rank}")
 
 
+@pytest.mark.parametrize("first,other", [("train", "extract"), ("extract", "train")])
+def test_follow_the_first_stage_to_fail_stops_the_other_and_gives_its_exit_code(pipe, first, other):
+    """train failing first used to wait for extract (which under a disk budget waits for space up to
+    --space-wait-timeout-s, then exits 4) and then report extract's failure, not train's."""
+    code = {"train": 3, "extract": 4}[first]
+    proc = pipe("--follow", **{first: f"0.3:{code}", other: "60:0"})
+    rc, _, err = finish(proc, within=10)
+    assert rc == code, err
+    name = {"train": "stage 2 (train --follow)", "extract": "stage 1 (extract)"}[first]
+    assert f"{name} failed first (exit {code})" in err, err
+    assert (pipe.work / f"{other}.sigint").exists(), f"{other} was not stopped"
+    assert stage_gone(pipe.work, other)
+
+
+def test_follow_extract_done_first_lets_train_finish(pipe):
+    proc = pipe("--follow", extract="0.1:0", train="1.0:0")
+    rc, out, err = finish(proc, within=20)
+    assert rc == 0 and "run_pipeline: done" in out, err
+    assert (pipe.work / "extract.done").exists() and (pipe.work / "train.done").exists()
+    assert (pipe.work / "train.args").read_text().split()[-1] == "--follow"
+
+
 def test_sequential_stage_failure_gives_its_exit_code_and_stage_2_does_not_start(pipe):
     proc = pipe(extract="0:4", train="0:0")
     rc, _, err = finish(proc, within=20)
     assert rc == 4 and "stage 1 (extract) failed (exit 4)" in err, err
     assert not (pipe.work / "train.pid").exists()
+
