@@ -30,7 +30,7 @@ for arg in "$@"; do
     --overwrite) OVERWRITE=1 ;;
     --follow) FOLLOW=1 ;;
     --no-eval) EVAL=0 ;;
-    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,/^[^#]/{/^#/p}' "$0"; exit 0 ;;
     -*) echo "run_pipeline: unknown option $arg (see --help)" >&2; exit 2 ;;
     *) MANIFEST="$arg" ;;
   esac

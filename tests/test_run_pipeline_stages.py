@@ -201,3 +201,9 @@ def test_sequential_stage_failure_gives_its_exit_code_and_stage_2_does_not_start
     assert rc == 4 and "stage 1 (extract) failed (exit 4)" in err, err
     assert not (pipe.work / "train.pid").exists()
 
+
+def test_help_prints_the_header_comment_only():
+    out = subprocess.run([str(ROOT / "run_pipeline.sh"), "--help"], capture_output=True, text=True, timeout=30).stdout
+    lines = out.splitlines()
+    assert lines and all(line.startswith("#") for line in lines), out  # it printed `set -euo pipefail` and `cd`
+    assert "130" in out and "--follow" in out
