@@ -190,11 +190,11 @@ def cache_verify(cache_dir: str = typer.Argument(..., help="Cache directory or U
                  device: str = typer.Option("auto", help="Device for --recompute.")):
     """Check every file of a cache (spec, manifest, sidecars, head file, shards); exit 3 naming each problem and its fix."""
     from .cache import verify_cache
+    from .extract.recompute import check_recompute_args, recompute_check
 
+    check_recompute_args(recompute, device)  # a usage error before minutes of checksums
     report = verify_cache(cache_dir, checksums=checksums, decode=decode)
     if recompute:
-        from .extract.recompute import recompute_check
-
         report["recompute"] = recompute_check(cache_dir, recompute, device)
     _echo_json(report)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import tempfile
 import time
 from dataclasses import dataclass
@@ -46,22 +47,42 @@ def set_rank_cache_dirs(info: DistInfo, stage: str) -> None:
             os.environ[var] = path
 
 
-def pick_device(spec: str, info: DistInfo) -> torch.device:
-    """'auto' -> the local rank's GPU if there is one, else CPU. Refuses 'cuda' without a GPU."""
+DEVICE_FORMS = "auto, cpu, cuda or cuda:N"
+_CUDA_SPEC = re.compile(r"cuda(?::(\d+))?")
+
+
+def check_device(spec: str, flag: str) -> str:
+    """Refuse a device value no stage can use, before anything loads: the one check behind every command's device
+    flag. Accepts 'auto', 'cpu', 'cuda' and 'cuda:N' (N one of the visible GPUs; 'cuda' needs one). `flag` names
+    where the value came from (e.g. "--device / [eval] device"). Returns spec unchanged; raises UsageError."""
+    if spec in ("auto", "cpu"):
+        return spec
+    m = _CUDA_SPEC.fullmatch(spec)
+    if m is None:
+        raise UsageError(f"{flag} '{spec}' is not a device", f"use {DEVICE_FORMS}")
+    if not torch.cuda.is_available():
+        raise UsageError(f"{flag} '{spec}' asks for a CUDA GPU, but no CUDA GPU is visible",
+                         "use auto or cpu, or check CUDA_VISIBLE_DEVICES")
+    count = torch.cuda.device_count()
+    if m.group(1) is not None and int(m.group(1)) >= count:
+        raise UsageError(f"{flag} '{spec}': only {count} CUDA GPU(s) are visible",
+                         f"use cuda:0 .. cuda:{count - 1}, or check CUDA_VISIBLE_DEVICES")
+    return spec
+
+
+def pick_device(spec: str, info: DistInfo, flag: str = "--device") -> torch.device:
+    """'auto' -> the local rank's GPU if there is one, else CPU; 'cuda' -> the local rank's GPU. Anything
+    check_device refuses is a UsageError naming `flag`."""
+    check_device(spec, flag)
     if spec == "auto":
         spec = "cuda" if torch.cuda.is_available() else "cpu"
-    if spec.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise UsageError(f"device '{spec}' was requested but no CUDA GPU is visible",
-                             "use --device cpu, or check CUDA_VISIBLE_DEVICES")
-        if spec == "cuda":
-            spec = f"cuda:{info.local_rank % torch.cuda.device_count()}"
-        dev = torch.device(spec)
-        torch.cuda.set_device(dev)
-        return dev
-    if spec != "cpu":
-        raise UsageError(f"unknown device '{spec}'", "use auto, cpu, cuda or cuda:N")
-    return torch.device("cpu")
+    if spec == "cpu":
+        return torch.device("cpu")
+    if spec == "cuda":
+        spec = f"cuda:{info.local_rank % torch.cuda.device_count()}"
+    dev = torch.device(spec)
+    torch.cuda.set_device(dev)
+    return dev
 
 
 def init_process_group(info: DistInfo, device: torch.device, timeout_s: float = 1800) -> bool:

@@ -26,6 +26,7 @@ from .cache.fs import CacheFS, open_cache_fs
 from .cache.manifest import MANIFEST_FILE, committed_shards, diff_fields, fingerprint_of
 from .cache.window import consumed_indices, load_ledgers
 from .config import RunConfig
+from .dist import check_device
 from .errors import UsageError
 from .extract.fingerprint import fingerprint_fields, resolve_target_dtype
 
@@ -137,7 +138,7 @@ def make_plan(cfg: RunConfig) -> Plan:
     from .target.layers import check_servable, default_target_layer_ids, validate_layer_ids
 
     spec_str = cfg.target.model
-    dev = cfg.extract.device
+    dev = check_device(cfg.extract.device, "--extract-device / [extract] device")
     device = torch.device("cuda" if dev == "auto" and torch.cuda.is_available() else ("cpu" if dev == "auto" else dev))
     dtype = resolve_target_dtype(cfg.target.dtype, device)
     cache_dir = open_cache_fs(cfg.extract.cache_dir)

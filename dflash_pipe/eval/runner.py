@@ -41,6 +41,7 @@ import torch
 
 from ..config import RunConfig, write_resolved
 from ..data.prompts import Prompt, load_prompt_sets
+from ..dist import check_device
 from ..drafter import DrafterModelConfig, load_exported_drafter
 from ..errors import UsageError, ValidationError
 from ..io_utils import atomic_write_json, atomic_write_text
@@ -62,13 +63,12 @@ from .target_step import CACHED_MODES, TargetVerifier, greedy_generate
 log = logging.getLogger("dflash_pipe.eval")
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, flag: str = "--device") -> torch.device:
+    """eval's and regenerate's device; a value dist.check_device refuses is a UsageError naming `flag`."""
+    check_device(name, flag)
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError(f"device '{name}' was asked for, but no CUDA GPU is visible", "pass --device cpu")
-    return device
+    return torch.device(name)
 
 
 def encode_prompt(tokenizer, messages: list[dict[str, str]]) -> list[int]:
@@ -165,7 +165,7 @@ def run_eval(cfg: RunConfig, *, bundle: TargetBundle | None = None) -> dict:
         raise UsageError(f"--baseline-every must be >= 1 (1 = time every generation), got {ev.baseline_every}")
     if ev.teacher_forced_every < 0:   # before minutes of loading; the upper bound (the block size) is checked later
         raise UsageError(f"--teacher-forced-every must be >= 0 (0 = off), got {ev.teacher_forced_every}")
-    device = resolve_device(ev.device)
+    device = resolve_device(ev.device, "--device / [eval] device")
     specs = drafter_specs(cfg)
     out_dir = output_dir(cfg)
     t = cfg.target

@@ -135,7 +135,7 @@ def run_extract(cfg: RunConfig) -> ExtractSummary:
 
     info = DistInfo.from_env()
     set_rank_cache_dirs(info, "extract")
-    device = pick_device(cfg.extract.device, info)
+    device = pick_device(cfg.extract.device, info, "--device / [extract] device")
     init_process_group(info, device)
     dtype = resolve_target_dtype(cfg.target.dtype, device)
     t = cfg.target

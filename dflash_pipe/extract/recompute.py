@@ -14,15 +14,25 @@ from pathlib import Path
 import torch
 
 from ..cache import ShardReader, load_manifest
-from ..errors import CacheError
+from ..dist import check_device
+from ..errors import CacheError, UsageError
 
 TOLERANCE = {"lossless": 2e-2, "fp8": 8e-2}  # relative L2 per document, above bf16 / e4m3 rounding
+
+
+def check_recompute_args(k: int, device: str) -> None:
+    """`cache verify --recompute K --device D`, checked before the cache is read or a target loads."""
+    if k < 0:
+        raise UsageError(f"--recompute must be >= 0 (the number of samples to rerun; 0 = none), got {k}")
+    if k:
+        check_device(device, "--device")
 
 
 def recompute_check(cache_dir: str | Path, k: int, device: str = "auto", seed: int = 0) -> dict:
     from ..target.loading import load_target
     from ..target.runner import standalone_features
 
+    check_recompute_args(k, device)
     man = load_manifest(cache_dir)
     t, f = man["target"], man["features"]
     spec = t.get("model_dir") if not str(t.get("model", "")).startswith(("embedded:", "random:")) else t["model"]

@@ -83,7 +83,7 @@ def run_train(cfg: RunConfig) -> dict:
     tr = cfg.train
     info = DistInfo.from_env()
     set_rank_cache_dirs(info, "train")
-    device = pick_device(tr.device, info)
+    device = pick_device(tr.device, info, "--device / [train] device")
     distributed = init_process_group(info, device)
     out_dir = Path(tr.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
