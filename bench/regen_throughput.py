@@ -21,6 +21,10 @@ rates, their ratio, the prefilled tokens, identical rows), the A/B that issue 18
 --overlap off,off+noprefetch times regen with and without its first prompts tokenized ahead on a worker thread
 (regen_turns.PromptReadAhead, the default) on the same prompts, with the rows compared (`overlap_ab`: identical by
 design, the schedule does not depend on the host's timing).
+--overlap off,off+padded times regen with the chunked prefill (16-token chunks, CUDA's default) and the padded one
+(--prefill-layout padded) on the same prompts, with the rows compared (bf16: the two round differently):
+    python bench/regen_throughput.py --data /tmp/quality/carry/data/sharegpt_first_turns.jsonl \
+        --model-cache /tmp/quality/models --prompts 16384 --batch 1024 --overlap off,off+padded --hf-prompts 0
 --overlap off,on times regen in both modes (regenerate --overlap-prefill: prefills on a second CUDA stream under
 the decode, answers collected a step before a launch ends; regen_staging.py; on+compact adds --compact-tail)
 against the same bare loop, each with its ratios, and counts the rows identical to the direct path's (`overlap_ab`):
@@ -163,10 +167,12 @@ def warm_then_time(args, bundle, out: Path, batch: int, attention: str, **kw) ->
 
 
 def mode_flags(mode: str) -> dict:
-    """run_regenerate's flags of an --overlap mode: off or on, with +compact (--compact-tail) and / or +noprefetch
-    (--no-prefetch-prompts: every prompt tokenized in the driver loop) added."""
+    """run_regenerate's flags of an --overlap mode: off or on, with +compact (--compact-tail), +noprefetch
+    (--no-prefetch-prompts: every prompt tokenized in the driver loop) and / or +padded (--prefill-layout padded:
+    the padded prefill instead of the chunked one) added."""
     base, *extra = mode.split("+")
-    return {"overlap": base == "on", "compact": "compact" in extra, "prefetch_prompts": "noprefetch" not in extra}
+    return {"overlap": base == "on", "compact": "compact" in extra, "prefetch_prompts": "noprefetch" not in extra,
+            "prefill_layout": "padded" if "padded" in extra else "auto"}
 
 
 def regen_file(tmp: Path, batch: int, attention: str, mode: str = "off") -> Path:
@@ -277,9 +283,9 @@ def main() -> None:
                     help="also time regen with --reuse-history flipped on the same prompts (an A/B in one run)")
     ap.add_argument("--overlap", default="off", help="comma list of regenerate's modes, each timed at every batch "
                                                      "and attention: off, on (--overlap-prefill), and either with "
-                                                     "+compact (--compact-tail) and / or +noprefetch "
-                                                     "(--no-prefetch-prompts), e.g. off,on,on+compact or "
-                                                     "off,off+noprefetch")
+                                                     "+compact (--compact-tail), +noprefetch "
+                                                     "(--no-prefetch-prompts) and / or +padded (--prefill-layout "
+                                                     "padded), e.g. off,on,on+compact or off,off+padded")
     ap.add_argument("--hf-prompts", type=int, default=256)
     ap.add_argument("--hf-batch", type=int, default=256)
     ap.add_argument("--smoke", action="store_true", help="CPU, random tiny-llama, toy sizes")

@@ -122,7 +122,12 @@ def regenerate_cmd(cfg: RunConfig, output: Path = typer.Option(..., "--output", 
                                                      "work lost as a kill loses it; a rerun continues it."),
                    prefetch_prompts: bool = typer.Option(True, help="Read conversations ahead and tokenize their "
                                                          "first prompts on a worker thread while the device "
-                                                         "decodes (the same output; eval/regen_turns.py).")):
+                                                         "decodes (the same output; eval/regen_turns.py)."),
+                   prefill_layout: str = typer.Option("auto", help="Static-KV engine: prefill new prompts as "
+                                                      "'chunks' (16-token chunks, no padding to the longest "
+                                                      "prompt), 'padded' (one padded call per length bucket) or "
+                                                      "'auto' (chunks on CUDA in bf16 / fp16); the same answers "
+                                                      "up to rounding (target/chunked_prefill.py).")):
     """Regenerate the assistant turns with the target itself (drafters must learn the target's outputs)."""
     from .errors import UsageError
     from .eval.regenerate import run_regenerate
@@ -135,7 +140,7 @@ def regenerate_cmd(cfg: RunConfig, output: Path = typer.Option(..., "--output", 
                    max_turns=max_turns, samples=samples, temperature=temperature, top_p=top_p, seed=seed,
                    engine=engine, attention=engine_attention, greedy_after=greedy_after, reuse_history=reuse_history,
                    overlap=overlap_prefill, compact=compact_tail, max_seconds=max_seconds, first_sample=first_sample,
-                   prefetch_prompts=prefetch_prompts)
+                   prefetch_prompts=prefetch_prompts, prefill_layout=prefill_layout)
 
 
 @app.command("export")

@@ -287,6 +287,24 @@ def test_history_reuse_gives_the_same_conversations_prefilling_only_the_new_toke
     assert _rows(reuse) == _rows(plain)
 
 
+def test_chunked_prefill_gives_the_padded_prefills_conversations_and_pads_less(reference, cfg, llama, tmp_path):
+    """--prefill-layout chunks (CUDA's default) against padded, also with history reuse (its appends stay padded):
+    the same greedy conversations (fp32), fewer padded prefill tokens; a bad layout is a usage error. (Sampled
+    answers are not compared: the random target's flat distributions turn the two paths' 1e-5 rounding
+    differences into other draws.)"""
+    out = tmp_path / "chunks.jsonl"
+    chunked = _regen(cfg, llama, out, prefill_layout="chunks")
+    padded = _regen(cfg, llama, tmp_path / "padded.jsonl", prefill_layout="padded")
+    assert _rows(out) == reference
+    assert "chunks prefill" in chunked["decode_path"] and "padded prefill" in padded["decode_path"]
+    assert chunked["timing"]["prefill_pad_share"] < padded["timing"]["prefill_pad_share"]
+    reuse = tmp_path / "chunks-reuse.jsonl"
+    state = _regen(cfg, llama, reuse, prefill_layout="chunks", reuse_history=True)
+    assert _rows(reuse) == reference and state["timing"]["history_prefills"] > 0
+    with pytest.raises(UsageError, match="--prefill-layout"):
+        _regen(cfg, llama, tmp_path / "bad.jsonl", prefill_layout="packed")
+
+
 def test_history_reuse_falls_back_when_the_new_prompt_does_not_extend_the_row(reference, cfg, llama, tmp_path,
                                                                                monkeypatch):
     from dflash_pipe.eval.regen_backends import EngineBackend

@@ -99,3 +99,15 @@ def test_round_rows_takes_the_nearer_row_bucket_except_in_the_tail():
     assert [len(c) for c in plan_refill(34, window, 500, live=0, p=p)] == [34]      # nothing decodes: fill it
     assert plan_refill(34, [40] + window, 500, live=990, p=p)[0][0] == 0             # the oldest still goes
     assert RefillPolicy.for_batch(1024, True, 512).round_rows and not RefillPolicy.for_batch(16, False, 512).round_rows
+
+
+def test_chunked_policy_takes_the_oldest_prompts_in_order_within_the_token_budget():
+    """With the engine's chunked prefill nothing is gained by grouping lengths: the n oldest prompts go in input
+    order, cut into calls of at most `budget` tokens counted in whole 16-token chunks (a longer prompt alone);
+    the waiting rule is the padded policy's."""
+    p = RefillPolicy(min_free=4, lookahead=64, budget=64, chunked=True)
+    window = [17, 3, 40, 16, 1, 70, 5, 9]                    # chunked costs 32, 16, 48, 16, 16, 80, 16, 16
+    assert plan_refill(3, window, 100, live=10, p=p) == []  # too few free slots: wait
+    assert plan_refill(8, window, 8, live=10, p=p) == [[0, 1], [2, 3], [4], [5], [6, 7]]
+    assert plan_refill(5, window, 100, live=10, p=p) == [[0, 1], [2, 3], [4]]
+    assert RefillPolicy.for_batch(1024, True, 512, chunked=True).chunked

@@ -140,7 +140,8 @@ def test_graphed_bucketed_prefill_equals_eager_and_padding_rows_never_touch_live
               ([prompts[5], prompts[7], prompts[0]], [3, 6, 9])]          # all padded to (8 rows, 64 tokens)
     runs = {}
     for mode in ("on", "off"):
-        eng = StaticKVEngine(model, 10, 160, use_graphs=mode, kv_bucket=16, bucketed_prefill=True)
+        eng = StaticKVEngine(model, 10, 160, use_graphs=mode, kv_bucket=16, bucketed_prefill=True,
+                             prefill_layout="padded")
         logits, untouched = [], True
         for k, (ps, rows) in enumerate(groups):
             before = eng.k_cache[:, :10].clone(), eng.v_cache[:, :10].clone(), eng.lengths[:10].clone()

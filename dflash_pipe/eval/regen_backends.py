@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from dataclasses import replace
 
 import torch
 
@@ -66,16 +67,18 @@ class EngineBackend:
                  check_every: int = 8, prefill_tokens: int | None = None, use_graphs: str = "auto",
                  compact: bool | None = None, min_free: int | None = None, attention: str = "auto",
                  reuse_history: bool = False, overlap: bool = False, staging_rows: int | None = None,
-                 snapshot_lag: int = 1):
+                 snapshot_lag: int = 1, prefill_layout: str = "auto"):
         cuda = next(model.parameters()).device.type == "cuda"     # padding rows to 8 saves graphs, not CPU time
         self.engine = StaticKVEngine(model, batch, max_len, use_graphs=use_graphs, bucketed_prefill=True,
                                      prefill_min_rows=8 if cuda else 1, attention=attention,
-                                     max_prefill_graphs=128 if reuse_history else 64)   # + the appending shapes
+                                     max_prefill_graphs=128 if reuse_history else 64,   # + the appending shapes
+                                     prefill_layout=prefill_layout)
         dev = self.engine.device
         self.B, self.max_new, self.dec = batch, max_new_tokens, dec
         self.check_every = max(1, min(check_every, max_new_tokens - 1))   # an answer ends after max_new - 1 steps
         self.policy = RefillPolicy.for_batch(batch, dev.type == "cuda", max_len, budget=prefill_tokens,
-                                             min_free=min_free, min_rows=self.engine.prefill_min_rows)
+                                             min_free=min_free, min_rows=self.engine.prefill_min_rows,
+                                             chunked=self.engine.prefill_layout == "chunks")
         self.slots: list[TurnRequest | None] = [None] * batch
         # history reuse (module docstring): the rows kept for their conversations' next turns
         if reuse_history and compact:
@@ -127,7 +130,8 @@ class EngineBackend:
             self.main.wait_stream(torch.cuda.current_stream())     # the buffers above were made on this one
         steps = f"{self.lag} step{'s' * (self.lag != 1)}"
         over = f", prefills under the decode ({self.staging.rows} staging rows, collect {steps} early)" if overlap else ""
-        self.describe = (f"{self.name} ({mode}, batch {batch}, {attn}, check every {self.check_every} steps, "
+        self.describe = (f"{self.name} ({mode}, batch {batch}, {attn}, {self.engine.prefill_layout} prefill, "
+                         f"check every {self.check_every} steps, "
                          f"refill at {self.policy.min_free} free slots{', history reuse' if reuse_history else ''}"
                          f"{', tail compaction' if self.compact else ''}{over})")
 
@@ -267,7 +271,8 @@ class EngineBackend:
             self.slots[r] = req
         ready[:] = [r for i, r in enumerate(ready) if i not in taken]
         n = len(rows)
-        for call in plan_refill(n, [len(d) for d in deltas], n, self.B - n, self.policy):
+        appending = replace(self.policy, chunked=False)           # appends to held rows pad (static_forward.py)
+        for call in plan_refill(n, [len(d) for d in deltas], n, self.B - n, appending):
             self.delta_prefills += 1
             self._prefill([rows[i] for i in call], [reqs[i] for i in call], [deltas[i] for i in call])
 

@@ -16,6 +16,10 @@ it is refilled. `plan_refill` trades the two:
   * how: one call per length bucket (rows up to prefill_shapes.rows_per_call within `budget` padded tokens);
     a shorter bucket's group joins a longer one when it fits in the rows the longer call pads to anyway.
 
+With `chunked` (the engine's chunked prefill, target/chunked_prefill.py: a prompt pads only its last 16-token
+chunk, whatever it is grouped with) there is no padding to trade: the oldest n prompts go, in order, in calls of
+at most `budget` chunked tokens.
+
 Answers do not depend on the slot or on the order of admission (regen_sampling), and the driver writes in
 input order, so taking prompts slightly out of order changes nothing in the output.
 """
@@ -25,6 +29,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
+from ..target.chunked_prefill import CHUNK, chunk_count
 from ..target.prefill_shapes import length_bucket, row_bucket, row_bucket_below, rows_per_call
 
 
@@ -37,16 +42,17 @@ class RefillPolicy:
     max_len: int = 1 << 30      # the engine's max_len (caps the length bucket)
     rows_per_octave: int = 1    # row buckets per octave: 1 = powers of two, as the engine pads (others: the sim)
     round_rows: bool = False    # take a row bucket's worth of prompts when that idles fewer slots than it pads
+    chunked: bool = False       # the engine prefills fresh prompts in 16-token chunks (module docstring)
 
     @classmethod
     def for_batch(cls, batch: int, cuda: bool, max_len: int, budget: int | None = None,
-                  min_free: int | None = None, min_rows: int = 8) -> RefillPolicy:
+                  min_free: int | None = None, min_rows: int = 8, chunked: bool = False) -> RefillPolicy:
         """Defaults: refill at B/32 free slots on CUDA (32 of 1024: see BENCHMARKS.md), any free slot on the CPU;
         on CUDA a refill takes a row bucket's worth when that is nearer (bench/regen_refill_sim.py: padded prefill
         tokens -38 % at batch 1024, modelled)."""
         return cls(min_free=max(1, batch // 32 if cuda else 1) if min_free is None else max(1, min_free),
                    lookahead=max(256, batch), budget=budget or (16384 if cuda else 2048),
-                   min_rows=min_rows, max_len=max_len, round_rows=cuda)
+                   min_rows=min_rows, max_len=max_len, round_rows=cuda, chunked=chunked)
 
     def bucket(self, n: int) -> int:
         return max(min(length_bucket(n), self.max_len), n)
@@ -60,6 +66,8 @@ def plan_refill(free: int, window: list[int], waiting: int, live: int, p: Refill
     n = min(free, waiting)
     if n == 0 or (free < p.min_free and waiting > free and live > 0):
         return []
+    if p.chunked:
+        return _chunked_calls(window[:n], p.budget)
     if p.round_rows and waiting > free and live > 0 and n > p.min_rows:  # not in the tail, not the first fill
         up, down = row_bucket(n, p.min_rows, p.rows_per_octave), row_bucket_below(n, p.min_rows, p.rows_per_octave)
         if n - down < up - n:
@@ -94,3 +102,18 @@ def plan_refill(free: int, window: list[int], waiting: int, live: int, p: Refill
         else:
             merged.append((b, idx))
     return [sorted(idx) for _, idx in merged]
+
+
+def _chunked_calls(lengths: list[int], budget: int) -> list[list[int]]:
+    """Indices 0..len(lengths)-1 in order, cut into calls of at most `budget` tokens counted in whole chunks
+    (a longer prompt goes alone)."""
+    calls: list[list[int]] = []
+    used = 0
+    for i, n in enumerate(lengths):
+        cost = chunk_count(n) * CHUNK
+        if not calls or used + cost > budget:
+            calls.append([])
+            used = 0
+        calls[-1].append(i)
+        used += cost
+    return calls

@@ -71,7 +71,8 @@ class StagingArea:
     def __init__(self, model, rows: int, max_len: int, dec: Decoding, *, use_graphs: str = "auto",
                  attention: str = "auto", min_rows: int = 8, budget: int | None = None, min_free: int | None = None):
         self.engine = StaticKVEngine(model, rows, max_len, use_graphs=use_graphs, bucketed_prefill=True,
-                                     prefill_min_rows=min_rows, attention=attention, max_prefill_graphs=64)
+                                     prefill_min_rows=min_rows, attention=attention, max_prefill_graphs=64,
+                                     prefill_layout="padded")    # a landing copies the call's padded width
         dev = self.engine.device
         self.cuda = dev.type == "cuda"
         self.dec = dec

@@ -75,7 +75,7 @@ from ..errors import RuntimeFailure, UsageError
 from ..io_utils import atomic_write_json
 from ..progress import progress_bar
 from ..target import load_target
-from ..target.static_forward import engine_support
+from ..target.static_forward import PREFILL_LAYOUTS, engine_support
 from .regen_backends import Completion, EngineBackend, TurnRequest, auto_batch_size
 from .regen_hf import HFBackend
 from .regen_output import JsonlAppender, load_sidecar, scan_output, settings_of, sidecar_path  # noqa: F401
@@ -96,8 +96,10 @@ def _queue(ready: list[TurnRequest], req: TurnRequest | None) -> None:
 
 def make_backend(bundle, eos: list[int], pad: int, batch: int, max_len: int, max_new: int, dec: Decoding,
                  engine: str, attention: str = "auto", reuse_history: bool = False, overlap: bool = False,
-                 compact: bool = False):
+                 compact: bool = False, prefill_layout: str = "auto"):
     """The engine backend where the target allows it (halving `batch` on OOM), else HF generate."""
+    if prefill_layout not in PREFILL_LAYOUTS:
+        raise UsageError(f"--prefill-layout must be one of {', '.join(PREFILL_LAYOUTS)}, got {prefill_layout!r}")
     if engine not in ENGINES:
         raise UsageError(f"--engine must be one of {', '.join(ENGINES)}, got {engine!r}")
     if attention not in ENGINE_ATTENTION:
@@ -117,7 +119,8 @@ def make_backend(bundle, eos: list[int], pad: int, batch: int, max_len: int, max
     while True:
         try:
             return EngineBackend(bundle.model, eos, batch, max_len, max_new, dec, attention=attention,
-                                 reuse_history=reuse_history, overlap=overlap, compact=compact)
+                                 reuse_history=reuse_history, overlap=overlap, compact=compact,
+                                 prefill_layout=prefill_layout)
         except torch.OutOfMemoryError:
             batch = _halve(batch)
 
@@ -171,7 +174,7 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
                    temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, engine: str = "auto",
                    attention: str = "auto", greedy_after: int = 0, reuse_history: bool = False, overlap: bool = False,
                    compact: bool = False, max_seconds: float = 0.0, first_sample: int = 0,
-                   prefetch_prompts: bool = True) -> dict:
+                   prefetch_prompts: bool = True, prefill_layout: str = "auto") -> dict:
     """Regenerate cfg.data's conversations into `output` (JSONL); returns the final sidecar dict.
 
     batch_size 0 = auto (16 on the CPU, up to 1024 on CUDA as memory allows).
@@ -187,6 +190,9 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
     first_sample: the first sample index (ids <id>#first_sample ..): more answers per prompt in another file.
     prefetch_prompts: read conversations ahead and tokenize their first prompts on a worker thread
     (regen_turns.PromptReadAhead); the same output.
+    prefill_layout: how the engine prefills new prompts: "chunks" (16-token chunks, no padding to the longest
+    prompt: target/chunked_prefill.py), "padded" (one padded call per length bucket), "auto" (chunks where the
+    per-row attention kernel runs: CUDA, bf16 / fp16). The same answers up to rounding.
     """
     started = _now() if max_seconds else 0.0
     entered = time.perf_counter()            # the set-up before the loop (target load, engine) is timed too
@@ -226,7 +232,7 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
     regen = Regenerator(bundle.tokenizer, eos, max_new_tokens, max_len, max_turns, dec, limit)
     reuse_history = reuse_history and max_turns != 1
     backend = make_backend(bundle, eos, pad, batch_size, max_len, max_new_tokens, dec, engine,
-                           attention, reuse_history, overlap, compact)
+                           attention, reuse_history, overlap, compact, prefill_layout)
     print(f"regenerate: decode path: {backend.describe}", flush=True)
     state["decode_path"] = backend.describe          # informational (not a pinned setting)
     stats = DataStats()
@@ -311,8 +317,8 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
                         _queue(ready, req)
                 smaller = backend.B
                 backend = None               # free its cache before allocating the smaller one
-                backend = make_backend(bundle, eos, pad, _halve(smaller), max_len,
-                                       max_new_tokens, dec, engine, attention, reuse_history, overlap, compact)
+                backend = make_backend(bundle, eos, pad, _halve(smaller), max_len, max_new_tokens, dec, engine,
+                                       attention, reuse_history, overlap, compact, prefill_layout)
                 state["decode_path"] = backend.describe
             # host work while the device decodes: the last answers, the next turns, new prompts, the output
             going = [st for st in (regen.record(c) for c in completions) if st is not None]   # detokenizes

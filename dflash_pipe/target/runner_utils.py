@@ -54,3 +54,13 @@ def accepts_mask_mapping(backbone: torch.nn.Module) -> bool:
     except (OSError, TypeError):
         return False
     return "attention_mask, dict)" in src
+
+
+def to_device(x, device: torch.device) -> torch.Tensor:
+    """A host list / tensor on `device` without a host sync: on CUDA through pinned memory and an async copy
+    (the caching host allocator keeps the pinned block until the copy is done); a copy from pageable memory
+    may wait for the device."""
+    t = x if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=torch.long)
+    if device.type != "cuda" or t.device.type == "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

@@ -65,15 +65,18 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import UsageError
+from .chunked_prefill import chunked_prefill
 from .decode_attention import decode_attention as row_length_attention
+from .decode_attention import supported as row_kernel_supported
 from .prefill_shapes import PrefillShapes, next_pow2
-from .runner_utils import decoder_layers, final_norm, text_backbone
+from .runner_utils import decoder_layers, final_norm, text_backbone, to_device
 from .small_batch_ops import LayerOps, few_query_attention, few_query_bias, rope, signed_sin
 
 log = logging.getLogger("dflash_pipe.target")
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 GROUPED_QUERY_MAX_T = 16        # up to this many new tokens, query heads are folded onto their KV head
+PREFILL_LAYOUTS = ("auto", "chunks", "padded")
 
 
 def engine_support(model: torch.nn.Module) -> str | None:
@@ -99,21 +102,12 @@ def engine_support(model: torch.nn.Module) -> str | None:
     return None
 
 
-def to_device(x, device: torch.device) -> torch.Tensor:
-    """A host list / tensor on `device` without a host sync: on CUDA through pinned memory and an async copy
-    (the caching host allocator keeps the pinned block until the copy is done); a copy from pageable memory
-    may wait for the device."""
-    t = x if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=torch.long)
-    if device.type != "cuda" or t.device.type == "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
-
-
 @dataclass
 class EngineOutput:
-    logits: torch.Tensor               # [B, T, V], or [B, V] with last_only
+    logits: torch.Tensor | None        # [B, T, V], or [B, V] with last_only; None when the head was not applied
     hidden: torch.Tensor | None        # [B, T, n_layers * H] in capture_layer_ids order (all T, also with
                                        # last_only), or None
+    last_hidden: torch.Tensor | None = None   # [B, H] before the head (a call with head=False and last_only)
 
 
 class StaticKVEngine:
@@ -123,7 +117,7 @@ class StaticKVEngine:
                  use_graphs: str = "auto", kv_bucket: int = 128, bucketed_prefill: bool = False,
                  prefill_min_rows: int = 8, max_prefill_graphs: int = 64, prefill_reuse_ratio: float = 2.0,
                  attention: str = "auto", linear: str = "auto", fused: bool = True,
-                 tune_rows: Sequence[int] | None = None, norm: str = "auto"):
+                 tune_rows: Sequence[int] | None = None, norm: str = "auto", prefill_layout: str = "auto"):
         why = engine_support(model)
         if why is not None:
             raise UsageError(f"the static-KV engine cannot run this target: {why}")
@@ -175,6 +169,11 @@ class StaticKVEngine:
         # calls per padded prefill shape; a larger used shape is reused only where it saves a graph
         self.prefill_shapes = PrefillShapes(self.prefill_min_rows, max_len,
                                             prefill_reuse_ratio if self.use_graphs else 1.0)
+        if prefill_layout not in PREFILL_LAYOUTS:
+            raise UsageError(f"prefill_layout must be one of {', '.join(PREFILL_LAYOUTS)}, got {prefill_layout!r}")
+        # fresh prompts as 16-token chunks (chunked_prefill.py) where the per-row attention kernel runs, else padded
+        self.prefill_layout = ("chunks" if prefill_layout == "chunks" or (prefill_layout == "auto"
+                                                                          and self._chunk_kernel()) else "padded")
 
     # ------------------------------------------------------------------ state
     def cache_bytes(self) -> int:
@@ -285,13 +284,15 @@ class StaticKVEngine:
                              f"(one distinct row each)")
         if min(lens) < 1:
             raise UsageError(f"prefill: prompt {lens.index(0)} is empty")
+        fresh = all(self._bound[r] == 0 for r in host_rows)     # empty rows: the prompts attend only to themselves
+        if fresh and self.prefill_layout == "chunks":
+            return chunked_prefill(self, prompts, host_rows)
         Rb, Tb = self.prefill_shape(R, max(lens))
         flat = [t for p in prompts for t in (*p, *([0] * (Tb - len(p))))]
         flat += [0] * ((Rb - R) * Tb) + lens + [0] * (Rb - R) + host_rows + [self.scratch_row] * (Rb - R)
         packed = to_device(torch.tensor(flat, dtype=torch.long), self.device)     # one host-to-device copy
         ids, num, row_t = packed[:Rb * Tb].view(Rb, Tb), packed[Rb * Tb:Rb * Tb + Rb], packed[Rb * Tb + Rb:]
         kv_len = self.attended_length(host_rows, Tb)
-        fresh = all(self._bound[r] == 0 for r in host_rows)     # empty rows: the prompts attend only to themselves
         if not fresh:   # appending (regenerate's history reuse): few attended lengths, so few graphs
             kv_len = min(self.size, self.kv_bucket * next_pow2(-(-kv_len // self.kv_bucket)))
         for r, n in zip(host_rows, lens):
@@ -311,7 +312,7 @@ class StaticKVEngine:
                 log.info("captured prefill graph %d of at most %d: %d rows x %d tokens (attended %d)",
                          self.prefill_graph_count, self.max_prefill_graphs, Rb, Tb, kv_len)
             if entry is not None:
-                graph, s_ids, s_num, out, s_rows = entry
+                graph, s_ids, s_num, out, s_rows, _ = entry
                 s_ids.copy_(ids)
                 s_num.copy_(num)
                 s_rows.copy_(row_t)
@@ -321,19 +322,29 @@ class StaticKVEngine:
                 self._append_warm.add(key)
         return self._compute(ids, num, row_t, kv_len, True, fresh=fresh).logits[:R]
 
-    def _compute(self, ids, num_new, row_t, kv_len: int, last_only: bool, fresh: bool = False) -> EngineOutput:
+    def _chunk_kernel(self) -> bool:
+        """Whether chunked prefills attend through the per-row kernel (CUDA, bf16 / fp16, attention auto or rows)."""
+        G = self.heads // self.kv_heads
+        return self.ops.attention in ("auto", "rows") and row_kernel_supported(
+            self.device, self.dtype, G * GROUPED_QUERY_MAX_T, self.head_dim)
+
+    def _compute(self, ids, num_new, row_t, kv_len: int, last_only: bool, fresh: bool = False,
+                 start: torch.Tensor | None = None, head: bool = True) -> EngineOutput:
         """One forward (module docstring). `fresh`: every row was empty (a prefill of new prompts, right-padded),
-        so token t sees exactly the new tokens 0..t: plain causal attention over them, no cache read, no mask."""
+        so token t sees exactly the new tokens 0..t: plain causal attention over them, no cache read, no mask.
+        `start` [B] (chunked prefill, chunked_prefill.py): row b's tokens go to positions start[b] .. of cache row
+        row_t[b] (rows may repeat), attend over that cache row, and the lengths are left to the caller.
+        head=False (with last_only): the last real token's features, not logits (`EngineOutput.last_hidden`)."""
         B, T = ids.shape
         H, KVH, D = self.heads, self.kv_heads, self.head_dim
         G = H // KVH
         ri = torch.arange(B, device=self.device) if row_t is None else row_t
-        old = self.lengths[:B] if row_t is None else self.lengths[row_t]
+        old = start if start is not None else self.lengths[:B] if row_t is None else self.lengths[row_t]
         pos = old[:, None] + torch.arange(T, device=self.device)                   # [B, T]
         write_pos = pos.clamp(max=self.size - 1)
         few = T <= GROUPED_QUERY_MAX_T
         mode = ("causal" if fresh and not few
-                else "rows" if self.row_attention(B, T)                           # each row reads its own keys
+                else "rows" if (start is not None and self._chunk_kernel()) or self.row_attention(B, T)
                 else "explicit" if few and self.ops.explicit_attention(B, KVH) else "sdpa")
         mask = None
         if mode in ("explicit", "sdpa"):
@@ -378,7 +389,9 @@ class StaticKVEngine:
         x = self.ops.norm(self.norm, x)
         if last in self.capture_layer_ids:
             captured.append(x)
-        if row_t is None:
+        if start is not None:
+            pass                                         # chunked prefill: the caller sets the rows' lengths
+        elif row_t is None:
             self.lengths[:B] += num_new
         else:
             self.lengths[row_t] = old + num_new
@@ -386,6 +399,8 @@ class StaticKVEngine:
             at = (num_new - 1).clamp(min=0)
             x = x[torch.arange(B, device=self.device), at]
         hidden = torch.cat(captured, dim=-1) if captured else None
+        if not head:
+            return EngineOutput(None, hidden, x)
         return EngineOutput(self.ops.head(x), hidden)
 
     def _attend(self, q, new_kv, kc, vc, row_t, ri, old, kv_len: int, mask, mode: str, scale: float) -> torch.Tensor:
@@ -417,31 +432,35 @@ class StaticKVEngine:
         if entry is None:
             entry = self._capture(ids, num_new, kv_len, last_only)
             self._graphs[key] = entry
-        graph, s_ids, s_num, out, _ = entry
+        graph, s_ids, s_num, out, _, _ = entry
         s_ids.copy_(ids)
         s_num.copy_(num_new)
         graph.replay()
         return out
 
-    def _capture(self, ids, num_new, kv_len: int, last_only: bool, row_t=None, warmups: int = 2, fresh: bool = False):
+    def _capture(self, ids, num_new, kv_len: int, last_only: bool, row_t=None, warmups: int = 2, fresh: bool = False,
+                 start=None, head: bool = True):
+        """A CUDA graph of one `_compute` with static copies of its inputs: (graph, ids, num_new, output, rows,
+        start); a replay reads whatever the caller copied into those."""
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         s_ids, s_num = ids.clone(), num_new.clone()
         s_rows = None if row_t is None else row_t.clone()
+        s_start = None if start is None else start.clone()
         saved = self.lengths.clone()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):                    # warm-up (lazy inits); the lengths are put back
             for _ in range(warmups):
-                self._compute(s_ids, s_num, s_rows, kv_len, last_only, fresh)
+                self._compute(s_ids, s_num, s_rows, kv_len, last_only, fresh, s_start, head)
                 self.lengths.copy_(saved)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            out = self._compute(s_ids, s_num, s_rows, kv_len, last_only, fresh)
+            out = self._compute(s_ids, s_num, s_rows, kv_len, last_only, fresh, s_start, head)
         self.lengths.copy_(saved)                        # capture does not run kernels; belt and braces
         log.debug("captured a CUDA graph for (B, T, kv_len, last_only) = %s", (*ids.shape, kv_len, last_only))
-        return graph, s_ids, s_num, out, s_rows
+        return graph, s_ids, s_num, out, s_rows, s_start
 
     @property
     def graph_count(self) -> int:
