@@ -25,8 +25,9 @@
 #     objstore  bench/objstore_loader.py at the seed's shape, s3:// via loopback rclone vs local (GPU_WHEELS with .gpucarry/rclone)
 #     gputests  pytest -m gpu
 #     smollm2   (first) reassemble the carried SmolLM2 GGUF and data for the steps after it
-#     regentests  pytest -m gpu of the static-KV engine (graphs == eager, no syncs), the per-row decode attention and
-#               regenerate's overlap mode (staged prefills on a side stream == the direct path, no syncs)
+#     regentests  pytest -m gpu of the static-KV engine (graphs == eager, no syncs), the per-row decode attention,
+#               regenerate's overlap mode (staged prefills on a side stream == the direct path, no syncs) and the
+#               chunked prefill (graphed == eager == padded)
 #     decodeprof  bench/decode_step_profile.py: the batch-1024 decode step and a prefill call, per-row vs padded SDPA
 #               attention, with profiler tables (random SmolLM2-shaped weights: needs no carry)
 #     overlap   bench/prefill_overlap.py: how much of a staged prefill on the side stream still costs the decode
@@ -98,7 +99,8 @@ from bench.train_step import loader_rate; from bench.seed_shape import SeedShape
 rows = [dict(loader_rate(SeedShape(), ${LOADER_WORKERS:-12}, 8, row_group_mb=mb), row_group_mb=mb) for mb in (256, 64, 256, 64)]
 print(json.dumps(rows, indent=1)); open('$OUT/loader_rate.json', 'w').write(json.dumps(rows, indent=1))" ;;
         regentests) step regentests "${REGEN_TESTS_S:-180}" python3 -m pytest -q -m gpu -p no:cacheprovider \
-                        tests/test_static_forward_gpu.py tests/test_decode_attention_gpu.py tests/test_regen_overlap_gpu.py ;;
+                        tests/test_static_forward_gpu.py tests/test_decode_attention_gpu.py tests/test_regen_overlap_gpu.py \
+                        tests/test_chunked_prefill_gpu.py ;;
         decodeprof) step decodeprof "${DECODEPROF_S:-180}" python3 bench/decode_step_profile.py \
                         --json "$OUT/decode_step_profile.json" ${DECODEPROF_FLAGS:-} ;;
         overlap) step overlap "${OVERLAP_S:-150}" python3 bench/prefill_overlap.py --json "$OUT/prefill_overlap.json" ;;
