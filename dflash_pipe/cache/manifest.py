@@ -297,18 +297,72 @@ def load_manifest(cache_dir: str | Path | CacheFS) -> dict:
         hint = ("extraction has not finished (or was interrupted): rerun `dflash-pipe extract` to resume"
                 if fs.exists(SPEC_FILE) else "run `dflash-pipe extract` first or fix --cache-dir")
         raise CacheError(f"{cache_dir}: no {MANIFEST_FILE}", hint) from None
-    for key in ("fingerprint", "fingerprint_fields", "features", "target", "shards", "num_shards"):
+    for key in ("fingerprint", "fingerprint_fields", "features", "target", "shards", "num_shards", "totals"):
         if key not in man:
             raise CacheError(f"{path}: field '{key}' is missing", manifest_hint(fs))
     if man.get("format_version") != FORMAT_VERSION:
         raise CacheError(f"{path}: format_version {man.get('format_version')} is not {FORMAT_VERSION}",
                          "this cache was written by another dflash-pipe version; re-extract it")
+    _check_manifest_shape(man, path, lambda: manifest_hint(fs))
     if fingerprint_of(man["fingerprint_fields"]) != man["fingerprint"]:
         raise CacheError(f"{path}: field 'fingerprint' does not match 'fingerprint_fields' (edited by hand?)",
-                         manifest_hint(fs))
-    if len(man["shards"]) != man["num_shards"]:
-        raise CacheError(f"{path}: lists {len(man['shards'])} shards, field 'num_shards' says {man['num_shards']}",
                          manifest_hint(fs))
     for i, entry in enumerate(man["shards"]):
         entry["abs_path"] = fs.child(str(entry.get("path", "")), f"{path} shards[{i}].path")
     return man
+
+
+_COUNTS = ("rows", "tokens", "bytes")   # the counts readers of a manifest take from it (totals and each shard)
+
+
+def _check_manifest_shape(man: dict, path: str, hint: Callable[[], str]) -> None:
+    """The types load_manifest's readers rely on (`cache verify`, `cache info`, the trainer's index,
+    `--recompute`): a manifest that is valid JSON but of another shape is damage, named by field."""
+    def bad(field: str, problem: str, shard: str = "") -> CacheError:
+        where = f" ({shard})" if shard else ""
+        return CacheError(f"{path}: field '{field}'{where} {problem}", hint())
+
+    def count(value) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+    if not isinstance(man["fingerprint"], str):
+        raise bad("fingerprint", f"must be a string, not {man['fingerprint']!r}")
+    for key in ("fingerprint_fields", "features", "target", "totals"):
+        if not isinstance(man[key], dict):
+            raise bad(key, f"must be a JSON object, not {type(man[key]).__name__}")
+    for key in ("stats", "head_file"):   # optional, but an object when present
+        if key in man and not isinstance(man[key], dict):
+            raise bad(key, f"must be a JSON object, not {type(man[key]).__name__}")
+    n = man["num_shards"]
+    if not count(n) or n < 1:
+        raise bad("num_shards", f"must be a positive integer, not {n!r}")
+    for key in _COUNTS:
+        if key not in man["totals"]:
+            raise bad(f"totals.{key}", "is missing")
+        if not count(man["totals"][key]):
+            raise bad(f"totals.{key}", f"must be a non-negative integer, not {man['totals'][key]!r}")
+    shards = man["shards"]
+    if not isinstance(shards, list):
+        raise bad("shards", f"must be a list of shard entries, not {type(shards).__name__}")
+    if len(shards) != n:
+        raise CacheError(f"{path}: lists {len(shards)} shards, field 'num_shards' says {n}", hint())
+    seen: set[int] = set()
+    for i, entry in enumerate(shards):
+        if not isinstance(entry, dict):
+            raise bad(f"shards[{i}]", f"must be a JSON object (a shard entry), not {entry!r}")
+        name = entry.get("path") if isinstance(entry.get("path"), str) else f"shard {i}"
+        for key in ("path", "index", "sha256") + _COUNTS:
+            if key not in entry:
+                raise bad(f"shards[{i}].{key}", "is missing", name)
+        for key in ("path", "sha256"):
+            if not isinstance(entry[key], str) or not entry[key]:
+                raise bad(f"shards[{i}].{key}", f"must be a non-empty string, not {entry[key]!r}", name)
+        for key in _COUNTS:
+            if not count(entry[key]):
+                raise bad(f"shards[{i}].{key}", f"must be a non-negative integer, not {entry[key]!r}", name)
+        index = entry["index"]
+        if not count(index) or index >= n:
+            raise bad(f"shards[{i}].index", f"must be a shard index 0..{n - 1}, not {index!r}", name)
+        if index in seen:
+            raise bad(f"shards[{i}].index", f"{index} is listed twice", name)
+        seen.add(index)
