@@ -20,14 +20,14 @@ from pathlib import Path
 
 import torch
 
-from .cache import load_spec
+from .cache import load_manifest, load_spec
 from .cache.budget import GIB
 from .cache.fs import CacheFS, open_cache_fs
-from .cache.manifest import MANIFEST_FILE, committed_shards, diff_fields, fingerprint_of
+from .cache.manifest import MANIFEST_FILE, SPEC_FILE, committed_shards, diff_fields, fingerprint_of
 from .cache.window import consumed_indices, load_ledgers
 from .config import RunConfig
 from .dist import check_device
-from .errors import UsageError
+from .errors import CacheError, UsageError
 from .extract.fingerprint import fingerprint_fields, resolve_target_dtype
 
 
@@ -132,6 +132,25 @@ def window_plan(cfg: RunConfig, cache_dir: CacheFS, spec: dict | None) -> dict:
     return out
 
 
+def extract_repairs(cache_dir: CacheFS, spec: dict) -> list[str]:
+    """What a rerun of extract rewrites in a cache whose shards are all committed, which stage 2 cannot read
+    as it is: a missing target head file (extract writes it when absent), a manifest.json that does not load
+    or names another fingerprint (extract merges it again from the shard sidecars). Empty: nothing to mend."""
+    out = []
+    head = spec.get("features", {}).get("head_file")
+    if head and not cache_dir.exists(head):
+        out.append(f"{head} is missing: extract rewrites it from the target")
+    try:
+        man = load_manifest(cache_dir)
+    except CacheError as exc:
+        out.append(f"{MANIFEST_FILE} is damaged ({exc.message}): extract rewrites it from the shard sidecars")
+    else:
+        if man["fingerprint"] != spec["fingerprint"]:
+            out.append(f"{MANIFEST_FILE} names another fingerprint than {SPEC_FILE}: extract rewrites it from the "
+                       "shard sidecars")
+    return out
+
+
 def make_plan(cfg: RunConfig) -> Plan:
     from .data.sources import dataset_fingerprint
     from .target.embedded import ensure_embedded_model_dir
@@ -200,7 +219,12 @@ def make_plan(cfg: RunConfig) -> Plan:
         plan.reason = (f"a window run ({owners}) is streaming this cache: {len(consumed)} shards consumed, "
                        f"{plan.committed} of {old['num_shards']} committed")
     elif cache_dir.exists(MANIFEST_FILE) and plan.committed == old["num_shards"]:
-        plan.stage1, plan.reason = "skip", "the cache is complete and its fingerprint matches this manifest"
+        repairs = extract_repairs(cache_dir, old)
+        if repairs:   # train would refuse the cache (exit 3, "rerun extract"): run extract, which mends it
+            plan.stage1 = "resume"
+            plan.reason = f"all {plan.committed} shards committed, but " + "; ".join(repairs)
+        else:
+            plan.stage1, plan.reason = "skip", "the cache is complete and its fingerprint matches this manifest"
     else:
         plan.stage1 = "resume"
         plan.reason = f"same fingerprint, {plan.committed} of {old['num_shards']} shards committed"

@@ -106,6 +106,60 @@ def test_missing_shard_means_resume(extracted, tmp_path):
     assert plan.stage1 == "resume" and plan.committed == 1
 
 
+def _damage_head(cache: Path) -> str:
+    (cache / "target_head.safetensors").unlink()
+    return "target_head.safetensors"
+
+
+def _truncate_manifest(cache: Path) -> str:
+    text = (cache / "manifest.json").read_text()
+    (cache / "manifest.json").write_text(text[:len(text) // 2])
+    return "manifest.json"
+
+
+def _manifest_without_totals(cache: Path) -> str:
+    import json
+
+    man = json.loads((cache / "manifest.json").read_text())
+    del man["totals"]
+    (cache / "manifest.json").write_text(json.dumps(man))
+    return "manifest.json"
+
+
+@pytest.mark.parametrize("damage", [_damage_head, _truncate_manifest, _manifest_without_totals],
+                         ids=["head file deleted", "manifest truncated", "manifest without totals"])
+def test_a_complete_cache_missing_what_extract_rewrites_is_resumed_not_skipped(extracted, tmp_path, damage):
+    """Train refuses such a cache (exit 3, 'rerun extract'): plan must not say SKIP, so run_pipeline.sh runs
+    extract, which rewrites the head file / the manifest and keeps every committed shard."""
+    import shutil
+
+    _, cache, out, _ = extracted
+    copy = tmp_path / "cache"
+    shutil.copytree(cache, copy)
+    name = damage(copy)
+    plan = _plan(write_manifest(tmp_path, "r.toml", copy, out))
+    assert plan.stage1 == "resume" and plan.committed == 2
+    assert name in plan.reason and "extract rewrites" in plan.reason
+    assert "RESUME" in plan.describe()
+
+
+def test_extract_repairs_what_plan_said_it_would_and_plan_then_skips(extracted, tmp_path):
+    import shutil
+
+    from dflash_pipe.extract.pipeline import run_extract
+
+    _, cache, out, _ = extracted
+    copy = tmp_path / "cache"
+    shutil.copytree(cache, copy)
+    _damage_head(copy)
+    _truncate_manifest(copy)
+    m = write_manifest(tmp_path, "r.toml", copy, out)
+    assert _plan(m).stage1 == "resume"
+    summary = run_extract(normalize(load_manifest(m)))
+    assert summary.shards_done == [] and summary.complete and (copy / "target_head.safetensors").exists()
+    assert _plan(m).stage1 == "skip"
+
+
 @pytest.mark.slow
 def test_run_pipeline_skips_stage1_trains_and_refuses_mixing(extracted):
     tmp, cache, out, m = extracted
