@@ -1,11 +1,14 @@
 """Follow mode: training consumes shards while a (slow) extractor is still committing them."""
 
 import json
+import logging
 import os
 import shutil
 import threading
 import time
 from pathlib import Path
+
+import pytest
 
 from dflash_pipe.train.loader import CacheIndex
 from dflash_pipe.train.schedule import build_epoch_schedule
@@ -18,10 +21,14 @@ ROOT = Path(__file__).resolve().parents[1]
 def slow_extractor(staged: Path, live: Path, delay: float, trainer_started: Path) -> None:
     """Replay a finished cache into `live` in extract's commit order: spec + head, then each shard
     (data file, then sidecar) with a delay, in a scrambled order, and the manifest last. All but the
-    first shard wait until the trainer has started, so it is guaranteed to run ahead of the extractor."""
+    first shard wait until the trainer has started, so it is guaranteed to run ahead of the extractor.
+    A cut manifest.json (an earlier run's, damaged: plan says RESUME) is there from the start until the
+    real one replaces it, as when run_pipeline.sh starts extract beside `train --follow` to rewrite it."""
     live.mkdir()
     for name in ("cache_spec.json", "target_head.safetensors"):
         shutil.copy(staged / name, live / name)
+    text = (staged / "manifest.json").read_text()
+    (live / "manifest.json").write_text(text[:len(text) // 2])
     for n, i in enumerate((1, 0, 3, 2)):  # shards commit out of index order, as concurrent ranks do
         time.sleep(delay)
         while n >= 1 and not trainer_started.exists():
@@ -35,6 +42,7 @@ def slow_extractor(staged: Path, live: Path, delay: float, trainer_started: Path
 
 
 def test_follow_trains_during_extraction_and_ends_epoch_when_manifest_is_final(tmp_path):
+    """Also with a damaged manifest.json in the cache until extraction rewrites it (see slow_extractor)."""
     staged, live, out = tmp_path / "staged", tmp_path / "live", tmp_path / "out"
     write_train_cache(staged, num_docs=48, num_shards=4, seed=5)
     t = threading.Thread(target=slow_extractor, args=(staged, live, 2.0, out / "resolved_config.toml"))
@@ -50,6 +58,7 @@ def test_follow_trains_during_extraction_and_ends_epoch_when_manifest_is_final(t
     t.join()
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "follow: waiting for extraction" in proc.stderr  # it really ran ahead of the extractor
+    assert proc.stderr.count(f"follow: {live / 'manifest.json'} is damaged") == 1  # said once, not exit 3
     steps = [json.loads(ln)["step"] for ln in (out / "metrics.jsonl").read_text().splitlines()]
     index = CacheIndex(staged)
     index.refresh()
@@ -83,3 +92,44 @@ def test_follow_refresh_reads_each_sidecar_once_and_grows_only_the_committed_pre
     # shard 1 is read twice (committed before 0, so outside the prefix at the first look); 3 likewise
     assert sorted(sidecars) == sorted(["shard-00001-of-00004.json"] * 2 + ["shard-00000-of-00004.json"]
                                       + ["shard-00003-of-00004.json"] * 2 + ["shard-00002-of-00004.json"])
+
+
+def _cut_manifest(cache: Path) -> None:
+    text = (cache / "manifest.json").read_text()
+    (cache / "manifest.json").write_text(text[:len(text) // 2])
+
+
+def _manifest_of_another_fingerprint(cache: Path) -> None:
+    man = json.loads((cache / "manifest.json").read_text())
+    man["fingerprint_fields"]["target"] = "another"
+    from dflash_pipe.cache.manifest import fingerprint_of
+
+    man["fingerprint"] = fingerprint_of(man["fingerprint_fields"])
+    (cache / "manifest.json").write_text(json.dumps(man))
+
+
+@pytest.mark.parametrize("damage", [_cut_manifest, _manifest_of_another_fingerprint], ids=["cut", "other fingerprint"])
+def test_follow_reads_the_sidecars_while_a_damaged_manifest_waits_for_extract_to_rewrite_it(tmp_path, caplog, damage):
+    """plan says RESUME for a complete cache whose manifest.json does not load (or names another fingerprint), and
+    run_pipeline.sh starts extract and `train --follow` together: the trainer must not exit 3 on the old manifest
+    before extract rewrites it. In follow mode it is treated as not written yet (one warning naming it); once
+    rewritten it is used. Without --follow the damage is still exit 3."""
+    from dflash_pipe.errors import CacheError
+
+    cache = tmp_path / "cache"
+    write_train_cache(cache, num_docs=24, num_shards=4, seed=3)
+    good = (cache / "manifest.json").read_text()
+    damage(cache)
+    with pytest.raises(CacheError):
+        CacheIndex(cache).refresh()
+    index = CacheIndex(cache, follow=True)
+    with caplog.at_level(logging.WARNING, logger="dflash_pipe.loader"):
+        assert index.refresh() is False and index.refresh() is False
+    assert sorted(index.lengths) == [0, 1, 2, 3]
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and str(cache / "manifest.json") in warned[0]
+    (cache / "manifest.json").write_text(good)  # extract rewrote it
+    assert index.refresh() is True and index.final and sorted(index.lengths) == [0, 1, 2, 3]
+    reference = CacheIndex(cache)
+    reference.refresh()
+    assert index.lengths == reference.lengths

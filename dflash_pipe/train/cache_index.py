@@ -41,6 +41,7 @@ class CacheIndex:
         self.lengths: dict[int, list[list[int]]] = {}
         self.paths: dict[int, Path | str] = {}
         self.final = False
+        self._damaged_manifest_said = False  # follow mode: the warning about a damaged manifest.json is logged
         self._prefix: dict[int, Path | str] = {}  # follow mode: the committed prefix 0..p-1 and its locations
         self._readers: dict[tuple[int, int], ShardReader] = {}
         self._lock = threading.Lock()
@@ -72,11 +73,8 @@ class CacheIndex:
                              f"{owners}",
                              "rerun `dflash-pipe extract` to re-extract them (a finished window run's cache), or "
                              "resume that run with --follow --passes-per-shard K")
-        if self.fs.exists(MANIFEST_FILE):
-            man = load_manifest(self.fs)
-            if man["fingerprint"] != self.spec["fingerprint"]:
-                raise CacheError(f"{self.cache_dir}: manifest and cache_spec.json disagree on the fingerprint",
-                                 f"`dflash-pipe cache verify {self.fs.cli_location}` prints the fix")
+        man = self._manifest()
+        if man is not None:
             shards = {e["index"]: self._location(e["abs_path"]) for e in man["shards"]}
             self.final = True
         elif self.follow:
@@ -99,6 +97,29 @@ class CacheIndex:
                 self.lengths[i] = self._read_lengths(path)
                 self.paths[i] = path
         return self.final
+
+    def _manifest(self) -> dict | None:
+        """The cache's manifest; None while there is none. A damaged one (does not load, or names another
+        fingerprint than the spec) is exit 3, except in follow mode: plan says RESUME for such a cache and
+        run_pipeline.sh starts extract beside `train --follow`, and extract rewrites it from the sidecars once
+        its shards are all committed. Until then it counts as not written yet (one warning)."""
+        if not self.fs.exists(MANIFEST_FILE):
+            return None
+        try:
+            man = load_manifest(self.fs)
+            if man["fingerprint"] != self.spec["fingerprint"]:
+                raise CacheError(f"{self.cache_dir}: manifest and cache_spec.json disagree on the fingerprint",
+                                 f"`dflash-pipe cache verify {self.fs.cli_location}` prints the fix")
+        except CacheError as exc:
+            if not self.follow:
+                raise
+            if not self._damaged_manifest_said:
+                log.warning("follow: %s is damaged (%s); reading the committed shards' sidecars as if it were not "
+                            "written yet, until extract rewrites it (rerun `dflash-pipe extract` if none is running)",
+                            self.fs.display(MANIFEST_FILE), exc.message)
+                self._damaged_manifest_said = True
+            return None
+        return man
 
     def _location(self, path: str) -> Path | str:
         """A shard's local path, or its object URI (Path() would fold 's3://' into 's3:/')."""
