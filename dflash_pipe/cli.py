@@ -32,9 +32,12 @@ def _echo_json(obj) -> None:
 @config_command(app, "extract", own=("extract",), others=("target", "data"))
 def extract_cmd(cfg: RunConfig):
     """Stage 1: run the target once and write hidden states + top-k log-probs to a sharded Parquet cache."""
-    from .extract.pipeline import run_extract
+    from .interrupts import sigterm_as_interrupt
 
-    s = run_extract(cfg)
+    with sigterm_as_interrupt():  # SIGTERM stops it as Ctrl-C does: committed shards kept, exit 130
+        from .extract.pipeline import run_extract
+
+        s = run_extract(cfg)
     typer.echo(f"extract: cache {s.cache_dir} ({s.status}); shards written {s.shards_done}, "
                f"already committed {s.shards_skipped}; {s.tokens} tokens in {s.seconds:.1f}s"
                + (f" = {s.tokens / s.seconds:,.0f} tok/s" if s.seconds else ""))
@@ -69,9 +72,12 @@ def plan_cmd(cfg: RunConfig, as_json: bool = typer.Option(False, "--json", help=
 @config_command(app, "eval", own=("eval",), others=("target", "data", "train"))
 def eval_cmd(cfg: RunConfig):
     """Real greedy speculative decoding with target + drafter (and a prompt-lookup baseline)."""
-    from .eval.runner import run_eval
+    from .interrupts import sigterm_as_interrupt
 
-    run_eval(cfg)
+    with sigterm_as_interrupt():  # SIGTERM stops it as Ctrl-C does: its progress log kept, exit 130
+        from .eval.runner import run_eval
+
+        run_eval(cfg)
 
 
 @config_command(app, "regenerate", own=("data",), others=("target",))

@@ -1,4 +1,4 @@
-"""Run a command and Ctrl-C it once its first shard is committed (shared by the interrupt tests)."""
+"""Run a command and Ctrl-C (or SIGTERM) it once its first shard is committed (shared by the interrupt tests)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 
-def interrupt_after_first_shard(cmd: list[str], env: dict, cache: Path, what: str, forked: bool = False) -> str:
-    """Start `cmd`, send SIGINT when a shard sidecar appears in `cache`; returns stderr.
+def interrupt_after_first_shard(cmd: list[str], env: dict, cache: Path, what: str, forked: bool = False,
+                                sig: int = signal.SIGINT) -> str:
+    """Start `cmd`, send `sig` (SIGINT or SIGTERM) when a shard sidecar appears in `cache`; returns stderr.
 
     forked=True: `cmd` is dflash-pipe's argv, run in a process forked from tests/fork_cli.py's server.
     Skips the calling test if the command finished before the interrupt landed; asserts exit 130.
@@ -25,7 +26,7 @@ def interrupt_after_first_shard(cmd: list[str], env: dict, cache: Path, what: st
     deadline = time.time() + 240
     while not list(cache.glob("shard-*.json")) and time.time() < deadline and proc.poll() is None:
         time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     if forked:
         proc.wait(timeout=120)
         err = proc.output()[1]
@@ -33,6 +34,6 @@ def interrupt_after_first_shard(cmd: list[str], env: dict, cache: Path, what: st
         _, err = proc.communicate(timeout=120)
     if proc.returncode == 0:
         pytest.skip(f"{what} finished before the interrupt landed")
-    assert proc.returncode == 130, err[-2000:]
+    assert proc.returncode == 130, f"exit {proc.returncode}: {err[-2000:]}"
     assert "interrupted" in err
     return err

@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -116,7 +117,10 @@ def test_shard_subsets_from_two_jobs_complete_one_cache(reference, tmp_path):
 
 
 @pytest.mark.slow
-def test_ctrl_c_exits_130_and_leaves_a_resumable_cache(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_ctrl_c_exits_130_and_leaves_a_resumable_cache(tmp_path, sig):
+    """Ctrl-C, and SIGTERM sent to extract itself (a scheduler, `kill`; it used to end the process by the signal,
+    exit -15, instead of stopping cleanly with 130)."""
     from tests.proc_helpers import interrupt_after_first_shard
 
     cache = tmp_path / "cache"
@@ -124,7 +128,7 @@ def test_ctrl_c_exits_130_and_leaves_a_resumable_cache(tmp_path):
     args = [a if a != "10" else "40" for a in SMALL]  # more samples, so there is time to interrupt
     argv = ["extract", "-m", str(ROOT / "manifests" / "tiny-qwen3.5.toml"), "--cache-dir", str(cache),
             "--device", "cpu", *args]
-    interrupt_after_first_shard(argv, env, cache, "extraction", forked=True)
+    interrupt_after_first_shard(argv, env, cache, "extraction", forked=True, sig=sig)
     assert not (cache / "manifest.json").exists()
     assert not [p for p in os.listdir(cache) if p.startswith(".")]
     rerun = run_cli(argv, env)
