@@ -137,16 +137,19 @@ def regenerate_cmd(cfg: RunConfig, output: Path = typer.Option(..., "--output", 
     """Regenerate the assistant turns with the target itself (drafters must learn the target's outputs)."""
     from .errors import UsageError
     from .eval.regenerate import run_regenerate
+    from .interrupts import sigterm_as_interrupt
 
     if max_length < 0:
         raise UsageError(f"--max-length must be >= 0 (0 = the manifest's), got {max_length}")
     if max_length:
         cfg.extract.max_length = max_length
-    run_regenerate(cfg, output, max_new_tokens=max_new_tokens, batch_size=batch_size, device=device,
-                   max_turns=max_turns, samples=samples, temperature=temperature, top_p=top_p, seed=seed,
-                   engine=engine, attention=engine_attention, greedy_after=greedy_after, reuse_history=reuse_history,
-                   overlap=overlap_prefill, compact=compact_tail, max_seconds=max_seconds, first_sample=first_sample,
-                   prefetch_prompts=prefetch_prompts, prefill_layout=prefill_layout)
+    with sigterm_as_interrupt():  # SIGTERM stops it as Ctrl-C does: written rows kept, a rerun continues, exit 130
+        run_regenerate(cfg, output, max_new_tokens=max_new_tokens, batch_size=batch_size, device=device,
+                       max_turns=max_turns, samples=samples, temperature=temperature, top_p=top_p, seed=seed,
+                       engine=engine, attention=engine_attention, greedy_after=greedy_after,
+                       reuse_history=reuse_history, overlap=overlap_prefill, compact=compact_tail,
+                       max_seconds=max_seconds, first_sample=first_sample, prefetch_prompts=prefetch_prompts,
+                       prefill_layout=prefill_layout)
 
 
 @app.command("export")

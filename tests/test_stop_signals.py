@@ -1,4 +1,4 @@
-"""SIGTERM sent to `extract` / `eval` stops them as Ctrl-C does (KeyboardInterrupt: clean stop, exit 130)
+"""SIGTERM sent to `extract` / `eval` / `regenerate` stops them as Ctrl-C does (KeyboardInterrupt: clean stop, exit 130)
 instead of ending the process by the signal (dflash_pipe/interrupts.py; train has its own, train/graceful.py).
 The end-to-end check for extract is tests/test_extract_e2e.py::test_ctrl_c_exits_130_and_leaves_a_resumable_cache."""
 
@@ -82,3 +82,40 @@ def test_sigterm_stops_eval_with_130_and_a_rerun_resumes_from_its_progress_log(t
     assert rerun.returncode == 0, rerun.stderr[-2000:]
     assert f"eval: resuming, {done} generations already done" in rerun.stdout
     assert (out / "eval_report.json").exists() and not progress.exists()
+
+
+@pytest.mark.slow
+def test_sigterm_stops_regenerate_with_130_and_a_rerun_completes_every_conversation_once(tmp_path):
+    """`regenerate` gets SIGTERM once its first rows are written: exit 130, the rows kept, and the rerun continues
+    to every conversation exactly once."""
+    import json
+    import time
+    from pathlib import Path
+
+    from tests.fork_cli import run_cli, start_cli
+
+    root = Path(__file__).resolve().parents[1]
+    src = tmp_path / "src.jsonl"
+    src.write_text("".join(json.dumps({"id": f"c{i}", "messages": [{"role": "user", "content": f"question {i}?"},
+                                                                   {"role": "assistant", "content": "-"}]}) + "\n"
+                           for i in range(40)))
+    out = tmp_path / "regen.jsonl"
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    argv = ["regenerate", "--target-model", "random:tiny-llama", "--device", "cpu", "--source", str(src),
+            "--output", str(out), "--max-new-tokens", "24", "--batch-size", "2"]
+    proc = start_cli(argv, env)
+    deadline = time.time() + 240
+    while proc.poll() is None and time.time() < deadline and not (out.exists() and out.read_text().strip()):
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=120)
+    err = proc.output()[1]
+    if proc.returncode == 0:
+        pytest.skip("regenerate finished before SIGTERM landed")
+    assert proc.returncode == 130, f"exit {proc.returncode}: {err[-2000:]}"
+    kept = len(out.read_text().splitlines())
+    assert 1 <= kept < 40
+    rerun = run_cli(argv, env)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    ids = [json.loads(line)["id"] for line in out.read_text().splitlines()]
+    assert ids == [f"c{i}" for i in range(40)]
