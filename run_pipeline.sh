@@ -14,7 +14,7 @@
 # SHARE_GPU=1 (e.g. EXTRACT_GPUS=0 TRAIN_GPUS=0 SHARE_GPU=1 on a one-GPU machine). With [train]
 # passes_per_shard K > 0 in the manifest the cache is a bounded window ([extract] max_cache_gib).
 # Exit status: the failing stage's (2 usage, 3 validation, 4 runtime, 130 interrupted). With --follow the first
-# stage to fail stops the other and its status is the pipeline's. SIGINT/SIGTERM/SIGHUP: forwarded as SIGINT to
+# stage to fail stops the other and its status is the pipeline's. SIGINT/SIGTERM/SIGHUP: forwarded as SIGTERM to
 # each running stage's process group (extract keeps committed shards, train checkpoints), then exit 130.
 set -euo pipefail
 if [ "${BASH_VERSINFO[0]}" -lt 4 ] || { [ "${BASH_VERSINFO[0]}" = 4 ] && [ "${BASH_VERSINFO[1]}" -lt 4 ]; }; then
@@ -94,10 +94,12 @@ esac
 # Each stage runs in the background as a process group of its own (job control on for that one command).
 # Without job control bash starts a script's background commands with SIGINT and SIGQUIT ignored, which the
 # stage's processes inherit (Python then never sees Ctrl-C), and `kill -INT PID` reached only the stage's bash
-# launcher. INT, TERM or HUP to this script is forwarded as SIGINT to the whole group of each running stage
-# (its launcher and python, or torchrun, which forwards it to its workers); the stages stop cleanly (extract
-# keeps its committed shards, train writes a checkpoint) and exit; the script waits for them, then exits 130.
-# Another signal is forwarded too: the stages then stop at once.
+# launcher. INT, TERM or HUP to this script is forwarded as SIGTERM to the whole group of each running stage
+# (python, exec'd by stages/common.sh, or torchrun, which forwards it to its workers): every stage stops on
+# SIGTERM as on Ctrl-C (extract keeps its committed shards, train writes a checkpoint) and exits; the script
+# waits for them, then exits 130. SIGTERM, not SIGINT: a pipeline started with SIGINT ignored (nohup, `&` in
+# a script) passes that on to its stages, where no handler can undo it. Another signal is forwarded too: the
+# stages then stop at once.
 running=()                # pids of the running stages, each the leader of its process group
 declare -A stage_name=()  # pid -> the stage's name in messages
 interrupted=0
@@ -108,7 +110,7 @@ on_signal() {
     echo "run_pipeline: interrupted; stopping stages (committed shards and checkpoints are kept)" >&2 || true
   fi
   interrupted=1
-  signal_stages INT
+  signal_stages TERM
 }
 trap on_signal INT TERM HUP
 
@@ -120,11 +122,11 @@ start_stage() {
   "$@" </dev/null &
   set +m
   running+=("$!"); stage_name[$!]="$name"
-  [ "$interrupted" = 0 ] || kill -INT -- "-$!" 2>/dev/null || true  # a signal between the fork and here
+  [ "$interrupted" = 0 ] || kill -TERM -- "-$!" 2>/dev/null || true  # a signal between the fork and here
 }
 
 # wait_stages: wait for the running stages, in whichever order they end (a trapped signal ends `wait -n` early;
-# bash keeps an ended job's status for `wait PID`). The first to fail has the others stopped (SIGINT to their
+# bash keeps an ended job's status for `wait PID`). The first to fail has the others stopped (SIGTERM to their
 # groups) and, once none runs, ends the pipeline with its exit status. Interrupted: exit 130 once none runs.
 wait_stages() {
   local p rc keep failed="" failed_rc=0 stopped=0
@@ -140,7 +142,7 @@ wait_stages() {
     if [ -n "$failed" ] && [ "$stopped" = 0 ] && [ "${#running[@]}" -gt 0 ]; then
       echo "run_pipeline: $failed failed first (exit $failed_rc); stopping" \
            "$(for p in "${running[@]}"; do echo "${stage_name[$p]}"; done | paste -sd, -)" >&2
-      signal_stages INT; stopped=1
+      signal_stages TERM; stopped=1
     fi
   done
   [ -z "$failed" ] || fail "$failed" "$failed_rc"

@@ -22,11 +22,13 @@ launch() {
     echo "stages: no CUDA GPU visible; running $stage on the CPU (one process) instead of GPUs $gpus" >&2
     gpus=cpu
   fi
+  # exec: the stage's process group leader is python / torchrun itself, so run_pipeline.sh's SIGTERM reaches it
+  # and its exit status is the stage's (a bash launcher in between would die of the signal at once)
   if [ "$gpus" = "cpu" ]; then
-    "$PY" -m dflash_pipe "$stage" --device cpu "$@"
+    exec "$PY" -m dflash_pipe "$stage" --device cpu "$@"
   else
     local n; n=$(awk -F, '{print NF}' <<<"$gpus")
-    CUDA_VISIBLE_DEVICES="$gpus" "$PY" -m torch.distributed.run --standalone --nproc-per-node="$n" \
+    CUDA_VISIBLE_DEVICES="$gpus" exec "$PY" -m torch.distributed.run --standalone --nproc-per-node="$n" \
       -m dflash_pipe "$stage" "$@"
   fi
 }

@@ -2,9 +2,9 @@
 
 The script is copied into a temporary directory next to a stub `stages/` (common.sh, extract.sh, train.sh) and a
 stub interpreter that answers `-m dflash_pipe plan` with a fixed plan, so each run takes a fraction of a second
-and loads no model. The stub stages are shaped like the real ones: a bash launcher that runs a Python process as
-its child (not exec'd), which stops on KeyboardInterrupt as `dflash-pipe extract` does (Python's default SIGINT
-handler, not one installed by the stage) and exits 130.
+and loads no model. The stub stages are shaped like the real ones: a bash launcher that execs a Python process
+(stages/common.sh), which stops on SIGINT and SIGTERM alike as `dflash-pipe extract` does (KeyboardInterrupt,
+dflash_pipe/interrupts.py) and exits 130, writing `<stage>.stopped` with the signal's name.
 """
 
 from __future__ import annotations
@@ -22,8 +22,15 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 STAGE = r'''
-import os, sys, time
+import os, signal, sys, time
 stage, work = sys.argv[1], os.environ["STUB_DIR"]
+got = []
+def stop(signum, frame):
+    got.append(signal.Signals(signum).name)
+    raise KeyboardInterrupt
+if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:   # as Python leaves an inherited ignore
+    signal.signal(signal.SIGINT, stop)
+signal.signal(signal.SIGTERM, stop)
 rank = os.environ.get("RANK")
 tag = stage if rank is None else f"{stage}.rank{rank}"
 seconds, rc = os.environ.get(f"STUB_{stage.upper()}", "0:0").split(":")
@@ -34,7 +41,7 @@ try:
     while time.monotonic() < end:
         time.sleep(0.02)
 except KeyboardInterrupt:
-    open(os.path.join(work, f"{tag}.sigint"), "w").write("SIGINT")
+    open(os.path.join(work, f"{tag}.stopped"), "w").write(",".join(got))
     sys.exit(130)
 open(os.path.join(work, f"{tag}.done"), "w").write(rc)
 sys.exit(int(rc))
@@ -53,7 +60,7 @@ fi
 exec "%s" "$@"
 '''
 
-# the stage's launcher: python as its child (stages/common.sh's `launch` does not exec either)
+# the stage's launcher: execs python (or torchrun), as stages/common.sh's `launch` does
 LAUNCHER = '''#!/usr/bin/env bash
 source "$(dirname "$0")/common.sh"
 echo $$ > "$STUB_DIR/{stage}.launcher.pid"
@@ -61,7 +68,7 @@ if [ "${STUB_TORCHRUN:-}" = {stage} ]; then
   "$PY" -m torch.distributed.run --standalone --nproc-per-node=2 --monitor-interval=0.1 \\
     "$_repo/stage.py" {stage} "$@"
 else
-  "$PY" "$_repo/stage.py" {stage} "$@"
+  exec "$PY" "$_repo/stage.py" {stage} "$@"
 fi
 '''
 
@@ -86,11 +93,15 @@ def pipe(tmp_path):
     work.mkdir()
     procs = []
 
-    def start(*args, **stub):
+    def start(*args, sigint_ignored=False, **stub):
+        """Start the pipeline with SIGINT at its default (a terminal's shell), or ignored (nohup, `&` in a script;
+        also what a test runner started that way would pass on)."""
         env = {k: v for k, v in os.environ.items() if k not in ("EXTRACT_GPUS", "TRAIN_GPUS", "STRICT_GPUS")}
         env.update({"STUB_DIR": str(work), **{f"STUB_{k.upper()}": str(v) for k, v in stub.items()}})
+        disposition = signal.SIG_IGN if sigint_ignored else signal.SIG_DFL
         proc = subprocess.Popen([str(root / "run_pipeline.sh"), str(root / "m.toml"), "--no-eval", *args], env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, disposition))
         procs.append(proc)
         return proc
 
@@ -141,9 +152,23 @@ def test_a_signal_reaches_the_running_stage_and_the_pipeline_exits_130_at_once(p
     proc.send_signal(sig)
     rc, _, err = finish(proc, within=10)
     assert rc == 130, err
-    assert (pipe.work / "extract.sigint").exists() and not (pipe.work / "extract.done").exists()
+    assert (pipe.work / "extract.stopped").read_text() == "SIGTERM" and not (pipe.work / "extract.done").exists()
     assert not (pipe.work / "train.pid").exists(), "stage 2 started after an interrupt"
     assert "interrupted" in err and stage_gone(pipe.work, "extract")
+
+
+def test_a_pipeline_started_with_sigint_ignored_still_stops_its_stages_on_sigterm(pipe):
+    """nohup / `&` in a script start the pipeline with SIGINT ignored, which its stages inherit and no handler can
+    undo: the forwarded signal is SIGTERM, so a scheduler's SIGTERM still stops both stages cleanly (a forwarded
+    SIGINT left them running to the end; CI's runner, started that way, showed it)."""
+    proc = pipe("--follow", extract="60:0", train="60:0", sigint_ignored=True)
+    wait_for(pipe.work / "extract.pid", proc)
+    wait_for(pipe.work / "train.pid", proc)
+    proc.send_signal(signal.SIGTERM)
+    rc, _, err = finish(proc, within=10)
+    assert rc == 130, err
+    assert (pipe.work / "extract.stopped").read_text() == "SIGTERM" == (pipe.work / "train.stopped").read_text()
+    assert stage_gone(pipe.work, "extract") and stage_gone(pipe.work, "train")
 
 
 def test_sigint_during_follow_stops_both_stages(pipe):
@@ -153,7 +178,7 @@ def test_sigint_during_follow_stops_both_stages(pipe):
     proc.send_signal(signal.SIGINT)
     rc, _, err = finish(proc, within=10)
     assert rc == 130, err
-    assert (pipe.work / "extract.sigint").exists() and (pipe.work / "train.sigint").exists()
+    assert (pipe.work / "extract.stopped").exists() and (pipe.work / "train.stopped").exists()
     assert stage_gone(pipe.work, "extract") and stage_gone(pipe.work, "train")
 
 
@@ -169,7 +194,7 @@ def test_sigint_reaches_torchrun_launched_train_workers(pipe):
     rc, _, err = finish(proc, within=40)  # torchrun SIGKILLs workers 30 s after forwarding; they take ms here
     assert rc == 130, err
     for rank in (0, 1):
-        assert (pipe.work / f"train.rank{rank}.sigint").exists(), err
+        assert (pipe.work / f"train.rank{rank}.stopped").exists(), err
         assert stage_gone(pipe.work, f"train.rank{rank}")
 
 
@@ -183,7 +208,7 @@ def test_follow_the_first_stage_to_fail_stops_the_other_and_gives_its_exit_code(
     assert rc == code, err
     name = {"train": "stage 2 (train --follow)", "extract": "stage 1 (extract)"}[first]
     assert f"{name} failed first (exit {code})" in err, err
-    assert (pipe.work / f"{other}.sigint").exists(), f"{other} was not stopped"
+    assert (pipe.work / f"{other}.stopped").exists(), f"{other} was not stopped"
     assert stage_gone(pipe.work, other)
 
 
