@@ -30,6 +30,8 @@
 #               chunked prefill (graphed == eager == padded)
 #     decodeprof  bench/decode_step_profile.py: the batch-1024 decode step and a prefill call, per-row vs padded SDPA
 #               attention, with profiler tables (random SmolLM2-shaped weights: needs no carry)
+#     prefill   bench/prefill_layouts.py: regenerate's prefills of the real prompt lengths, padded vs chunked
+#               (random SmolLM2-shaped weights: needs no carry); PREFILL_FLAGS
 #     overlap   bench/prefill_overlap.py: how much of a staged prefill on the side stream still costs the decode
 #               (regenerate --overlap-prefill; random SmolLM2-shaped weights: needs no carry)
 #     regen     bench/regen_throughput.py: regenerate vs the bare graphed decode loop vs HF generate (needs smollm2);
@@ -103,6 +105,8 @@ print(json.dumps(rows, indent=1)); open('$OUT/loader_rate.json', 'w').write(json
                         tests/test_chunked_prefill_gpu.py ;;
         decodeprof) step decodeprof "${DECODEPROF_S:-180}" python3 bench/decode_step_profile.py \
                         --json "$OUT/decode_step_profile.json" ${DECODEPROF_FLAGS:-} ;;
+        prefill) step prefill "${PREFILL_S:-240}" python3 bench/prefill_layouts.py --json "$OUT/prefill_layouts.json" \
+                     ${PREFILL_FLAGS:-} ;;
         overlap) step overlap "${OVERLAP_S:-150}" python3 bench/prefill_overlap.py --json "$OUT/prefill_overlap.json" ;;
         regen) step regen "${REGEN_S:-240}" python3 bench/regen_throughput.py \
                    --data "${SHAREGPT_FIRST_TURNS:?run the smollm2 step first}" --model-cache /tmp/quality/models \
@@ -126,6 +130,6 @@ print(json.dumps(rows, indent=1)); open('$OUT/loader_rate.json', 'w').write(json
         objstore) step objstore "${OBJSTORE_S:-400}" env PATH="/tmp/site/bin:$PATH" python3 bench/objstore_loader.py \
                       --batches "${OBJSTORE_BATCHES:-24}" --workers 12 --server rclone --json "$OUT/objstore_loader.json" ${OBJSTORE_FLAGS:-} ;;
         gputests) step gputests "${TESTS_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider tests ;;
-        *) echo "unknown step $what (smollm2 extract flex train trainsmol topk stats draft loader regentests decodeprof regen hybrid evaltests window windowq smallgemm evalprofile evalspeed objstore gputests)"; exit 2 ;;
+        *) echo "unknown step $what (smollm2 extract flex train trainsmol topk stats draft loader regentests decodeprof prefill regen hybrid evaltests window windowq smallgemm evalprofile evalspeed objstore gputests)"; exit 2 ;;
     esac
 done
