@@ -44,11 +44,27 @@ def test_an_ignored_sigterm_stays_ignored_and_nothing_is_installed_off_the_main_
     assert seen == [previous]
 
 
+def _sigterm_once(proc, ready, what: str) -> str:
+    """SIGTERM to the forked CLI run `proc` once `ready()` holds; asserts exit 130 (skips the test if it finished
+    first); its stderr."""
+    import time
+
+    deadline = time.time() + 240
+    while proc.poll() is None and time.time() < deadline and not ready():
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=120)
+    err = proc.output()[1]
+    if proc.returncode == 0:
+        pytest.skip(f"{what} finished before SIGTERM landed")
+    assert proc.returncode == 130, f"exit {proc.returncode}: {err[-2000:]}"
+    return err
+
+
 @pytest.mark.slow
 def test_sigterm_stops_eval_with_130_and_a_rerun_resumes_from_its_progress_log(tmp_path):
     """`eval` gets SIGTERM after its first generation is logged: exit 130, the progress log kept, and the rerun
     resumes from it (that a resumed report equals an uninterrupted one: test_eval_runner.py)."""
-    import time
     from pathlib import Path
 
     from dflash_pipe.eval.progress_log import PROGRESS_FILE
@@ -64,17 +80,8 @@ def test_sigterm_stops_eval_with_130_and_a_rerun_resumes_from_its_progress_log(t
     argv = ["eval", "--target-model", "random:tiny-llama", "--device", "cpu", "--prompts", "mtbench,humaneval",
             "--max-prompts", "6", "--mtbench-turns", "1", "--max-new-tokens", "32",
             "--train-output-dir", str(tmp_path / "train"), "--output-dir", str(out)]
-    proc = start_cli(argv, env)
     progress = out / PROGRESS_FILE
-    deadline = time.time() + 240
-    while proc.poll() is None and time.time() < deadline and not (progress.exists() and progress.read_text()):
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=120)
-    err = proc.output()[1]
-    if proc.returncode == 0:
-        pytest.skip("eval finished before SIGTERM landed")
-    assert proc.returncode == 130, f"exit {proc.returncode}: {err[-2000:]}"
+    err = _sigterm_once(start_cli(argv, env), lambda: progress.exists() and progress.read_text(), "eval")
     assert "interrupted" in err
     done = len(progress.read_text().splitlines())
     assert done >= 1
@@ -89,7 +96,6 @@ def test_sigterm_stops_regenerate_with_130_and_a_rerun_completes_every_conversat
     """`regenerate` gets SIGTERM once its first rows are written: exit 130, the rows kept, and the rerun continues
     to every conversation exactly once."""
     import json
-    import time
     from pathlib import Path
 
     from tests.fork_cli import run_cli, start_cli
@@ -103,16 +109,7 @@ def test_sigterm_stops_regenerate_with_130_and_a_rerun_completes_every_conversat
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
     argv = ["regenerate", "--target-model", "random:tiny-llama", "--device", "cpu", "--source", str(src),
             "--output", str(out), "--max-new-tokens", "24", "--batch-size", "2"]
-    proc = start_cli(argv, env)
-    deadline = time.time() + 240
-    while proc.poll() is None and time.time() < deadline and not (out.exists() and out.read_text().strip()):
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=120)
-    err = proc.output()[1]
-    if proc.returncode == 0:
-        pytest.skip("regenerate finished before SIGTERM landed")
-    assert proc.returncode == 130, f"exit {proc.returncode}: {err[-2000:]}"
+    _sigterm_once(start_cli(argv, env), lambda: out.exists() and out.read_text().strip(), "regenerate")
     kept = len(out.read_text().splitlines())
     assert 1 <= kept < 40
     rerun = run_cli(argv, env)
