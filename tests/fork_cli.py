@@ -42,6 +42,10 @@ def _child(func, args, env: dict, cwd: str | None, stdout_path: str, stderr_path
     """In the forked process: the test's environment and output files, then `func(*args)`; exit like Python."""
     os.environ.clear()
     os.environ.update(env)
+    # Python's own SIGINT handler even where the test runner was started with SIGINT ignored (nohup, `&`): the
+    # forkserver passes its parent's disposition on, and a stage would then never see the Ctrl-C a test sends
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if cwd:
         os.chdir(cwd)
     sys.stdout.flush()

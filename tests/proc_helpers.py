@@ -22,7 +22,10 @@ def interrupt_after_first_shard(cmd: list[str], env: dict, cache: Path, what: st
 
         proc = start_cli(cmd, env)
     else:
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        # SIGINT at its default, as a terminal's shell starts a command, even where the test runner was started
+        # with it ignored (nohup, `&`): an ignored SIGINT is inherited and no handler can undo it
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 240
     while not list(cache.glob("shard-*.json")) and time.time() < deadline and proc.poll() is None:
         time.sleep(0.05)
