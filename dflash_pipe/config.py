@@ -195,7 +195,8 @@ class TrainConfig:
                                         "thread (the step loop pays only the copy to host memory); the shards a "
                                         "boundary retires are deleted once its checkpoint is complete.")
     follow_timeout_s: float = opt(1800.0, "--follow: stop (exit 4, checkpoint kept) when no new shard was committed "
-                                  "for this long while the trainer waits for one (the extractor seems gone).")
+                                  "and no manifest was written for this long while the trainer waits for one (the extractor seems "
+                                  "gone; resume extract, then train --resume auto). Plain --follow: 0 = no limit.")
     val_cache_dir: str = opt("", "A second cache (same target, layers and tokenizer; documents the training cache "
                              "does not hold) on which loss, accuracy and simulated tau are measured without "
                              "gradients every --val-every steps and at the end; empty = no validation.")

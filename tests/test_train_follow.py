@@ -133,3 +133,87 @@ def test_follow_reads_the_sidecars_while_a_damaged_manifest_waits_for_extract_to
     reference = CacheIndex(cache)
     reference.refresh()
     assert index.lengths == reference.lengths
+
+
+def _stalled_cache(tmp_path: Path, keep: int = 2) -> tuple[Path, Path]:
+    """A 4-shard cache whose extraction died after committing shards 0..keep-1: no manifest, the rest staged
+    aside (to be committed by a test's extractor thread)."""
+    cache, staged = tmp_path / "cache", tmp_path / "staged"
+    write_train_cache(cache, num_docs=24, num_shards=4, seed=3)
+    staged.mkdir()
+    shutil.move(str(cache / "manifest.json"), staged / "manifest.json")
+    for i in range(keep, 4):
+        for ext in (".parquet", ".json"):
+            name = f"shard-{i:05d}-of-00004{ext}"
+            shutil.move(str(cache / name), staged / name)
+    return cache, staged
+
+
+def _follow_loader(cache: Path, timeout_s: float):
+    from dflash_pipe.train.loader import BatchLoader
+
+    return BatchLoader(CacheIndex(cache, follow=True), rank=0, world=1, seed=0, context_tokens=96, num_anchors=8,
+                       max_anchors_per_doc=4, block_size=4, shuffle_rows=256, workers=1, want_topk=False,
+                       pin_memory=False, follow_poll_s=0.05, follow_timeout_s=timeout_s)
+
+
+def test_plain_follow_gives_up_when_no_shard_comes_for_the_follow_timeout(tmp_path):
+    """Until session 29 plain `train --follow` on a cache whose extraction died (no new shard, no manifest) waited
+    forever after training on the committed shards: --follow-timeout-s bounded window mode only. Now it is exit 4
+    (RuntimeFailure) naming the cache, the shards seen of those expected, and the fix (resume extract)."""
+    from dflash_pipe.errors import RuntimeFailure
+
+    cache, _ = _stalled_cache(tmp_path)
+    loader = _follow_loader(cache, 1.0)
+    t0, batches = time.monotonic(), 0
+    try:
+        with pytest.raises(RuntimeFailure) as err:
+            for _ in loader.iterate(0, 0, follow_first_epoch=True):
+                batches += 1
+    finally:
+        loader.close()
+    assert batches > 0  # it trained on what was committed first
+    assert 1.0 <= time.monotonic() - t0 < 10
+    text = f"{err.value.message} {err.value.hint}"
+    assert str(cache) in text and "seen 2 of 4" in text and "extract" in text and "--resume auto" in text
+
+
+def test_plain_follow_timeout_restarts_at_each_new_shard(tmp_path):
+    """A slow but progressing extraction never trips --follow-timeout-s: each shard comes 0.6 s after the last
+    (the whole wait, ~1.8 s, is longer than the 1 s limit), and the epoch ends at the manifest."""
+    cache, staged = _stalled_cache(tmp_path)
+
+    def extractor():
+        for i in (2, 3):
+            time.sleep(0.6)
+            for ext in (".parquet", ".json"):
+                name = f"shard-{i:05d}-of-00004{ext}"
+                shutil.copy(staged / name, cache / f".{name}.tmp-x")
+                os.replace(cache / f".{name}.tmp-x", cache / name)
+        time.sleep(0.6)
+        shutil.copy(staged / "manifest.json", cache / "manifest.json")
+
+    loader = _follow_loader(cache, 1.0)
+    t = threading.Thread(target=extractor)
+    t.start()
+    t0 = time.monotonic()
+    try:
+        batches = sum(1 for _ in loader.iterate(0, 0, follow_first_epoch=True))
+    finally:
+        loader.close()
+        t.join()
+    assert time.monotonic() - t0 > 1.5  # it did wait longer than the limit, in all
+    assert batches > 0 and loader.index.final and sorted(loader.index.lengths) == [0, 1, 2, 3]
+
+
+def test_plain_follow_timeout_is_exit_4_from_the_cli(tmp_path):
+    """The trainer passes --follow-timeout-s to the loader in plain follow mode: exit 4 with the message."""
+    cache, _ = _stalled_cache(tmp_path)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    argv = ["train", "--cache-dir", str(cache), "--output-dir", str(tmp_path / "out"), "--follow",
+            "--follow-poll-s", "0.1", "--follow-timeout-s", "1", "--epochs", "1", "--drafter-num-layers", "1",
+            "--drafter-block-size", "4", "--context-tokens", "96", "--num-anchors", "8", "--checkpoint-every", "0",
+            "--loader-workers", "1"]
+    proc = run_cli(argv, env, timeout=60)  # until session 29: waited forever (killed here at 60 s)
+    assert proc.returncode == 4, proc.stderr[-3000:]
+    assert "no new shard committed" in proc.stderr and "seen 2 of 4" in proc.stderr and str(cache) in proc.stderr

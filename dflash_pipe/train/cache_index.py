@@ -41,6 +41,7 @@ class CacheIndex:
         self.lengths: dict[int, list[list[int]]] = {}
         self.paths: dict[int, Path | str] = {}
         self.final = False
+        self.committed = 0  # follow mode: shards seen committed so far (any order; all of them once final)
         self._damaged_manifest_said = False  # follow mode: the warning about a damaged manifest.json is logged
         self._prefix: dict[int, Path | str] = {}  # follow mode: the committed prefix 0..p-1 and its locations
         self._readers: dict[tuple[int, int], ShardReader] = {}
@@ -77,11 +78,13 @@ class CacheIndex:
         if man is not None:
             shards = {e["index"]: self._location(e["abs_path"]) for e in man["shards"]}
             self.final = True
+            self.committed = len(shards)
         elif self.follow:
             # the shards of the prefix seen before are committed for good: their sidecars are not read again
             # (one GET each per poll on a store); the prefix grows only from where it ended
             known = frozenset(self._prefix)
             done = committed_shards(self.fs, self.spec, skip=known)
+            self.committed = max(self.committed, len(known) + len(done))
             prefix = len(self._prefix)
             while prefix in done:  # only a prefix keeps the schedule stable as shards arrive
                 self._prefix[prefix] = self._location(self.fs.display(done[prefix]["path"]))

@@ -19,6 +19,8 @@ import numpy as np
 import torch
 
 from ..cache.codec import FP8, planes_shape
+from ..cache.manifest import MANIFEST_FILE
+from ..errors import RuntimeFailure
 from .anchors import IGNORE, block_labels, copyable, sample_anchors
 from .cache_index import CacheIndex
 from .row_groups import PlanePool, RowGroupCache
@@ -106,8 +108,9 @@ class BatchLoader:
     def __init__(self, index: CacheIndex, *, rank: int, world: int, seed: int, context_tokens: int,
                  num_anchors: int, max_anchors_per_doc: int, block_size: int, shuffle_rows: int,
                  workers: int, want_topk: bool, pin_memory: bool, follow_poll_s: float = 2.0, prefetch: int = 3,
-                 read_ahead: int = -1, copy_anchor_weight: float = 0.0):
+                 read_ahead: int = -1, copy_anchor_weight: float = 0.0, follow_timeout_s: float = 0.0):
         self.index = index
+        self.timeout_s = follow_timeout_s  # follow mode: give up when no new shard came for this long (0 = never)
         self.copy_weight = copy_anchor_weight     # anchors.py: extra weight of anchors prompt lookup could copy
         self.rank, self.world, self.seed = rank, world, seed
         self.S, self.N, self.B = context_tokens, num_anchors, block_size
@@ -149,21 +152,34 @@ class BatchLoader:
                                     follow_first_epoch=follow_first_epoch, final=final)
 
     def wait_for_step(self, epoch: int, step: int, follow_first_epoch: bool) -> EpochSchedule | None:
-        """Schedule that contains `step`, waiting for extraction in follow mode; None = epoch over."""
-        waited = 0.0
+        """Schedule that contains `step`, waiting for extraction in follow mode; None = epoch over. Gives up
+        (exit 4) once no new shard was committed for `timeout_s` while waiting: the extractor seems gone."""
+        t0 = last = time.monotonic()
+        seen, waited = self.index.committed, False
         while True:
             sched = self.schedule(epoch, follow_first_epoch)
             if step < sched.steps:
                 if waited:
-                    log.info("follow: resumed after waiting %.0fs for shards", waited)
+                    log.info("follow: resumed after waiting %.0fs for shards", time.monotonic() - t0)
                 return sched
             if sched.final:
                 return None
-            if waited == 0.0:
+            now = time.monotonic()
+            if self.index.committed > seen:  # the extractor is making progress: the clock restarts
+                seen, last = self.index.committed, now
+            elif self.timeout_s > 0 and now - last > self.timeout_s:
+                raise RuntimeFailure(
+                    f"follow: no new shard committed in {self.index.cache_dir} for {self.timeout_s:.0f}s and no "
+                    f"{MANIFEST_FILE} (seen {seen} of {self.index.spec['num_shards']} shards committed, step "
+                    f"{step} of epoch {epoch} needs more): the extractor seems gone; checkpoints already written "
+                    "are kept",
+                    "resume `dflash-pipe extract` on this cache (rerun it), then rerun this train command with "
+                    "--resume auto; or raise --follow-timeout-s")
+            if not waited:
                 log.info("follow: waiting for extraction (%d of %d shards usable, step %d)", len(self.index.lengths),
                          self.index.spec["num_shards"], step)
+            waited = True
             time.sleep(self.poll_s)
-            waited += self.poll_s
 
     # ------------------------------------------------------------------ batches
     def iterate(self, epoch: int, start_step: int, follow_first_epoch: bool = False):

@@ -112,7 +112,8 @@ def run_train(cfg: RunConfig) -> dict:
                          block_size=dcfg.block_size, shuffle_rows=tr.shuffle_rows, workers=tr.loader_workers,
                          want_topk=tr.kd_weight > 0, pin_memory=device.type == "cuda",
                          follow_poll_s=tr.follow_poll_s, prefetch=tr.loader_prefetch, read_ahead=tr.loader_read_ahead,
-                         copy_anchor_weight=tr.copy_anchor_weight)
+                         copy_anchor_weight=tr.copy_anchor_weight,
+                         follow_timeout_s=tr.follow_timeout_s if tr.follow else 0.0)
     coord = _window(cfg, index, out_dir, info, device, loader)
     window_lr = None
     if coord is not None:  # window mode: rounds instead of epochs; the LR curve runs over shard passes
