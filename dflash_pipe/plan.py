@@ -24,6 +24,7 @@ from .cache import load_manifest, load_spec
 from .cache.budget import GIB
 from .cache.fs import CacheFS, open_cache_fs
 from .cache.manifest import MANIFEST_FILE, SPEC_FILE, committed_shards, diff_fields, fingerprint_of
+from .cache.verify import head_file_damage
 from .cache.window import consumed_indices, load_ledgers
 from .config import RunConfig
 from .dist import check_device
@@ -134,12 +135,15 @@ def window_plan(cfg: RunConfig, cache_dir: CacheFS, spec: dict | None) -> dict:
 
 def extract_repairs(cache_dir: CacheFS, spec: dict) -> list[str]:
     """What a rerun of extract rewrites in a cache whose shards are all committed, which stage 2 cannot read
-    as it is: a missing target head file (extract writes it when absent), a manifest.json that does not load
+    as it is: a missing or damaged target head file (extract rewrites one that is absent or fails
+    head_file_damage: its header does not parse or the file size disagrees with it), a manifest.json that does not load
     or names another fingerprint (extract merges it again from the shard sidecars). Empty: nothing to mend."""
     out = []
     head = spec.get("features", {}).get("head_file")
     if head and not cache_dir.exists(head):
         out.append(f"{head} is missing: extract rewrites it from the target")
+    elif head and (why := head_file_damage(cache_dir, head)) is not None:
+        out.append(f"{cache_dir.display(head)} is damaged ({why}): extract rewrites it from the target")
     try:
         man = load_manifest(cache_dir)
     except CacheError as exc:

@@ -111,6 +111,22 @@ def _damage_head(cache: Path) -> str:
     return "target_head.safetensors"
 
 
+def _truncate_head(cache: Path) -> str:
+    """A head file cut short (a killed copy, a full disk): its header parses, its data ends early."""
+    path = cache / "target_head.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) - 16])
+    return "target_head.safetensors"
+
+
+def _head_with_bad_header(cache: Path) -> str:
+    path = cache / "target_head.safetensors"
+    data = bytearray(path.read_bytes())
+    data[8:16] = b"garbage!"
+    path.write_bytes(bytes(data))
+    return "target_head.safetensors"
+
+
 def _truncate_manifest(cache: Path) -> str:
     text = (cache / "manifest.json").read_text()
     (cache / "manifest.json").write_text(text[:len(text) // 2])
@@ -126,11 +142,14 @@ def _manifest_without_totals(cache: Path) -> str:
     return "manifest.json"
 
 
-@pytest.mark.parametrize("damage", [_damage_head, _truncate_manifest, _manifest_without_totals],
-                         ids=["head file deleted", "manifest truncated", "manifest without totals"])
+@pytest.mark.parametrize("damage", [_damage_head, _truncate_head, _head_with_bad_header, _truncate_manifest,
+                                    _manifest_without_totals],
+                         ids=["head file deleted", "head file truncated", "head file header garbled",
+                              "manifest truncated", "manifest without totals"])
 def test_a_complete_cache_missing_what_extract_rewrites_is_resumed_not_skipped(extracted, tmp_path, damage):
     """Train refuses such a cache (exit 3, 'rerun extract'): plan must not say SKIP, so run_pipeline.sh runs
-    extract, which rewrites the head file / the manifest and keeps every committed shard."""
+    extract, which rewrites the head file / the manifest and keeps every committed shard. Until session 29 a head
+    file that exists but is damaged (truncated, garbled header) was SKIP."""
     import shutil
 
     _, cache, out, _ = extracted
@@ -143,21 +162,30 @@ def test_a_complete_cache_missing_what_extract_rewrites_is_resumed_not_skipped(e
     assert "RESUME" in plan.describe()
 
 
-def test_extract_repairs_what_plan_said_it_would_and_plan_then_skips(extracted, tmp_path):
+@pytest.mark.parametrize("head_damage", [_damage_head, _truncate_head], ids=["head deleted", "head truncated"])
+def test_extract_repairs_what_plan_said_it_would_and_plan_then_skips(extracted, tmp_path, head_damage):
+    """Until session 29 extract rewrote only a missing head file: a truncated one stayed (plan said SKIP, train
+    exit 3). Now extract rewrites a head that fails plan's check, and the repaired head loads."""
     import shutil
 
     from dflash_pipe.extract.pipeline import run_extract
+    import torch
+
+    from dflash_pipe.train.components import FrozenHead
 
     _, cache, out, _ = extracted
     copy = tmp_path / "cache"
     shutil.copytree(cache, copy)
-    _damage_head(copy)
+    good = (cache / "target_head.safetensors").read_bytes()
+    head_damage(copy)
     _truncate_manifest(copy)
     m = write_manifest(tmp_path, "r.toml", copy, out)
     assert _plan(m).stage1 == "resume"
     summary = run_extract(normalize(load_manifest(m)))
     assert summary.shards_done == [] and summary.complete and (copy / "target_head.safetensors").exists()
+    assert len((copy / "target_head.safetensors").read_bytes()) == len(good)  # whole again
     assert _plan(m).stage1 == "skip"
+    FrozenHead(copy, "target_head.safetensors", torch.device("cpu"), torch.float32)  # train's load: no exit 3
 
 
 @pytest.mark.slow

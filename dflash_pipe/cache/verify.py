@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import tempfile
 import tomllib
 from contextlib import contextmanager
@@ -247,6 +248,52 @@ def _safetensors_header(fs: CacheFS, name: str) -> tuple[dict, dict[str, list]]:
         raise ValueError("header is not a JSON object")
     meta = header.pop("__metadata__", None) or {}
     return meta, {k: list(v["shape"]) for k, v in header.items()}
+
+
+def head_file_damage(fs: CacheFS, name: str) -> str | None:
+    """Why the safetensors file `name` (it exists) is damaged: its header does not parse, or the file's size is
+    not the one its header's data offsets give (truncated or extended); None when both check out. Reads the
+    header only (two ranged GETs on a store), no tensor: `plan` asks it, and extract rewrites a head that fails it."""
+    if fs.is_local:
+        with open(fs.path(name), "rb") as f:
+            def at(n: int, offset: int) -> bytes:
+                f.seek(offset)
+                return f.read(n)
+            return _header_damage(os.fstat(f.fileno()).st_size, at)
+
+    def read():
+        f = fs.open_input_file(name)
+        try:
+            return _header_damage(f.size(), f.read_at)
+        finally:
+            f.close()
+    return fs.call(f"reading {fs.display(name)}", read)
+
+
+def _header_damage(total: int, at) -> str | None:
+    if total < 8:
+        return f"{total} bytes, shorter than a safetensors header"
+    n = int.from_bytes(at(8, 0), "little")
+    if not 2 <= n <= min(total - 8, 100 << 20):
+        return f"header length {n} does not fit a {total}-byte file"
+    try:
+        header = json.loads(at(n, 8))
+    except (ValueError, UnicodeDecodeError) as exc:
+        return f"the header is not valid JSON ({exc})"
+    if not isinstance(header, dict):
+        return "the header is not a JSON object"
+    end = 0
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        off = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if not (isinstance(off, list) and len(off) == 2 and all(type(x) is int for x in off)
+                and 0 <= off[0] <= off[1]):
+            return f"tensor {key!r} has no valid data_offsets in the header"
+        end = max(end, off[1])
+    if total != 8 + n + end:
+        return f"{total} bytes, but its header's tensors end at byte {8 + n + end} (truncated or extended)"
+    return None
 
 
 @contextmanager

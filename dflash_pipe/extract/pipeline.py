@@ -32,6 +32,7 @@ from ..cache.budget import DiskBudget
 from ..cache.fs import CacheFS, open_cache_fs
 from ..cache.manifest import HEAD_FILE, LAYER_CONVENTION, committed_shards, sidecar_name
 from ..cache.schema import shard_meta
+from ..cache.verify import head_file_damage
 from ..cache.window import reset_consumed
 from ..cache.writer import ShardWriter
 from ..config import RunConfig, parse_shard_subset, write_resolved
@@ -168,6 +169,9 @@ def run_extract(cfg: RunConfig) -> ExtractSummary:
         if redo:
             log.info("a finished window run consumed shards %s of this cache: extracting them again", redo)
         if not cache_dir.exists(HEAD_FILE):
+            _save_head(bundle, cache_dir)
+        elif (why := head_file_damage(cache_dir, HEAD_FILE)) is not None:  # what `plan` said RESUME for
+            log.warning("%s is damaged (%s): rewriting it from the target", cache_dir.display(HEAD_FILE), why)
             _save_head(bundle, cache_dir)
         write_resolved(cfg, ex.cache_dir)
     barrier()
