@@ -217,3 +217,23 @@ def test_plain_follow_timeout_is_exit_4_from_the_cli(tmp_path):
     proc = run_cli(argv, env, timeout=60)  # until session 29: waited forever (killed here at 60 s)
     assert proc.returncode == 4, proc.stderr[-3000:]
     assert "no new shard committed" in proc.stderr and "seen 2 of 4" in proc.stderr and str(cache) in proc.stderr
+
+
+def test_follow_waits_while_the_head_file_is_damaged_until_extract_rewrites_it(tmp_path):
+    """plan RESUMEs a cache whose target head file is damaged and extract rewrites it; `train --follow` started
+    beside it waits while the head fails its header check instead of starting on it (and exiting 3 at its load)."""
+    cache = tmp_path / "cache"
+    write_train_cache(cache, num_docs=24, num_shards=4, seed=3)
+    head = cache / json.loads((cache / "cache_spec.json").read_text())["features"]["head_file"]
+    good = head.read_bytes()
+    head.write_bytes(good[:len(good) // 2])  # truncated
+    timer = threading.Timer(0.6, lambda: head.write_bytes(good))  # extract rewrites it
+    t0 = time.monotonic()
+    timer.start()
+    try:
+        index = CacheIndex(cache, follow=True, wait_s=20)
+        waited, head_then = time.monotonic() - t0, head.read_bytes()   # before the timer is joined
+    finally:
+        timer.join()
+    assert waited >= 0.6 and head_then == good
+    assert index.refresh() is True and sorted(index.lengths) == [0, 1, 2, 3]

@@ -13,6 +13,7 @@ from ..cache import load_manifest, load_spec
 from ..cache.fs import open_cache_fs
 from ..cache.manifest import MANIFEST_FILE, committed_shards
 from ..cache.reader import ShardReader
+from ..cache.verify import head_file_damage
 from ..cache.window import consumed_indices, load_ledgers
 from ..config import parse_shard_subset
 from ..errors import CacheError
@@ -49,12 +50,14 @@ class CacheIndex:
 
     def _wait_for_spec(self, wait_s: float, poll_s: float = 1.0) -> dict | None:
         """--follow started together with extraction: the spec and the head file appear once the target is
-        loaded (minutes for a large one). Wait for both, up to `wait_s`."""
+        loaded (minutes for a large one). Wait for both, up to `wait_s`; a head file that fails its header check
+        (`head_file_damage`: `plan` RESUMEs such a cache and extract rewrites the head) counts as not written yet."""
         t0 = time.monotonic()
         said = False
         while True:
             spec = load_spec(self.fs)
-            if spec is not None and self.fs.exists(spec["features"].get("head_file", "") or "-"):
+            head = spec["features"].get("head_file", "") if spec is not None else ""
+            if spec is not None and self.fs.exists(head or "-") and head_file_damage(self.fs, head) is None:
                 return spec
             if time.monotonic() - t0 > wait_s:
                 return spec  # the caller names what is missing
