@@ -29,6 +29,7 @@ import json
 import logging
 import posixpath
 import shlex
+import stat
 import threading
 import time
 from pathlib import Path
@@ -119,9 +120,19 @@ class LocalCacheFS(CacheFS):
         return sha256_file(self.root / name)
 
     def list_sizes(self) -> dict[str, int]:
+        """Files directly in the cache dir and their sizes. A file that goes between the listing and its stat (a
+        writer's temp file renamed into place, a shard a window run deletes) is left out, as a later listing would."""
         if not self.root.is_dir():
             return {}
-        return {p.name: p.stat().st_size for p in self.root.iterdir() if p.is_file()}
+        sizes = {}
+        for p in self.root.iterdir():
+            try:
+                st = p.stat()
+            except FileNotFoundError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                sizes[p.name] = st.st_size
+        return sizes
 
     def read_bytes(self, name: str) -> bytes:
         return (self.root / name).read_bytes()
