@@ -230,22 +230,42 @@ def _check_head_shapes(path: str, meta: dict, shapes: dict[str, list], target: d
     return want
 
 
-def _safetensors_header(fs: CacheFS, name: str) -> tuple[dict, dict[str, list]]:
-    """(metadata, tensor shapes) from a safetensors file's header: an 8-byte little-endian length, then
-    that many bytes of JSON."""
-    def read():
-        f = fs.open_input_file(name)
+def _read_safetensors_header(fs: CacheFS, name: str) -> tuple[int, int, dict]:
+    """(file size, header length, header) of a safetensors file: an 8-byte little-endian length, then that many
+    bytes of a JSON object. Two reads (ranged GETs on a store), no tensor; ValueError when they do not fit the file."""
+    def parse(total: int, at) -> tuple[int, int, object]:
+        if total < 8:
+            raise ValueError(f"{total} bytes, shorter than a safetensors header")
+        n = int.from_bytes(at(8, 0), "little")
+        if not 2 <= n <= min(total - 8, 100 << 20):
+            raise ValueError(f"header length {n} does not fit a {total}-byte file")
         try:
-            total = f.size()
-            n = int.from_bytes(f.read_at(8, 0), "little")
-            if not 2 <= n <= min(total - 8, 100 << 20):
-                raise ValueError(f"header length {n} does not fit a {total}-byte file")
-            return json.loads(f.read_at(n, 8))
-        finally:
-            f.close()
-    header = fs.call(f"reading {fs.display(name)}", read)
+            return total, n, json.loads(at(n, 8))
+        except ValueError as exc:   # JSONDecodeError, UnicodeDecodeError
+            raise ValueError(f"the header is not valid JSON ({exc})") from None
+
+    if fs.is_local:
+        with open(fs.path(name), "rb") as f:
+            def at(k: int, offset: int) -> bytes:
+                f.seek(offset)
+                return f.read(k)
+            total, n, header = parse(os.fstat(f.fileno()).st_size, at)
+    else:
+        def read():
+            f = fs.open_input_file(name)
+            try:
+                return parse(f.size(), f.read_at)
+            finally:
+                f.close()
+        total, n, header = fs.call(f"reading {fs.display(name)}", read)
     if not isinstance(header, dict):
-        raise ValueError("header is not a JSON object")
+        raise ValueError("the header is not a JSON object")
+    return total, n, header
+
+
+def _safetensors_header(fs: CacheFS, name: str) -> tuple[dict, dict[str, list]]:
+    """(metadata, tensor shapes) from a safetensors file's header."""
+    header = _read_safetensors_header(fs, name)[2]
     meta = header.pop("__metadata__", None) or {}
     return meta, {k: list(v["shape"]) for k, v in header.items()}
 
@@ -254,34 +274,10 @@ def head_file_damage(fs: CacheFS, name: str) -> str | None:
     """Why the safetensors file `name` (it exists) is damaged: its header does not parse, or the file's size is
     not the one its header's data offsets give (truncated or extended); None when both check out. Reads the
     header only (two ranged GETs on a store), no tensor: `plan` asks it, and extract rewrites a head that fails it."""
-    if fs.is_local:
-        with open(fs.path(name), "rb") as f:
-            def at(n: int, offset: int) -> bytes:
-                f.seek(offset)
-                return f.read(n)
-            return _header_damage(os.fstat(f.fileno()).st_size, at)
-
-    def read():
-        f = fs.open_input_file(name)
-        try:
-            return _header_damage(f.size(), f.read_at)
-        finally:
-            f.close()
-    return fs.call(f"reading {fs.display(name)}", read)
-
-
-def _header_damage(total: int, at) -> str | None:
-    if total < 8:
-        return f"{total} bytes, shorter than a safetensors header"
-    n = int.from_bytes(at(8, 0), "little")
-    if not 2 <= n <= min(total - 8, 100 << 20):
-        return f"header length {n} does not fit a {total}-byte file"
     try:
-        header = json.loads(at(n, 8))
-    except (ValueError, UnicodeDecodeError) as exc:
-        return f"the header is not valid JSON ({exc})"
-    if not isinstance(header, dict):
-        return "the header is not a JSON object"
+        total, n, header = _read_safetensors_header(fs, name)
+    except ValueError as exc:
+        return str(exc)
     end = 0
     for key, entry in header.items():
         if key == "__metadata__":

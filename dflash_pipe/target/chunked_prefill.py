@@ -22,15 +22,12 @@ anyway; the masked SDPA of fp32 reads the row), so a chunk bucket is one graph.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 
 import torch
 
 from .prefill_shapes import row_bucket
 from .runner_utils import to_device
-
-log = logging.getLogger("dflash_pipe.target")
 
 CHUNK = 16                         # tokens per chunk: the engine's largest verify shape (GROUPED_QUERY_MAX_T)
 BUCKETS_PER_OCTAVE = 4             # chunk counts are padded to p/2 + k p/8 (p the next power of two)
@@ -96,26 +93,8 @@ def chunked_prefill(engine, prompts: Sequence[Sequence[int]], rows: Sequence[int
         kv_len = min(engine.size, -(-(chunk_count(max(lens)) * CHUNK) // engine.kv_bucket) * engine.kv_bucket)
     uses = engine.prefill_shapes.use((Cb, CHUNK))
     engine.last_prefill_shape = (Cb, CHUNK)
-    out = None
-    if engine.use_graphs:
-        key = ("chunks", Cb, kv_len)
-        entry = engine._graphs.get(key)
-        if entry is None and uses >= 2 and engine.prefill_graph_count < engine.max_prefill_graphs:
-            # the bucket's first (eager) call was its warm-up
-            entry = engine._graphs[key] = engine._capture(ids_t, counts_t, kv_len, True, rows_t, warmups=0,
-                                                          start=starts_t, head=False)
-            engine.prefill_graph_count += 1
-            log.info("captured chunked prefill graph %d of at most %d: %d chunks of %d tokens",
-                     engine.prefill_graph_count, engine.max_prefill_graphs, Cb, CHUNK)
-        if entry is not None:
-            graph, s_ids, s_num, out, s_rows, s_start = entry
-            s_ids.copy_(ids_t)
-            s_num.copy_(counts_t)
-            s_rows.copy_(rows_t)
-            s_start.copy_(starts_t)
-            graph.replay()
-    if out is None:
-        out = engine._compute(ids_t, counts_t, rows_t, kv_len, True, start=starts_t, head=False)
+    out = engine.prefill_call(("chunks", Cb, kv_len), uses, True, ids_t, counts_t, rows_t, kv_len, start=starts_t,
+                              head=False)
     features = out.last_hidden[last_t]                                         # [R, H], a copy
     engine.lengths[prompt_rows] = prompt_lens
     for r, m in zip(rows, lens):

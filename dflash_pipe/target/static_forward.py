@@ -299,28 +299,37 @@ class StaticKVEngine:
             self._bound[r] = min(self._bound[r] + n, self.max_len)
         uses = self.prefill_shapes.use((Rb, Tb))
         self.last_prefill_shape = (Rb, Tb)
+        key = ("prefill", Rb, Tb, kv_len, fresh)
+        # an appending call's kernels differ from a fresh one's (masked SDPA over the cache): its own eager call is
+        # its warm-up
+        out = self.prefill_call(key, uses, fresh or key in self._append_warm, ids, num, row_t, kv_len, fresh=fresh)
+        if self.use_graphs and not fresh and key not in self._graphs:
+            self._append_warm.add(key)
+        return out.logits[:R]
+
+    def prefill_call(self, key: tuple, uses: int, warm: bool, ids, num_new, row_t, kv_len: int, *,
+                     fresh: bool = False, start: torch.Tensor | None = None, head: bool = True) -> EngineOutput:
+        """One prefill-shaped `_compute` (last tokens only) of the shape `key`, its `uses`-th call: replayed from
+        the shape's CUDA graph, captured now if this is a later call of a `warm` shape (its first, eager call was
+        the warm-up: no other) and `max_prefill_graphs` allows; else eager. A graph's output is a static buffer."""
         if self.use_graphs:
-            key = ("prefill", Rb, Tb, kv_len, fresh)
             entry = self._graphs.get(key)
-            # an appending call's kernels differ from a fresh one's (masked SDPA over the cache): its own eager call
-            # is its warm-up
-            warm = fresh or key in self._append_warm
             if entry is None and uses >= 2 and warm and self.prefill_graph_count < self.max_prefill_graphs:
-                # the shape's first (eager) call was its warm-up: capture without another (~ one eager call's host time)
-                entry = self._graphs[key] = self._capture(ids, num, kv_len, True, row_t, warmups=0, fresh=fresh)
+                entry = self._graphs[key] = self._capture(ids, num_new, kv_len, True, row_t, warmups=0, fresh=fresh,
+                                                          start=start, head=head)
                 self.prefill_graph_count += 1
-                log.info("captured prefill graph %d of at most %d: %d rows x %d tokens (attended %d)",
-                         self.prefill_graph_count, self.max_prefill_graphs, Rb, Tb, kv_len)
+                log.info("captured prefill graph %d of at most %d: %s (%d x %d tokens, attended %d)",
+                         self.prefill_graph_count, self.max_prefill_graphs, key[0], *ids.shape, kv_len)
             if entry is not None:
-                graph, s_ids, s_num, out, s_rows, _ = entry
+                graph, s_ids, s_num, out, s_rows, s_start = entry
                 s_ids.copy_(ids)
-                s_num.copy_(num)
+                s_num.copy_(num_new)
                 s_rows.copy_(row_t)
+                if s_start is not None:
+                    s_start.copy_(start)
                 graph.replay()
-                return out.logits[:R]
-            if not fresh:
-                self._append_warm.add(key)
-        return self._compute(ids, num, row_t, kv_len, True, fresh=fresh).logits[:R]
+                return out
+        return self._compute(ids, num_new, row_t, kv_len, True, fresh=fresh, start=start, head=head)
 
     def _chunk_kernel(self) -> bool:
         """Whether chunked prefills attend through the per-row kernel (CUDA, bf16 / fp16, attention auto or rows)."""
