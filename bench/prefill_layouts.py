@@ -14,6 +14,8 @@ tokens per second of device time.
     python bench/prefill_layouts.py --json out.json                 # GPU (bf16)
     python bench/prefill_layouts.py --smoke                         # CPU: tiny model, 200 prompts, eager
     python bench/prefill_layouts.py --make-lengths                  # CPU: rewrite the lengths file (tokenizer)
+    python bench/prefill_layouts.py --plan-only --free 32,51,100    # CPU: calls and padding only, no model (the
+                                                                    # CUDA refill rules, chunk buckets, graphs)
 """
 
 from __future__ import annotations
@@ -66,6 +68,28 @@ def calls_of(lengths: list[int], free: int, policy: RefillPolicy, batch: int) ->
             taken.update(call)
         ready = [r for i, r in enumerate(ready) if i not in taken]
     return calls
+
+
+def plan_only(lengths: list[int], frees: list[int], batch: int, max_len: int) -> None:
+    """Each layout's calls, padding and shapes (graphs) for each refill size, as CUDA would pad them; no model."""
+    from dflash_pipe.target.chunked_prefill import CHUNK, chunk_bucket, chunk_count
+    from dflash_pipe.target.prefill_shapes import PrefillShapes
+
+    real = sum(lengths)
+    for free in frees:
+        for chunked in (False, True):
+            calls = calls_of(lengths, free, RefillPolicy.for_batch(batch, True, max_len, chunked=chunked), batch)
+            shapes = PrefillShapes(8, max_len, 2.0)     # the padded engine's shape choice (reuse ratio 2 on CUDA)
+            computed = 0
+            for call in calls:
+                if chunked:
+                    shape = (chunk_bucket(sum(chunk_count(lengths[i]) for i in call)), CHUNK)
+                else:
+                    shape = shapes.choose(len(call), max(lengths[i] for i in call))
+                shapes.use(shape)
+                computed += shape[0] * shape[1]
+            print(f"PLAN free {free}, {'chunks' if chunked else 'padded'}: {len(calls)} calls, {real:,} prompt tokens, "
+                  f"{computed:,} computed, padding {1 - real / computed:.3f}, {len(shapes.uses)} shapes", flush=True)
 
 
 def one_pass(eng: StaticKVEngine, prompts: list[list[int]], calls: list[list[int]]) -> float:
@@ -125,8 +149,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1024, help="engine rows (regenerate's batch)")
     ap.add_argument("--max-len", type=int, default=512, help="the engine's max_len (prompt + new tokens)")
     ap.add_argument("--new-tokens", type=int, default=256, help="prompts longer than max_len - this are skipped")
-    ap.add_argument("--free", type=int, default=51, help="slots a refill fills (session 25: 13,829 prompts / 271 "
-                                                         "calls)")
+    ap.add_argument("--free", default="51", help="slots a refill fills (session 25: 13,829 prompts / 271 "
+                                                         "calls); a comma list with --plan-only")
+    ap.add_argument("--plan-only", action="store_true", help="print each layout's calls and padding, run no model")
     ap.add_argument("--layouts", default="padded,chunks")
     ap.add_argument("--passes", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=0, help="the first N prompts (0 = all in the lengths file)")
@@ -143,6 +168,10 @@ def main() -> None:
         args.device, args.dtype, args.batch, args.passes, args.prompts = "cpu", "float32", 64, 1, 200
     lengths = [n for n in json.loads(LENGTHS.read_text()) if n <= args.max_len - args.new_tokens]
     lengths = lengths[:args.prompts] if args.prompts else lengths
+    if args.plan_only:
+        plan_only(lengths, [int(f) for f in args.free.split(",")], args.batch, args.max_len)
+        return
+    args.free = int(args.free)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 49152 if not args.smoke else 500, (n,), generator=g).tolist() for n in lengths]
     model = build_model(torch.device(args.device), getattr(torch, args.dtype), args.smoke)
