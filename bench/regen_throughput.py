@@ -169,10 +169,17 @@ def warm_then_time(args, bundle, out: Path, batch: int, attention: str, **kw) ->
 def mode_flags(mode: str) -> dict:
     """run_regenerate's flags of an --overlap mode: off or on, with +compact (--compact-tail), +noprefetch
     (--no-prefetch-prompts: every prompt tokenized in the driver loop) and / or +padded (--prefill-layout padded:
-    the padded prefill instead of the chunked one) added."""
+    the padded prefill instead of the chunked one), +earlyK (--collect-early K) and / or +everyN
+    (--steps-per-launch N) added."""
     base, *extra = mode.split("+")
-    return {"overlap": base == "on", "compact": "compact" in extra, "prefetch_prompts": "noprefetch" not in extra,
-            "prefill_layout": "padded" if "padded" in extra else "auto"}
+    flags = {"overlap": base == "on", "compact": "compact" in extra, "prefetch_prompts": "noprefetch" not in extra,
+             "prefill_layout": "padded" if "padded" in extra else "auto"}
+    for e in extra:
+        if e.startswith("early"):
+            flags["collect_early"] = int(e[5:])
+        elif e.startswith("every"):
+            flags["steps_per_launch"] = int(e[5:])
+    return flags
 
 
 def regen_file(tmp: Path, batch: int, attention: str, mode: str = "off") -> Path:
@@ -284,8 +291,10 @@ def main() -> None:
     ap.add_argument("--overlap", default="off", help="comma list of regenerate's modes, each timed at every batch "
                                                      "and attention: off, on (--overlap-prefill), and either with "
                                                      "+compact (--compact-tail), +noprefetch "
-                                                     "(--no-prefetch-prompts) and / or +padded (--prefill-layout "
-                                                     "padded), e.g. off,on,on+compact or off,off+padded")
+                                                     "(--no-prefetch-prompts), +padded (--prefill-layout "
+                                                     "padded), +earlyK (--collect-early K), +everyN "
+                                                     "(--steps-per-launch N), e.g. off,on,on+compact or "
+                                                     "off,off+early1,off+every16")
     ap.add_argument("--hf-prompts", type=int, default=256)
     ap.add_argument("--hf-batch", type=int, default=256)
     ap.add_argument("--smoke", action="store_true", help="CPU, random tiny-llama, toy sizes")

@@ -133,7 +133,14 @@ def regenerate_cmd(cfg: RunConfig, output: Path = typer.Option(..., "--output", 
                                                       "'chunks' (16-token chunks, no padding to the longest "
                                                       "prompt), 'padded' (one padded call per length bucket) or "
                                                       "'auto' (chunks on CUDA in bf16 / fp16); the same answers "
-                                                      "up to rounding (target/chunked_prefill.py).")):
+                                                      "up to rounding (target/chunked_prefill.py)."),
+                   steps_per_launch: int = typer.Option(8, help="Static-KV engine: decode steps queued per launch; "
+                                                        "finished answers are read and their slots refilled "
+                                                        "once per launch."),
+                   collect_early: int = typer.Option(-1, help="Static-KV engine: read finished answers from a "
+                                                     "copy of the state taken K steps before a launch ends, so "
+                                                     "the host's work between launches overlaps the last steps "
+                                                     "(-1 = 1 with --overlap-prefill, else 0; the same output).")):
     """Regenerate the assistant turns with the target itself (drafters must learn the target's outputs)."""
     from .errors import UsageError
     from .eval.regenerate import run_regenerate
@@ -149,7 +156,8 @@ def regenerate_cmd(cfg: RunConfig, output: Path = typer.Option(..., "--output", 
                        engine=engine, attention=engine_attention, greedy_after=greedy_after,
                        reuse_history=reuse_history, overlap=overlap_prefill, compact=compact_tail,
                        max_seconds=max_seconds, first_sample=first_sample, prefetch_prompts=prefetch_prompts,
-                       prefill_layout=prefill_layout)
+                       prefill_layout=prefill_layout, steps_per_launch=steps_per_launch,
+                       collect_early=None if collect_early == -1 else collect_early)
 
 
 @app.command("export")

@@ -52,6 +52,8 @@ def test_graphed_chunked_prefill_equals_eager_and_the_padded_prefill(dtype):
         assert n == ref_n
         assert float((l - ref_l).abs().max() / ref_l.abs().max()) <= tol, name
         for r, m in enumerate(n):
+            if m == 0:  # row 8 takes no prompt
+                continue
             for a, b in ((k, ref_k), (v, ref_v)):
                 assert float((a[:, r, :, :m] - b[:, r, :, :m]).abs().max()) <= tol * float(b.abs().max()), (name, r)
     assert torch.equal(runs["graphs"][0][2].argmax(-1), runs["eager"][0][2].argmax(-1))

@@ -121,6 +121,33 @@ def test_overlap_mode_through_regenerate_with_history_reuse_and_an_out_of_memory
     assert len(by_id) >= 4
 
 
+def test_collecting_early_without_staging_gives_the_direct_answers_a_launch_later(llama):
+    """--collect-early K without --overlap-prefill: no staging area, answers read from the copy taken K steps
+    before a launch's end and their slots refilled straight away (the prefill queued behind the last steps): every
+    answer (sampled, greedy; padded and chunked prefills; 3 and 5 steps a launch) equals the direct path's with the
+    same prefill layout, some
+    come out a launch later, and the occupancy counter is the direct path's."""
+    prompts = _prompts(30, seed=13)
+    for dec in (Decoding(temperature=0.9, top_p=0.95, seed=3), Decoding()):
+        for lag, every, layout in ((1, 3, "padded"), (2, 5, "chunks")):
+            direct, _ = _answers(llama.model, prompts, dec, prefill_layout=layout)
+            be = EngineBackend(llama.model, EOS, batch=4, max_len=96, max_new_tokens=14, dec=dec, check_every=every,
+                               snapshot_lag=lag, prefill_layout=layout)
+            assert be.staging is None and be.lag == lag and f"collect {lag} step{'s' * (lag > 1)} early" in be.describe
+            ready = [TurnRequest(None, p, key=100 + i, order=i) for i, p in enumerate(prompts)]
+            got, late = {}, 0
+            while ready or be.busy():
+                be.launch(ready)
+                flags = be.active.tolist()                  # what a collect at the launch's end would see
+                for c in be.collect():
+                    got[c.request.key - 100] = (c.tokens, c.ended, c.end_token)
+                late += sum(1 for r, s in enumerate(be.slots) if s is not None and not flags[r])
+            assert got == direct, (lag, every, layout)
+            assert late > 0
+            if every == 3:
+                assert be.stats()["mean_live_rows"] > 0
+
+
 def test_the_backend_describes_overlap_mode(llama):
     be = EngineBackend(llama.model, [2], batch=16, max_len=64, max_new_tokens=8, dec=Decoding(), overlap=True)
     assert "prefills under the decode (2 staging rows, collect 1 step early)" in be.describe
@@ -267,3 +294,28 @@ def test_the_cuda_branches_of_overlap_mode_run_with_stand_in_streams_and_events(
     assert _FakeStream.waits >= st["staged_landed"] // 3 > 0 and st["staging_device_waits"] > 0
     assert regen_staging._done(None)
     assert st["device_decode_s"] > 0 and st["device_staged_prefill_s"] > 0
+
+
+def test_collect_early_and_steps_per_launch_flags_reach_the_backend_and_refuse_bad_values(llama, tmp_path,
+                                                                                         monkeypatch):
+    """`regenerate --collect-early K --steps-per-launch N` reach run_regenerate (-1 = the mode's default, None);
+    K outside [0, N) or N < 1 is a usage error naming the flag, raised before any engine is built."""
+    import pytest
+    from typer.testing import CliRunner
+
+    from dflash_pipe.cli import app
+    from dflash_pipe.errors import UsageError
+    from dflash_pipe.eval import regenerate as regen_mod
+
+    seen = {}
+    monkeypatch.setattr(regen_mod, "run_regenerate", lambda cfg, out, **kw: seen.update(
+        early=kw["collect_early"], every=kw["steps_per_launch"]))
+    out = str(tmp_path / "o.jsonl")
+    assert CliRunner().invoke(app, ["regenerate", "-o", out]).exit_code == 0 and seen == {"early": None, "every": 8}
+    res = CliRunner().invoke(app, ["regenerate", "-o", out, "--collect-early", "2", "--steps-per-launch", "16"])
+    assert res.exit_code == 0 and seen == {"early": 2, "every": 16}
+    monkeypatch.setattr(regen_backends, "EngineBackend", lambda *a, **k: pytest.fail("engine built"))
+    for early, every, flag in ((8, 8, "--collect-early"), (-2, 8, "--collect-early"), (0, 0, "^--steps-per-launch")):
+        with pytest.raises(UsageError, match=flag):
+            regen_mod.make_backend(llama, [2], 0, 4, 64, 8, Decoding(), "static", collect_early=early,
+                                   steps_per_launch=every)

@@ -67,7 +67,7 @@ class EngineBackend:
                  check_every: int = 8, prefill_tokens: int | None = None, use_graphs: str = "auto",
                  compact: bool | None = None, min_free: int | None = None, attention: str = "auto",
                  reuse_history: bool = False, overlap: bool = False, staging_rows: int | None = None,
-                 snapshot_lag: int = 1, prefill_layout: str = "auto"):
+                 snapshot_lag: int | None = None, prefill_layout: str = "auto"):
         cuda = next(model.parameters()).device.type == "cuda"     # padding rows to 8 saves graphs, not CPU time
         self.engine = StaticKVEngine(model, batch, max_len, use_graphs=use_graphs, bucketed_prefill=True,
                                      prefill_min_rows=8 if cuda else 1, attention=attention,
@@ -115,21 +115,25 @@ class EngineBackend:
         # overlap mode (module docstring): staged prefills on a side stream, the decode on a high-priority stream
         self.main = torch.cuda.Stream(device=dev, priority=-1) if overlap and self.cuda else None
         self.staging = self.snap = None
-        self.lag = 0
         if overlap:
             self.staging = StagingArea(model, staging_rows or max(self.engine.prefill_min_rows, batch // 8), max_len,
                                        dec, use_graphs=use_graphs, attention=attention,
                                        min_rows=self.engine.prefill_min_rows, budget=prefill_tokens)
+        # collecting early (`snapshot_lag` steps before a launch's end; overlap mode: 1 by default, else 0 = wait
+        # for the launch): the host's work between launches (reading the answers, planning and queueing the
+        # refills) runs while the device still decodes. One step (4.1-4.9 ms at batch 1,024) covers part of it; a
+        # row started at a launch's start that runs to max_new ends at that launch's step (max_new - 1) mod
+        # check_every (256 new, every 8: step 7 of 8), so with a lag of 2 or more every such answer waits a whole
+        # launch more (bench/regen_overlap_sim.py: occupancy 0.942 at lag 1, 0.918 at lag 2)
+        lag = (1 if overlap else 0) if snapshot_lag is None else snapshot_lag
+        self.lag = max(0, min(self.check_every - 1, lag))
+        if self.lag or overlap:
             self.snap = Snapshot(batch, max_new_tokens + 1, dev)
-            # one step (4.9 ms at batch 1,024 on the H200) covers session 12's host gap between launches (~4.3 ms);
-            # a row landed at a launch's start that runs to max_new ends at that launch's step (max_new - 1) mod
-            # check_every (256 new, every 8: step 7 of 8): with a lag of 2 or more every such answer would wait a
-            # whole launch more (bench/regen_overlap_sim.py: occupancy 0.942 at lag 1, 0.918 at lag 2)
-            self.lag = max(0, min(self.check_every - 1, snapshot_lag))
         if self.main is not None:
             self.main.wait_stream(torch.cuda.current_stream())     # the buffers above were made on this one
-        steps = f"{self.lag} step{'s' * (self.lag != 1)}"
-        over = f", prefills under the decode ({self.staging.rows} staging rows, collect {steps} early)" if overlap else ""
+        steps = f"collect {self.lag} step{'s' * (self.lag != 1)} early"
+        over = (f", prefills under the decode ({self.staging.rows} staging rows, {steps})" if overlap
+                else f", {steps}" if self.lag else "")
         self.describe = (f"{self.name} ({mode}, batch {batch}, {attn}, {self.engine.prefill_layout} prefill, "
                          f"check every {self.check_every} steps, "
                          f"refill at {self.policy.min_free} free slots{', history reuse' if reuse_history else ''}"

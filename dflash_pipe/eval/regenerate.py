@@ -96,8 +96,14 @@ def _queue(ready: list[TurnRequest], req: TurnRequest | None) -> None:
 
 def make_backend(bundle, eos: list[int], pad: int, batch: int, max_len: int, max_new: int, dec: Decoding,
                  engine: str, attention: str = "auto", reuse_history: bool = False, overlap: bool = False,
-                 compact: bool = False, prefill_layout: str = "auto"):
+                 compact: bool = False, prefill_layout: str = "auto", collect_early: int | None = None,
+                 steps_per_launch: int = 8):
     """The engine backend where the target allows it (halving `batch` on OOM), else HF generate."""
+    if steps_per_launch < 1:
+        raise UsageError(f"--steps-per-launch must be >= 1, got {steps_per_launch}")
+    if collect_early is not None and not 0 <= collect_early < steps_per_launch:
+        raise UsageError(f"--collect-early must be >= 0 and below --steps-per-launch ({steps_per_launch}), "
+                         f"got {collect_early}")
     if prefill_layout not in PREFILL_LAYOUTS:
         raise UsageError(f"--prefill-layout must be one of {', '.join(PREFILL_LAYOUTS)}, got {prefill_layout!r}")
     if engine not in ENGINES:
@@ -120,7 +126,8 @@ def make_backend(bundle, eos: list[int], pad: int, batch: int, max_len: int, max
         try:
             return EngineBackend(bundle.model, eos, batch, max_len, max_new, dec, attention=attention,
                                  reuse_history=reuse_history, overlap=overlap, compact=compact,
-                                 prefill_layout=prefill_layout)
+                                 prefill_layout=prefill_layout, snapshot_lag=collect_early,
+                                 check_every=steps_per_launch)
         except torch.OutOfMemoryError:
             batch = _halve(batch)
 
@@ -174,7 +181,8 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
                    temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, engine: str = "auto",
                    attention: str = "auto", greedy_after: int = 0, reuse_history: bool = False, overlap: bool = False,
                    compact: bool = False, max_seconds: float = 0.0, first_sample: int = 0,
-                   prefetch_prompts: bool = True, prefill_layout: str = "auto") -> dict:
+                   prefetch_prompts: bool = True, prefill_layout: str = "auto", collect_early: int | None = None,
+                   steps_per_launch: int = 8) -> dict:
     """Regenerate cfg.data's conversations into `output` (JSONL); returns the final sidecar dict.
 
     batch_size 0 = auto (16 on the CPU, up to 1024 on CUDA as memory allows).
@@ -193,6 +201,11 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
     prefill_layout: how the engine prefills new prompts: "chunks" (16-token chunks, no padding to the longest
     prompt: target/chunked_prefill.py), "padded" (one padded call per length bucket), "auto" (chunks where the
     per-row attention kernel runs: CUDA, bf16 / fp16). The same answers up to rounding.
+    steps_per_launch: decode steps queued per launch (engine backend): the host reads finished answers and
+    refills their slots once per launch.
+    collect_early: read the finished answers from a copy of the state taken this many steps before a launch's
+    end, so the host's work between launches overlaps the last steps (None: 1 with overlap, else 0). The same
+    output; an answer that ends in those last steps waits one launch more.
     """
     started = _now() if max_seconds else 0.0
     entered = time.perf_counter()            # the set-up before the loop (target load, engine) is timed too
@@ -231,8 +244,9 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
     max_len, limit = length_limit(cfg.extract.max_length, bundle)
     regen = Regenerator(bundle.tokenizer, eos, max_new_tokens, max_len, max_turns, dec, limit)
     reuse_history = reuse_history and max_turns != 1
+    tuning = dict(collect_early=collect_early, steps_per_launch=steps_per_launch)
     backend = make_backend(bundle, eos, pad, batch_size, max_len, max_new_tokens, dec, engine,
-                           attention, reuse_history, overlap, compact, prefill_layout)
+                           attention, reuse_history, overlap, compact, prefill_layout, **tuning)
     print(f"regenerate: decode path: {backend.describe}", flush=True)
     state["decode_path"] = backend.describe          # informational (not a pinned setting)
     stats = DataStats()
@@ -318,7 +332,7 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
                 smaller = backend.B
                 backend = None               # free its cache before allocating the smaller one
                 backend = make_backend(bundle, eos, pad, _halve(smaller), max_len, max_new_tokens, dec, engine,
-                                       attention, reuse_history, overlap, compact, prefill_layout)
+                                       attention, reuse_history, overlap, compact, prefill_layout, **tuning)
                 state["decode_path"] = backend.describe
             # host work while the device decodes: the last answers, the next turns, new prompts, the output
             going = [st for st in (regen.record(c) for c in completions) if st is not None]   # detokenizes
