@@ -295,6 +295,10 @@ def main() -> None:
                                                      "padded), +earlyK (--collect-early K), +everyN "
                                                      "(--steps-per-launch N), e.g. off,on,on+compact or "
                                                      "off,off+early1,off+every16")
+    ap.add_argument("--profile", type=int, default=0, help="then the first N prompts through regenerate again "
+                                                          "under torch.profiler at the first batch and --overlap "
+                                                          "mode: device busy share, idle gaps, top ops "
+                                                          "(bench/regen_profile.py; tables next to --json)")
     ap.add_argument("--hf-prompts", type=int, default=256)
     ap.add_argument("--hf-batch", type=int, default=256)
     ap.add_argument("--smoke", action="store_true", help="CPU, random tiny-llama, toy sizes")
@@ -319,6 +323,14 @@ def main() -> None:
             lines = regen_file(tmp, r["batch"], r["attention"], first_mode).read_text().splitlines()
             ref = first.setdefault(r["batch"], lines)
             r["rows_identical_to_first_attention"] = f"{sum(x == y for x, y in zip(lines, ref))}/{len(ref)}"
+        if args.profile:
+            from bench.regen_profile import profile_regen
+            b, a = res["runs"][0]["batch"], res["runs"][0]["attention"]
+            run = lambda: run_regen(args, bundle, tmp / "profiled.jsonl", args.profile,  # noqa: E731
+                                    batch_size=b, attention=a, **mode_flags(first_mode))
+            tables = (args.json or Path("regen")).with_name((args.json or Path("regen")).stem + "_profile.txt")
+            res["profile"] = profile_regen(run, tables)
+            print("profile", json.dumps(res["profile"]), flush=True)
         if args.hf_prompts:
             res["hf"] = run_regen(args, bundle, tmp / "hf.jsonl", args.hf_prompts, batch_size=args.hf_batch,
                                   engine="hf")

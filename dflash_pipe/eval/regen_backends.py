@@ -26,10 +26,15 @@ request comes within two launches, the slot is freed. Later turns then cost thei
 their whole history (session 14's every-turn data: 19 % of the prefilled tokens). The held history's K/V were
 written by decode steps instead of one prefill: the same values up to rounding.
 
+Collecting early (``snapshot_lag`` K, 1 by default on CUDA): `collect` reads a copy of the per-row state taken K
+steps before the launch's end and refills the freed slots at once; the refill's prefills queue behind those last
+steps, so the host's work between launches runs while the device still decodes. The same answers; one that ends
+in the last K steps of a launch is collected a launch later.
+
 Overlap mode (``overlap=True``, regen_staging.py): once rows decode, waiting prompts are prefilled on a second,
-low-priority CUDA stream into a staging engine and copied into free slots as they free up, and `collect` reads
-a copy of the state taken `lag` steps before the launch's end, so neither the prefills nor the host's work
-between launches stop the decode. The answers are the direct path's.
+low-priority CUDA stream into a staging engine and copied into free slots as they free up (and answers are
+collected early), so neither the prefills nor the host's work between launches stop the decode. The answers are
+the direct path's.
 
 `HFBackend` (regen_hf.py; any target, the fallback for hybrid / recurrent ones): `batch` requests at a time in
 one left-padded greedy `generate` call, as regenerate did before the engine.
@@ -119,13 +124,14 @@ class EngineBackend:
             self.staging = StagingArea(model, staging_rows or max(self.engine.prefill_min_rows, batch // 8), max_len,
                                        dec, use_graphs=use_graphs, attention=attention,
                                        min_rows=self.engine.prefill_min_rows, budget=prefill_tokens)
-        # collecting early (`snapshot_lag` steps before a launch's end; overlap mode: 1 by default, else 0 = wait
-        # for the launch): the host's work between launches (reading the answers, planning and queueing the
-        # refills) runs while the device still decodes. One step (4.1-4.9 ms at batch 1,024) covers part of it; a
+        # collecting early (`snapshot_lag` steps before a launch's end; by default 1 on CUDA, 0 = wait for the
+        # launch on the CPU): the host's work between launches (reading the answers, planning and queueing the
+        # refills) runs while the device still decodes: 1.047x on the H100 (BENCHMARKS.md, session 30), answers
+        # identical. One step (4.1-4.9 ms at batch 1,024) covers part of it; a
         # row started at a launch's start that runs to max_new ends at that launch's step (max_new - 1) mod
         # check_every (256 new, every 8: step 7 of 8), so with a lag of 2 or more every such answer waits a whole
         # launch more (bench/regen_overlap_sim.py: occupancy 0.942 at lag 1, 0.918 at lag 2)
-        lag = (1 if overlap else 0) if snapshot_lag is None else snapshot_lag
+        lag = (1 if overlap or self.cuda else 0) if snapshot_lag is None else snapshot_lag
         self.lag = max(0, min(self.check_every - 1, lag))
         if self.lag or overlap:
             self.snap = Snapshot(batch, max_new_tokens + 1, dev)

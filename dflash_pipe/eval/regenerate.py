@@ -204,7 +204,7 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
     steps_per_launch: decode steps queued per launch (engine backend): the host reads finished answers and
     refills their slots once per launch.
     collect_early: read the finished answers from a copy of the state taken this many steps before a launch's
-    end, so the host's work between launches overlaps the last steps (None: 1 with overlap, else 0). The same
+    end, so the host's work between launches overlaps the last steps (None: 1 on CUDA, 0 on the CPU). The same
     output; an answer that ends in those last steps waits one launch more.
     """
     started = _now() if max_seconds else 0.0
