@@ -206,17 +206,42 @@ def test_plain_follow_timeout_restarts_at_each_new_shard(tmp_path):
     assert batches > 0 and loader.index.final and sorted(loader.index.lengths) == [0, 1, 2, 3]
 
 
-def test_plain_follow_timeout_is_exit_4_from_the_cli(tmp_path):
-    """The trainer passes --follow-timeout-s to the loader in plain follow mode: exit 4 with the message."""
-    cache, _ = _stalled_cache(tmp_path)
+def test_plain_follow_timeout_is_exit_4_from_the_cli_and_checkpoints_the_steps_trained(tmp_path):
+    """The trainer passes --follow-timeout-s to the loader in plain follow mode: exit 4 with the message. Until
+    session 30 the steps trained since the last checkpoint were lost (here, with --checkpoint-every 0, all of
+    them); now a one-process run checkpoints them first, and once extraction finishes `--resume auto` continues
+    from that step and ends where a run that never stalled ends, with the same weights."""
+    from safetensors.numpy import load_file
+
+    cache, staged = _stalled_cache(tmp_path)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    argv = ["train", "--cache-dir", str(cache), "--output-dir", str(tmp_path / "out"), "--follow",
-            "--follow-poll-s", "0.1", "--follow-timeout-s", "1", "--epochs", "1", "--drafter-num-layers", "1",
-            "--drafter-block-size", "4", "--context-tokens", "96", "--num-anchors", "8", "--checkpoint-every", "0",
-            "--loader-workers", "1"]
-    proc = run_cli(argv, env, timeout=60)  # until session 29: waited forever (killed here at 60 s)
+    common = ["--follow", "--follow-poll-s", "0.1", "--epochs", "1", "--drafter-num-layers", "1",
+              "--drafter-block-size", "4", "--context-tokens", "96", "--num-anchors", "8", "--checkpoint-every", "0",
+              "--loader-workers", "1", "--log-every", "1"]
+    out = tmp_path / "out"
+    proc = run_cli(["train", "--cache-dir", str(cache), "--output-dir", str(out), "--follow-timeout-s", "1",
+                    *common], env, timeout=60)  # until session 29: waited forever (killed here at 60 s)
     assert proc.returncode == 4, proc.stderr[-3000:]
     assert "no new shard committed" in proc.stderr and "seen 2 of 4" in proc.stderr and str(cache) in proc.stderr
+    ckpts = sorted(out.glob("ckpt-*"))
+    assert len(ckpts) == 1 and (ckpts[0] / "state.json").exists(), proc.stdout[-2000:]
+    stalled_at = json.loads((ckpts[0] / "state.json").read_text())["step"]
+    assert stalled_at > 0 and f"checkpointed step {stalled_at}" in proc.stdout
+
+    for f in staged.iterdir():                       # extraction resumes and finishes
+        shutil.move(str(f), cache / f.name)
+    proc = run_cli(["train", "--cache-dir", str(cache), "--output-dir", str(out), "--resume", "auto", *common], env,
+                   timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"at step {stalled_at}" in proc.stdout
+    whole = tmp_path / "whole"                       # the same cache, never stalled
+    proc = run_cli(["train", "--cache-dir", str(cache), "--output-dir", str(whole), *common], env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = [sorted(d.glob("ckpt-*"))[-1] for d in (out, whole)]
+    assert [json.loads((c / "state.json").read_text())["step"] for c in last] == [
+        json.loads((last[1] / "state.json").read_text())["step"]] * 2
+    a, b = (load_file(str(c / "model.safetensors")) for c in last)
+    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
 
 
 def test_follow_waits_while_the_head_file_is_damaged_until_extract_rewrites_it(tmp_path):

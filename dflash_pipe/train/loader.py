@@ -41,6 +41,11 @@ def auto_read_ahead(read_ahead: int, local: bool) -> int:
     return read_ahead
 
 
+class FollowTimeout(RuntimeFailure):
+    """Follow mode: no new shard for --follow-timeout-s while the trainer waited (exit 4). Raised between steps
+    (or from the next batch's prefetch, before the optimizer step): the steps done so far are complete."""
+
+
 @dataclass
 class TrainBatch:
     epoch: int
@@ -168,11 +173,11 @@ class BatchLoader:
             if self.index.committed > seen:  # the extractor is making progress: the clock restarts
                 seen, last = self.index.committed, now
             elif self.timeout_s > 0 and now - last > self.timeout_s:
-                raise RuntimeFailure(
+                raise FollowTimeout(
                     f"follow: no new shard committed in {self.index.cache_dir} for {self.timeout_s:.0f}s and no "
                     f"{MANIFEST_FILE} (seen {seen} of {self.index.spec['num_shards']} shards committed, step "
-                    f"{step} of epoch {epoch} needs more): the extractor seems gone; checkpoints already written "
-                    "are kept",
+                    f"{step} of epoch {epoch} needs more): the extractor seems gone; the steps trained are kept "
+                    "(a one-process run checkpoints them on the way out)",
                     "resume `dflash-pipe extract` on this cache (rerun it), then rerun this train command with "
                     "--resume auto; or raise --follow-timeout-s")
             if not waited:

@@ -30,7 +30,7 @@ from .graceful import GracefulStop
 from .master_weights import MasterWeights
 from .validation import Validator, draft_inputs, kd_targets
 from .cache_index import CacheIndex, shard_subset
-from .loader import BatchLoader
+from .loader import BatchLoader, FollowTimeout
 from .metrics import StepLogger, plot_history, step_flops
 from .round_carry import RoundCarry
 from .device_feed import DeviceFeed
@@ -327,6 +327,15 @@ def run_train(cfg: RunConfig) -> dict:
                 print(f"train: done, {step} steps; drafter exported to {out_dir / 'export'}", flush=True)
                 if (boundaries := clock.summary()) is not None:
                     print(boundaries, flush=True)
+        except FollowTimeout:
+            # the extractor seems gone: keep the steps trained since the last checkpoint (`--resume auto` goes on
+            # from here once extraction resumes). One process only: with world > 1 the other ranks may sit in the
+            # next step's gradient all-reduce, and the checkpoint's barrier would meet it instead
+            if info.world == 1:
+                sync_checkpoint(step, epoch, step_in_epoch)
+                print(f"train: follow timed out; checkpointed step {step} (epoch {epoch}, batch {step_in_epoch})",
+                      flush=True)
+            raise
         except BaseException:
             try:  # the step that finished before the failure still gets its log line
                 report(stats.drain())
