@@ -129,6 +129,44 @@ def test_follow_trainer_waits_at_the_first_validation_for_a_cache_still_being_ex
     assert runs["late"]["val"] == runs["early"]["val"]
 
 
+def test_follow_trainer_waits_while_the_validation_manifest_is_damaged_until_extract_rewrites_it(tmp_path, monkeypatch,
+                                                                                                 caplog):
+    """plan RESUMEs a validation cache whose manifest.json is damaged and its extract (started beside the trainer)
+    rewrites it: `train --follow` waits for that at the first validation pass (one warning) instead of exiting 3,
+    and measures what a run on the intact cache measures. Without --follow the damage is exit 3 at once."""
+    import logging
+
+    import dflash_pipe.train.validation as validation
+
+    cache, val = tmp_path / "cache", tmp_path / "val"
+    write_train_cache(cache, num_docs=16, seed=2)
+    write_train_cache(val, num_docs=10, seed=5)
+    good = (val / "manifest.json").read_text()
+    cfg = _cfg(tmp_path, cache, tmp_path / "intact", val)
+    cfg.train.follow = True
+    ref = run_train(cfg)
+    (val / "manifest.json").write_text(good[:len(good) // 2])
+    with pytest.raises(CacheError, match="manifest"):
+        run_train(_cfg(tmp_path, cache, tmp_path / "plain", val))
+    sleeps = []
+    real_sleep = validation.time.sleep
+
+    def sleep(s):   # extract-val rewrites the manifest during the first wait
+        sleeps.append(s)
+        (val / "manifest.json").write_text(good)
+        real_sleep(0)
+
+    monkeypatch.setattr(validation.time, "sleep", sleep)
+    cfg = _cfg(tmp_path, cache, tmp_path / "damaged", val)
+    cfg.train.follow, cfg.train.follow_poll_s = True, 0.01
+    with caplog.at_level(logging.WARNING, logger="dflash_pipe.train.validation"):
+        got = run_train(cfg)
+    assert len(sleeps) == 1 and got["val"] == ref["val"]
+    assert sum("validation cache" in r.getMessage() and "damaged" in r.getMessage() for r in caplog.records) == 1
+    a, b = (_history(tmp_path / n / "val_metrics.jsonl") for n in ("intact", "damaged"))
+    assert len(a) == len(b) >= 2 and a == b
+
+
 def test_follow_trainer_names_a_validation_cache_that_never_completes(tmp_path):
     cache, val = tmp_path / "cache", tmp_path / "val"
     write_train_cache(cache, num_docs=8, seed=2)

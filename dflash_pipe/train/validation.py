@@ -21,7 +21,7 @@ import torch.distributed as dist
 from ..cache import load_spec
 from ..cache.codec import FP8, fp8_roundtrip, planes_to_hidden
 from ..cache.fs import open_cache_fs
-from ..cache.manifest import MANIFEST_FILE
+from ..cache.manifest import MANIFEST_FILE, load_manifest
 from ..drafter import AttentionMask, block_positions, draft_loss, gather_kd_targets, summarize_metrics
 from ..drafter.attention import compilation_unlocked, flex_tuning
 from ..errors import CacheError, ValidationError
@@ -85,7 +85,8 @@ class Validator:
         self.train_spec, self.index, self.loader = train_spec, None, None
         tr = cfg.train
         fs = open_cache_fs(tr.val_cache_dir)
-        if tr.follow and not fs.exists(MANIFEST_FILE):
+        self._damage_said = False
+        if tr.follow and not self._complete(fs):
             spec = load_spec(fs)
             if spec is not None:
                 _check_compatible(spec, train_spec, dcfg, tr.val_cache_dir)
@@ -94,10 +95,27 @@ class Validator:
             return
         self._open()
 
+    def _complete(self, fs) -> bool:
+        """Whether the validation cache's manifest is there and loads. Under --follow only: a damaged one counts
+        as not written yet (one warning), as for the training cache (cache_index.py): `plan` RESUMEs such a cache
+        and its extract, started beside the trainer, rewrites the manifest once its shards are committed."""
+        if not fs.exists(MANIFEST_FILE):
+            return False
+        try:
+            load_manifest(fs)
+        except CacheError as exc:
+            if not self._damage_said:
+                log.warning("follow: validation cache %s is damaged (%s); waiting for extract to rewrite it "
+                            "(rerun its `dflash-pipe extract` if none is running)", fs.display(MANIFEST_FILE),
+                            exc.message)
+                self._damage_said = True
+            return False
+        return True
+
     def _wait_for_manifest(self) -> None:
         tr = self.cfg.train
         fs, t0 = open_cache_fs(tr.val_cache_dir), time.monotonic()
-        while not fs.exists(MANIFEST_FILE):
+        while not self._complete(fs):
             if time.monotonic() - t0 > tr.follow_timeout_s:
                 raise CacheError(f"--val-cache-dir {tr.val_cache_dir}: no {MANIFEST_FILE} after waiting "
                                  f"{tr.follow_timeout_s:.0f} s at the first validation pass (extraction of the "
