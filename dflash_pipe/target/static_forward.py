@@ -11,7 +11,7 @@ or with ``last_only`` the last real one of each row) and, if `capture_layer_ids`
 outputs of those decoder layers (the cache convention: HF ``hidden_states[id + 1]``; the last
 layer after the final norm, like `dflash_pipe.target.runner`), concatenated in id order.
 ``truncate(row, n)`` rolls a row back to its first n tokens (only the length moves); ``reset``
-empties rows.
+empties rows (kv_rows.py: the buffers and the row operations).
 
 The weights are the HF module's own (its projections, norms, MLPs, rotary embedding and head are
 called as they are; nothing is copied); only the attention and the cache are ours. On CUDA a call
@@ -68,6 +68,7 @@ from ..errors import UsageError
 from .chunked_prefill import chunked_prefill
 from .decode_attention import decode_attention as row_length_attention
 from .decode_attention import supported as row_kernel_supported
+from .kv_rows import KVRows
 from .prefill_shapes import PrefillShapes, next_pow2
 from .runner_utils import decoder_layers, final_norm, text_backbone, to_device
 from .small_batch_ops import LayerOps, few_query_attention, few_query_bias, rope, signed_sin
@@ -110,7 +111,7 @@ class EngineOutput:
     last_hidden: torch.Tensor | None = None   # [B, H] before the head (a call with head=False and last_only)
 
 
-class StaticKVEngine:
+class StaticKVEngine(KVRows):
     """Preallocated KV cache + own forward over the HF weights (module docstring)."""
 
     def __init__(self, model: torch.nn.Module, max_batch: int, max_len: int, capture_layer_ids: Sequence[int] = (),
@@ -141,18 +142,10 @@ class StaticKVEngine:
         if any(not 0 <= i < L for i in self.capture_layer_ids):
             raise UsageError(f"capture layer ids {self.capture_layer_ids} outside the target's layers 0..{L - 1}")
         p = next(model.parameters())
-        self.device, self.dtype = p.device, p.dtype
-        self.max_batch, self.max_len, self.kv_bucket = max_batch, max_len, kv_bucket
-        self.size = max_len + 1                          # + one spare slot for writes past max_len
         self.bucketed_prefill = bool(bucketed_prefill)
-        self.scratch_row = max_batch if self.bucketed_prefill else None   # where padding rows of a prefill write
-        n_rows = max_batch + self.bucketed_prefill
-        shape = (L, n_rows, self.kv_heads, self.size, self.head_dim)
-        with torch.inference_mode():
-            self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            self.lengths = torch.zeros(n_rows, dtype=torch.long, device=self.device)
-        self._bound = [0] * n_rows                       # host upper bound of each row's length
+        # the K/V rows (+ a scratch row that padding rows of a prefill write to) and their lengths: kv_rows.py
+        super().__init__(L, max_batch, max_len, self.kv_heads, self.head_dim, p.dtype, p.device, kv_bucket,
+                         scratch_row=self.bucketed_prefill)
         self.prefill_min_rows, self.max_prefill_graphs = max(1, prefill_min_rows), max_prefill_graphs
         self._append_warm: set = set()       # graph keys of appending prefills that ran eagerly once
         self.prefill_graph_count = 0
@@ -175,74 +168,11 @@ class StaticKVEngine:
         self.prefill_layout = ("chunks" if prefill_layout == "chunks" or (prefill_layout == "auto"
                                                                           and self._chunk_kernel()) else "padded")
 
-    # ------------------------------------------------------------------ state
-    def cache_bytes(self) -> int:
-        return 2 * self.k_cache.numel() * self.k_cache.element_size()
-
-    @torch.inference_mode()
-    def truncate(self, row: int, new_len: int) -> None:
-        """Keep the first `new_len` tokens of `row` (roll back a verify); only shrinks."""
-        if not 0 <= new_len <= self.max_len:
-            raise UsageError(f"truncate: length {new_len} outside 0..{self.max_len}")
-        self.lengths[row].fill_(new_len)
-        self._bound[row] = new_len
-
-    @torch.inference_mode()
-    def reset(self, rows: Sequence[int] | None = None) -> None:
-        """Empty `rows` (all rows when None)."""
-        rows = range(self.max_batch) if rows is None else rows
-        idx = list(rows)
-        if not idx:
-            return
-        self.lengths.index_fill_(0, to_device(idx, self.device), 0)   # no host sync
-        for r in idx:
-            self._bound[r] = 0
-
-    @torch.inference_mode()
-    def move_rows(self, src: Sequence[int], dst: Sequence[int], chunk: int = 64) -> None:
-        """Move rows `src` (K/V, lengths) to the empty rows `dst`, then empty `src` (no host sync)."""
-        for i in range(0, len(src), chunk):
-            s = to_device(list(src[i:i + chunk]), self.device)
-            d = to_device(list(dst[i:i + chunk]), self.device)
-            self.k_cache[:, d] = self.k_cache[:, s]
-            self.v_cache[:, d] = self.v_cache[:, s]
-            self.lengths[d] = self.lengths[s]
-        for a, b in zip(src, dst):
-            self._bound[b] = self._bound[a]
-        self.reset(src)
-
-    @torch.inference_mode()
-    def copy_rows_from(self, other: StaticKVEngine, src: Sequence[int], dst: Sequence[int], width: int) -> None:
-        """Rows `src` of `other` (an engine over the same layers) into rows `dst` of this one: the K/V of their
-        first `width` positions (at least their lengths) and their lengths (no host sync; regenerate's staged
-        prefills, regen_staging.py)."""
-        if (other.k_cache.shape[0], other.k_cache.shape[2], other.k_cache.shape[4], other.dtype) != (
-                self.k_cache.shape[0], self.k_cache.shape[2], self.k_cache.shape[4], self.dtype):
-            raise UsageError("copy_rows_from: the engines' caches differ in layers, KV heads, head size or dtype")
-        if len(src) != len(dst) or any(not 0 <= r < self.max_batch for r in dst):
-            raise UsageError(f"copy_rows_from: {len(src)} rows into rows {list(dst)[:8]}... of a "
-                             f"{self.max_batch}-row cache")
-        w = min(width, self.size, other.size)
-        s, d = to_device(list(src), self.device), to_device(list(dst), self.device)
-        self.k_cache[:, d, :, :w] = other.k_cache[:, s, :, :w]
-        self.v_cache[:, d, :, :w] = other.v_cache[:, s, :, :w]
-        self.lengths[d] = other.lengths[s]
-        for a, b in zip(src, dst):
-            self._bound[b] = other._bound[a]
-
     def row_attention(self, batch: int, T: int = 1) -> bool:
         """Whether a call of `batch` rows x T <= 16 new tokens attends each row over its own keys only
         (decode_attention.py) rather than over the padded `kv_len`."""
         G = self.heads // self.kv_heads
         return T <= GROUPED_QUERY_MAX_T and self.ops.row_attention(batch, self.kv_heads, G * T, self.head_dim)
-
-    def length(self, row: int) -> int:
-        """The row's length (a host sync; for tests and debugging)."""
-        return int(self.lengths[row])
-
-    def attended_length(self, rows: Sequence[int], T: int) -> int:
-        need = max(self._bound[r] for r in rows) + T
-        return min(self.size, -(-need // self.kv_bucket) * self.kv_bucket)
 
     # ------------------------------------------------------------------ forward
     @torch.inference_mode()
