@@ -174,8 +174,9 @@ def test_hybrid_target_falls_back_to_hf_generate_and_refuses_sampling(cfg, tmp_p
         _run(cfg, hybrid, tmp_path / "h2.jsonl", temperature=1.0)
     with pytest.raises(UsageError, match="--engine static"):
         _run(cfg, hybrid, tmp_path / "h3.jsonl", engine="static")
-    _run(cfg, hybrid, tmp_path / "h4.jsonl", overlap=True)          # the flag is named as ignored, not dropped
-    assert "--overlap-prefill ignored: it needs the static-KV engine" in capsys.readouterr().out
+    _run(cfg, hybrid, tmp_path / "h4.jsonl", overlap=True, collect_early=2)   # flags named as ignored, not dropped
+    out = capsys.readouterr().out
+    assert "--overlap-prefill ignored: it needs the static-KV engine" in out and "--collect-early ignored" in out
     assert (tmp_path / "h4.jsonl").read_bytes() == (tmp_path / "h.jsonl").read_bytes()
 
 

@@ -120,7 +120,9 @@ def make_backend(bundle, eos: list[int], pad: int, batch: int, max_len: int, max
                              f"run this target ({why})", "regenerate greedily (--temperature 0)")
         return HFBackend(bundle.model, eos, pad, batch or auto_batch_size(bundle.model, max_len, 256), max_new,
                          why=why + "".join(f"; {flag} ignored: it needs the static-KV engine" for flag, on in
-                                           (("--overlap-prefill", overlap), ("--compact-tail", compact)) if on))
+                                           (("--overlap-prefill", overlap), ("--compact-tail", compact),
+                                            ("--collect-early", collect_early is not None),
+                                            ("--steps-per-launch", steps_per_launch != 8)) if on))
     batch = batch or auto_batch_size(bundle.model, max_len)
     while True:
         try:
