@@ -140,7 +140,8 @@ def regenerate_cmd(cfg: RunConfig, output: Path = typer.Option(..., "--output", 
                    collect_early: int = typer.Option(-1, help="Static-KV engine: read finished answers from a "
                                                      "copy of the state taken K steps before a launch ends, so "
                                                      "the host's work between launches overlaps the last steps "
-                                                     "(-1 = 1 on CUDA, 0 on the CPU; the same output).")):
+                                                     "(-1 = 1 on CUDA, 0 on the CPU; at most --steps-per-launch: "
+                                                     "the copy as the launch starts; the same output).")):
     """Regenerate the assistant turns with the target itself (drafters must learn the target's outputs)."""
     from .errors import UsageError
     from .eval.regenerate import run_regenerate

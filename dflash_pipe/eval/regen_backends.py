@@ -131,8 +131,10 @@ class EngineBackend:
         # row started at a launch's start that runs to max_new ends at that launch's step (max_new - 1) mod
         # check_every (256 new, every 8: step 7 of 8), so with a lag of 2 or more every such answer waits a whole
         # launch more (bench/regen_overlap_sim.py: occupancy 0.942 at lag 1, 0.918 at lag 2)
+        # (a lag of check_every takes the copy as a launch starts: the host then works a whole launch ahead of the
+        # device, and every answer waits up to a launch more)
         lag = (1 if overlap or self.cuda else 0) if snapshot_lag is None else snapshot_lag
-        self.lag = max(0, min(self.check_every - 1, lag))
+        self.lag = max(0, min(self.check_every, lag))
         if self.lag or overlap:
             self.snap = Snapshot(batch, max_new_tokens + 1, dev)
         if self.main is not None:
@@ -228,6 +230,8 @@ class EngineBackend:
             self._shrink()
         m1 = mark(self.cuda)
         if self._live():
+            if self.snap is not None and self.lag == self.check_every:   # the state as this launch starts
+                self.snap.take(self.active, self.n_gen, self.ended, self.out, self.live_row_steps)
             for i in range(self.check_every):
                 self._decode()
                 if self.snap is not None and i == self.check_every - 1 - self.lag:

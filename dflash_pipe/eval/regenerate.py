@@ -101,8 +101,8 @@ def make_backend(bundle, eos: list[int], pad: int, batch: int, max_len: int, max
     """The engine backend where the target allows it (halving `batch` on OOM), else HF generate."""
     if steps_per_launch < 1:
         raise UsageError(f"--steps-per-launch must be >= 1, got {steps_per_launch}")
-    if collect_early is not None and not 0 <= collect_early < steps_per_launch:
-        raise UsageError(f"--collect-early must be >= 0 and below --steps-per-launch ({steps_per_launch}), "
+    if collect_early is not None and not 0 <= collect_early <= steps_per_launch:
+        raise UsageError(f"--collect-early must be from 0 to --steps-per-launch ({steps_per_launch}), "
                          f"got {collect_early}")
     if prefill_layout not in PREFILL_LAYOUTS:
         raise UsageError(f"--prefill-layout must be one of {', '.join(PREFILL_LAYOUTS)}, got {prefill_layout!r}")
@@ -206,8 +206,9 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
     steps_per_launch: decode steps queued per launch (engine backend): the host reads finished answers and
     refills their slots once per launch.
     collect_early: read the finished answers from a copy of the state taken this many steps before a launch's
-    end, so the host's work between launches overlaps the last steps (None: 1 on CUDA, 0 on the CPU). The same
-    output; an answer that ends in those last steps waits one launch more.
+    end, so the host's work between launches overlaps the last steps (None: 1 on CUDA, 0 on the CPU; up to
+    steps_per_launch: the copy as the launch starts, the host a whole launch ahead). The same output; an answer
+    that ends in those last steps waits one launch more.
     """
     started = _now() if max_seconds else 0.0
     entered = time.perf_counter()            # the set-up before the loop (target load, engine) is timed too
