@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from dflash_pipe.cache import load_manifest, load_spec, verify_cache
-from dflash_pipe.cache.fs import ObjectCacheFS, open_cache_fs
+from dflash_pipe.cache.fs import open_cache_fs
+from dflash_pipe.cache.object_fs import ObjectCacheFS
 from dflash_pipe.cache.reader import ShardReader
 from dflash_pipe.errors import CacheError, UsageError
 from dflash_pipe.train.loader import CacheIndex

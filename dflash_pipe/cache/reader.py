@@ -23,9 +23,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from ..errors import CacheError, RuntimeFailure, UsageError
+from ..errors import CacheError, RuntimeFailure
 from .codec import decode_hidden, decode_split, decompress_hidden_into, hidden_columns, u8_tensor
-from .fs import TRANSIENT, credentials_refusal, is_remote, scrub, split_location
+from .fs import is_remote, split_location
+from .s3_config import TRANSIENT, credentials_refusal, scrub
 from .schema import META_KEY, column_names
 
 

@@ -6,7 +6,7 @@ import logging
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .fs import ObjectCacheFS
+    from .object_fs import ObjectCacheFS
 
 log = logging.getLogger("dflash_pipe.cache.fs")
 

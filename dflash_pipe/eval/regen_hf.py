@@ -55,7 +55,6 @@ class HFBackend:
         except torch.OutOfMemoryError:
             ready[:0] = take
             raise
-        comps = []
         for req, row in zip(take, out[:, width:].tolist()):
             cut = next((i for i, t in enumerate(row) if t in self.eos), None)
             self._done.append(Completion(req, row[:cut] if cut is not None else row, cut is not None))
