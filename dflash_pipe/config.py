@@ -196,8 +196,9 @@ class TrainConfig:
                                         "boundary retires are deleted once its checkpoint is complete.")
     follow_timeout_s: float = opt(1800.0, "--follow: stop (exit 4) when no new shard was committed and no manifest "
                                   "was written for this long while the trainer waits for one (the extractor seems "
-                                  "gone; resume extract, then train --resume auto). A one-process run checkpoints "
-                                  "the steps it trained first. Plain --follow: 0 = no limit.")
+                                  "gone; resume extract, then train --resume auto). The steps trained are "
+                                  "checkpointed first (under torchrun when every rank timed out at the same step). "
+                                  "Plain --follow: 0 = no limit.")
     val_cache_dir: str = opt("", "A second cache (same target, layers and tokenizer; documents the training cache "
                              "does not hold) on which loss, accuracy and simulated tau are measured without "
                              "gradients every --val-every steps and at the end; empty = no validation.")

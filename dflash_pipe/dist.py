@@ -111,6 +111,28 @@ def agree_on_plan(epoch_steps: list[int], device: torch.device) -> list[int]:
     return [int(x) for x in t.tolist()]
 
 
+def all_ranks_say(key: str, value: str, wait_s: float, poll_s: float = 0.2) -> bool:
+    """Whether every rank says `value` under `key` within `wait_s`, agreed through the job's rendezvous store
+    rather than a collective: a rank stuck in a collective (e.g. the next step's gradient all-reduce) cannot take
+    part in one, and then this returns False after `wait_s` instead of hanging. Each rank writes once, so every
+    rank that sees all of them sees the same values. True at once with one process."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return True
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    store, world = _get_default_store(), dist.get_world_size()
+    store.set(f"{key}/{dist.get_rank()}", value)
+    keys = [f"{key}/{r}" for r in range(world)]
+    deadline = time.monotonic() + wait_s
+    while not store.check(keys):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(poll_s)
+    return all(store.get(k).decode() == value for k in keys)
+
+
 def barrier() -> None:
     import torch.distributed as dist
 

@@ -135,11 +135,11 @@ def test_follow_reads_the_sidecars_while_a_damaged_manifest_waits_for_extract_to
     assert index.lengths == reference.lengths
 
 
-def _stalled_cache(tmp_path: Path, keep: int = 2) -> tuple[Path, Path]:
+def _stalled_cache(tmp_path: Path, keep: int = 2, num_docs: int = 24) -> tuple[Path, Path]:
     """A 4-shard cache whose extraction died after committing shards 0..keep-1: no manifest, the rest staged
     aside (to be committed by a test's extractor thread)."""
     cache, staged = tmp_path / "cache", tmp_path / "staged"
-    write_train_cache(cache, num_docs=24, num_shards=4, seed=3)
+    write_train_cache(cache, num_docs=num_docs, num_shards=4, seed=3)
     staged.mkdir()
     shutil.move(str(cache / "manifest.json"), staged / "manifest.json")
     for i in range(keep, 4):
@@ -262,3 +262,64 @@ def test_follow_waits_while_the_head_file_is_damaged_until_extract_rewrites_it(t
         timer.join()
     assert waited >= 0.6 and head_then == good
     assert index.refresh() is True and sorted(index.lengths) == [0, 1, 2, 3]
+
+
+@pytest.mark.slow
+def test_two_ranks_that_time_out_at_the_same_step_checkpoint_it_and_resume_to_a_slow_runs_weights(tmp_path):
+    """torchrun, 2 gloo ranks, plain --follow on a cache whose extraction stalled: both ranks run out of batches at
+    the same step, agree on it through the rendezvous store (no collective) and checkpoint it before exiting; after
+    extraction finishes, `--resume auto` ends at the weights of a 2-rank run whose extractor was merely slow (it
+    committed the same shards later, while the trainer waited; the same follow-mode step plan). Until session 30
+    only a one-process run kept its steps (a rank could be inside a gradient all-reduce, so nobody checkpointed)."""
+    import subprocess
+    import sys
+
+    from safetensors.numpy import load_file
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    common = ["--follow", "--follow-poll-s", "0.1", "--epochs", "1", "--drafter-num-layers", "1",
+              "--drafter-block-size", "4", "--context-tokens", "96", "--num-anchors", "8", "--checkpoint-every", "0",
+              "--loader-workers", "1", "--log-every", "1"]
+
+    def torchrun(cache: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+               "dflash_pipe", "train", "--cache-dir", str(cache), "--output-dir", str(out), *common, *extra]
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+
+    def commit(staged: Path, cache: Path) -> None:     # the rest of the shards, then the manifest
+        for f in sorted(staged.iterdir(), key=lambda f: (f.name == "manifest.json", f.suffix == ".json")):
+            shutil.move(str(f), cache / f.name)
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    cache, staged = _stalled_cache(tmp_path / "a", num_docs=64)
+    out = tmp_path / "out"
+    proc = torchrun(cache, out, "--follow-timeout-s", "1")
+    assert proc.returncode != 0 and "no new shard committed" in proc.stderr, proc.stderr[-3000:]
+    ckpts = sorted(out.glob("ckpt-*"))
+    assert len(ckpts) == 1, proc.stdout[-2000:] + proc.stderr[-3000:]
+    stalled_at = json.loads((ckpts[0] / "state.json").read_text())["step"]
+    assert stalled_at > 0 and f"checkpointed step {stalled_at}" in proc.stdout
+    commit(staged, cache)
+    proc = torchrun(cache, out, "--resume", "auto")
+    assert proc.returncode == 0 and f"at step {stalled_at}" in proc.stdout, proc.stderr[-3000:]
+
+    cache2, staged2 = _stalled_cache(tmp_path / "b", num_docs=64)
+    slow = tmp_path / "slow"
+
+    def slow_extractor():
+        while not (slow / "metrics.jsonl").exists():   # the trainer is training on the first two shards
+            time.sleep(0.05)
+        time.sleep(2.0)
+        commit(staged2, cache2)
+
+    t = threading.Thread(target=slow_extractor)
+    t.start()
+    proc = torchrun(cache2, slow, "--follow-timeout-s", "60")
+    t.join()
+    assert proc.returncode == 0 and "follow: waiting for extraction" in proc.stderr, proc.stderr[-3000:]
+    last = [sorted(d.glob("ckpt-*"))[-1] for d in (out, slow)]
+    steps = [json.loads((c / "state.json").read_text())["step"] for c in last]
+    assert steps[0] == steps[1] > stalled_at
+    a, b = (load_file(str(c / "model.safetensors")) for c in last)
+    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)

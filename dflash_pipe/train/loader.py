@@ -177,7 +177,7 @@ class BatchLoader:
                     f"follow: no new shard committed in {self.index.cache_dir} for {self.timeout_s:.0f}s and no "
                     f"{MANIFEST_FILE} (seen {seen} of {self.index.spec['num_shards']} shards committed, step "
                     f"{step} of epoch {epoch} needs more): the extractor seems gone; the steps trained are kept "
-                    "(a one-process run checkpoints them on the way out)",
+                    "(checkpointed on the way out)",
                     "resume `dflash-pipe extract` on this cache (rerun it), then rerun this train command with "
                     "--resume auto; or raise --follow-timeout-s")
             if not waited:

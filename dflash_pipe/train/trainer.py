@@ -17,7 +17,8 @@ import torch.distributed as dist
 
 from ..cache.codec import FP8
 from ..config import RunConfig, write_resolved
-from ..dist import DistInfo, agree_on_plan, barrier, destroy, init_process_group, pick_device, set_rank_cache_dirs
+from ..dist import (DistInfo, agree_on_plan, all_ranks_say, barrier, destroy, init_process_group, pick_device,
+                    set_rank_cache_dirs)
 from ..drafter.attention import compilation_locked
 from ..drafter import default_gamma, draft_loss, export_drafter, lock_compilation, unlock_compilation
 from ..errors import UsageError, ValidationError
@@ -329,12 +330,18 @@ def run_train(cfg: RunConfig) -> dict:
                     print(boundaries, flush=True)
         except FollowTimeout:
             # the extractor seems gone: keep the steps trained since the last checkpoint (`--resume auto` goes on
-            # from here once extraction resumes). One process only: with world > 1 the other ranks may sit in the
-            # next step's gradient all-reduce, and the checkpoint's barrier would meet it instead
-            if info.world == 1:
+            # from here once extraction resumes). With world > 1 only if every rank timed out at this same step
+            # (agreed through the rendezvous store, not a collective): a rank that got its batch sits in the next
+            # step's gradient all-reduce, and the checkpoint's barrier would meet that instead
+            at = f"{step}:{epoch}:{step_in_epoch}"
+            if all_ranks_say("follow-timeout", at, wait_s=30 + 5 * tr.follow_poll_s, poll_s=tr.follow_poll_s):
                 sync_checkpoint(step, epoch, step_in_epoch)
-                print(f"train: follow timed out; checkpointed step {step} (epoch {epoch}, batch {step_in_epoch})",
-                      flush=True)
+                if info.is_main:
+                    print(f"train: follow timed out; checkpointed step {step} (epoch {epoch}, batch "
+                          f"{step_in_epoch})", flush=True)
+            else:
+                log.warning("follow timed out, but not every rank at step %d: the steps since the last checkpoint "
+                            "are not kept", step)
             raise
         except BaseException:
             try:  # the step that finished before the failure still gets its log line
