@@ -8,6 +8,7 @@ between processes, and a half-written shared cache is a known source of corrupte
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import re
 import tempfile
@@ -17,6 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from .errors import UsageError
+
+log = logging.getLogger("dflash_pipe.dist")
 
 
 @dataclass(frozen=True)
@@ -120,9 +123,13 @@ def all_ranks_say(key: str, value: str, wait_s: float, poll_s: float = 0.2) -> b
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return True
-    from torch.distributed.distributed_c10d import _get_default_store
-
-    store, world = _get_default_store(), dist.get_world_size()
+    try:   # the job's store (torchrun's rendezvous); private in torch 2.x: without it, no agreement
+        from torch.distributed.distributed_c10d import _get_default_store
+        store = _get_default_store()
+    except (ImportError, RuntimeError, ValueError) as exc:
+        log.warning("no rendezvous store to agree on %s (%s)", key, exc)
+        return False
+    world = dist.get_world_size()
     store.set(f"{key}/{dist.get_rank()}", value)
     keys = [f"{key}/{r}" for r in range(world)]
     deadline = time.monotonic() + wait_s
