@@ -124,15 +124,12 @@ class EngineBackend:
             self.staging = StagingArea(model, staging_rows or max(self.engine.prefill_min_rows, batch // 8), max_len,
                                        dec, use_graphs=use_graphs, attention=attention,
                                        min_rows=self.engine.prefill_min_rows, budget=prefill_tokens)
-        # collecting early (`snapshot_lag` steps before a launch's end; by default 1 on CUDA, 0 = wait for the
-        # launch on the CPU): the host's work between launches (reading the answers, planning and queueing the
-        # refills) runs while the device still decodes: 1.047x on the H100 (BENCHMARKS.md, session 30), answers
-        # identical. One step (4.1-4.9 ms at batch 1,024) covers part of it; a
-        # row started at a launch's start that runs to max_new ends at that launch's step (max_new - 1) mod
-        # check_every (256 new, every 8: step 7 of 8), so with a lag of 2 or more every such answer waits a whole
-        # launch more (bench/regen_overlap_sim.py: occupancy 0.942 at lag 1, 0.918 at lag 2)
-        # (a lag of check_every takes the copy as a launch starts: the host then works a whole launch ahead of the
-        # device, and every answer waits up to a launch more)
+        # collecting early (module docstring; by default 1 step on CUDA, 0 = wait for the launch on the CPU):
+        # 1.047x on the H100 (BENCHMARKS.md, session 30), answers identical. A row started at a launch's start that
+        # runs to max_new ends at that launch's step (max_new - 1) mod check_every (256 new, every 8: step 7 of 8),
+        # so with a lag of 2 or more every such answer waits a whole launch more (occupancy 0.932 at lag 1, 0.907
+        # at lag 2 on the H100). A lag of check_every takes the copy as a launch starts: the host works a whole
+        # launch ahead of the device
         lag = (1 if overlap or self.cuda else 0) if snapshot_lag is None else snapshot_lag
         self.lag = max(0, min(self.check_every, lag))
         if self.lag or overlap:

@@ -26,6 +26,17 @@ def shard_subset(spec: dict, shards: str) -> list[int] | None:
     return parse_shard_subset(shards, int(spec["num_shards"])) if shards.strip() else None
 
 
+def checked_manifest(fs, spec: dict) -> dict:
+    """The cache's manifest.json, loaded and naming the spec's fingerprint; CacheError (exit 3) otherwise. Under
+    --follow the callers (CacheIndex, the validation cache's Validator) count such a manifest as not written yet:
+    `plan` RESUMEs the cache and extract rewrites it."""
+    man = load_manifest(fs)
+    if man["fingerprint"] != spec["fingerprint"]:
+        raise CacheError(f"{fs.uri}: manifest and cache_spec.json disagree on the fingerprint",
+                         f"`dflash-pipe cache verify {fs.cli_location}` prints the fix")
+    return man
+
+
 class CacheIndex:
     """What the trainer knows about a cache: spec, which shards exist, document lengths."""
 
@@ -112,10 +123,7 @@ class CacheIndex:
         if not self.fs.exists(MANIFEST_FILE):
             return None
         try:
-            man = load_manifest(self.fs)
-            if man["fingerprint"] != self.spec["fingerprint"]:
-                raise CacheError(f"{self.cache_dir}: manifest and cache_spec.json disagree on the fingerprint",
-                                 f"`dflash-pipe cache verify {self.fs.cli_location}` prints the fix")
+            man = checked_manifest(self.fs, self.spec)
         except CacheError as exc:
             if not self.follow:
                 raise

@@ -21,11 +21,11 @@ import torch.distributed as dist
 from ..cache import load_spec
 from ..cache.codec import FP8, fp8_roundtrip, planes_to_hidden
 from ..cache.fs import open_cache_fs
-from ..cache.manifest import MANIFEST_FILE, load_manifest
+from ..cache.manifest import MANIFEST_FILE
 from ..drafter import AttentionMask, block_positions, draft_loss, gather_kd_targets, summarize_metrics
 from ..drafter.attention import compilation_unlocked, flex_tuning
 from ..errors import CacheError, ValidationError
-from .cache_index import CacheIndex
+from .cache_index import CacheIndex, checked_manifest
 from .loader import BatchLoader
 
 log = logging.getLogger(__name__)
@@ -96,13 +96,13 @@ class Validator:
         self._open()
 
     def _complete(self, fs) -> bool:
-        """Whether the validation cache's manifest is there and loads. Under --follow only: a damaged one counts
-        as not written yet (one warning), as for the training cache (cache_index.py): `plan` RESUMEs such a cache
-        and its extract, started beside the trainer, rewrites the manifest once its shards are committed."""
-        if not fs.exists(MANIFEST_FILE):
+        """Whether the validation cache's manifest is there and checks out (cache_index.checked_manifest). Under
+        --follow only: a damaged one counts as not written yet (one warning), as for the training cache."""
+        spec = load_spec(fs) if fs.exists(MANIFEST_FILE) else None
+        if spec is None:
             return False
         try:
-            load_manifest(fs)
+            checked_manifest(fs, spec)
         except CacheError as exc:
             if not self._damage_said:
                 log.warning("follow: validation cache %s is damaged (%s); waiting for extract to rewrite it "
