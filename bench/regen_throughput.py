@@ -159,7 +159,7 @@ def bare_loop(args, bundle, batch: int, attention: str = "auto") -> dict:
 def _split_line(t: dict) -> str:
     """The regen run's time split as one line: host phases, device time, occupancy."""
     keys = ("setup_s", "wall_s", "launch_s", "collect_s", "tokenize_s", "detokenize_s", "write_s", "device_prefill_s",
-            "device_decode_s", "decode_steps", "occupancy", "mean_live_rows", "prefill_calls", "prefills_in_steps", "prefill_pad_share",
+            "device_decode_s", "decode_steps", "occupancy", "mean_live_rows", "prefill_calls", "prefill_pad_share",
             "prefill_graphs", "decode_graphs", "staged_rows", "staging_device_waits", "device_staged_prefill_s")
     return ", ".join(f"{k} {t[k]}" for k in keys if k in t)
 
@@ -174,12 +174,11 @@ def warm_then_time(args, bundle, out: Path, batch: int, attention: str, **kw) ->
 def mode_flags(mode: str) -> dict:
     """run_regenerate's flags of an --overlap mode: off or on, with +compact (--compact-tail), +noprefetch
     (--no-prefetch-prompts: every prompt tokenized in the driver loop) and / or +padded (--prefill-layout padded:
-    the padded prefill instead of the chunked one) or +mixed (--prefill-layout mixed: refills ride in the decode
-    step), +earlyK (--collect-early K) and / or +everyN
+    the padded prefill instead of the chunked one), +earlyK (--collect-early K) and / or +everyN
     (--steps-per-launch N) added."""
     base, *extra = mode.split("+")
     flags = {"overlap": base == "on", "compact": "compact" in extra, "prefetch_prompts": "noprefetch" not in extra,
-             "prefill_layout": "padded" if "padded" in extra else "mixed" if "mixed" in extra else "auto"}
+             "prefill_layout": "padded" if "padded" in extra else "auto"}
     for e in extra:
         if e.startswith("early"):
             flags["collect_early"] = int(e[5:])
@@ -297,8 +296,8 @@ def main() -> None:
     ap.add_argument("--overlap", default="off", help="comma list of regenerate's modes, each timed at every batch "
                                                      "and attention: off, on (--overlap-prefill), and either with "
                                                      "+compact (--compact-tail), +noprefetch "
-                                                     "(--no-prefetch-prompts), +padded / +mixed "
-                                                     "(--prefill-layout), +earlyK (--collect-early K), +everyN "
+                                                     "(--no-prefetch-prompts), +padded (--prefill-layout "
+                                                     "padded), +earlyK (--collect-early K), +everyN "
                                                      "(--steps-per-launch N), e.g. off,on,on+compact or "
                                                      "off,off+early1,off+every16")
     ap.add_argument("--profile", type=int, default=0, help="then the first N prompts through regenerate again "

@@ -131,10 +131,9 @@ def regenerate_cmd(cfg: RunConfig, output: Path = typer.Option(..., "--output", 
                                                          "decodes (the same output; eval/regen_turns.py)."),
                    prefill_layout: str = typer.Option("auto", help="Static-KV engine: prefill new prompts as "
                                                       "'chunks' (16-token chunks, no padding to the longest "
-                                                      "prompt), 'padded' (one padded call per length bucket), "
-                                                      "'mixed' (chunks riding in the decode step while rows "
-                                                      "decode: target/mixed_step.py) or 'auto' (chunks on CUDA "
-                                                      "in bf16 / fp16); the same answers up to rounding."),
+                                                      "prompt), 'padded' (one padded call per length bucket) or "
+                                                      "'auto' (chunks on CUDA in bf16 / fp16); the same answers "
+                                                      "up to rounding (target/chunked_prefill.py)."),
                    steps_per_launch: int = typer.Option(8, help="Static-KV engine: decode steps queued per launch; "
                                                         "finished answers are read and their slots refilled "
                                                         "once per launch."),

@@ -96,11 +96,11 @@ def test_out_of_memory_halves_the_batch_and_reruns_the_answers_in_flight(cfg, ll
     real = regen_backends.EngineBackend._decode
     faults = {"n": 0}
 
-    def decode_oom_above_batch_1(self, riding=None):
+    def decode_oom_above_batch_1(self):
         if self.B > 1 and self.decode_steps == 2:          # mid-answer, with rows in flight
             faults["n"] += 1
             raise torch.OutOfMemoryError("CUDA out of memory (injected)")
-        return real(self, riding)
+        return real(self)
 
     built = []
     real_init = regen_backends.EngineBackend.__init__

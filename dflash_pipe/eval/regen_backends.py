@@ -53,8 +53,7 @@ from dataclasses import replace
 import torch
 
 from ..errors import UsageError
-from ..target.mixed_step import decode_with_prefill
-from ..target.static_forward import PREFILL_LAYOUTS, StaticKVEngine, to_device
+from ..target.static_forward import StaticKVEngine, to_device
 from .regen_refill import RefillPolicy, plan_refill
 from .regen_requests import Completion, Held, TurnRequest, auto_batch_size  # noqa: F401 - re-exported
 from .regen_sampling import Decoding, next_tokens
@@ -62,7 +61,6 @@ from .regen_staging import Snapshot, StagingArea, mark
 
 log = logging.getLogger("dflash_pipe.eval")
 GREEDY = Decoding()
-REGEN_PREFILL_LAYOUTS = (*PREFILL_LAYOUTS, "mixed")      # mixed: chunks riding in a decode step (mixed_step.py)
 
 
 class EngineBackend:
@@ -76,15 +74,10 @@ class EngineBackend:
                  reuse_history: bool = False, overlap: bool = False, staging_rows: int | None = None,
                  snapshot_lag: int | None = None, prefill_layout: str = "auto"):
         cuda = next(model.parameters()).device.type == "cuda"     # padding rows to 8 saves graphs, not CPU time
-        # mixed (module docstring): a refill's prompts ride in the launch's first decode step while rows decode
-        self.mixed = prefill_layout == "mixed"
-        if self.mixed and overlap:
-            raise UsageError("--prefill-layout mixed prefills inside the decode steps; --overlap-prefill prefills "
-                             "beside them: choose one")
         self.engine = StaticKVEngine(model, batch, max_len, use_graphs=use_graphs, bucketed_prefill=True,
                                      prefill_min_rows=8 if cuda else 1, attention=attention,
                                      max_prefill_graphs=128 if reuse_history else 64,   # + the appending shapes
-                                     prefill_layout="auto" if self.mixed else prefill_layout)
+                                     prefill_layout=prefill_layout)
         dev = self.engine.device
         self.B, self.max_new, self.dec = batch, max_new_tokens, dec
         self.check_every = max(1, min(check_every, max_new_tokens - 1))   # an answer ends after max_new - 1 steps
@@ -118,8 +111,7 @@ class EngineBackend:
         # steps < s0 + K - 1; past the last such step no row samples and the step takes the argmax alone
         # (skipping softmax + the full-vocabulary sort of top-p). The host knows this without a sync.
         self.sample_until = 0
-        self.prefill_rows = self.prefill_calls = self.prefill_real = self.prefill_padded = self.riding_calls = 0
-        self._unseen: set[int] = set()     # rows started after the snapshot the next collect reads (mixed, lag K)
+        self.prefill_rows = self.prefill_calls = self.prefill_real = self.prefill_padded = 0
         self.cuda = dev.type == "cuda"
         self._events: list[tuple] = []                   # (start, after prefill, after decode) of uncollected launches
         self.gpu_s = {"prefill": 0.0, "decode": 0.0}     # device time (CUDA events; host time on the CPU)
@@ -147,8 +139,7 @@ class EngineBackend:
         steps = f"collect {self.lag} step{'s' * (self.lag != 1)} early"
         over = (f", prefills under the decode ({self.staging.rows} staging rows, {steps})" if overlap
                 else f", {steps}" if self.lag else "")
-        layout = "mixed (prompts ride in decode steps)" if self.mixed else self.engine.prefill_layout
-        self.describe = (f"{self.name} ({mode}, batch {batch}, {attn}, {layout} prefill, "
+        self.describe = (f"{self.name} ({mode}, batch {batch}, {attn}, {self.engine.prefill_layout} prefill, "
                          f"check every {self.check_every} steps, "
                          f"refill at {self.policy.min_free} free slots{', history reuse' if reuse_history else ''}"
                          f"{', tail compaction' if self.compact else ''}{over})")
@@ -203,26 +194,21 @@ class EngineBackend:
             free = self._free_rows()
         # overlap mode: straight into the slots only when nothing decodes (the first fill) or when at least
         # `min_free` slots would still idle (the staging area ran dry: a burst of ends, next turns just queued)
-        riding = None
         if self.staging is None or not self._live() or len(free) >= self.policy.min_free:
-            riding = self._refill(free, ready)
-        self._decode_launch(m0, ready, riding)
+            self._refill(free, ready)
+        self._decode_launch(m0, ready)
         if self.staging is not None:
             self.staging.top_up(ready)      # on the side stream, under the steps just queued
 
     def _live(self) -> bool:
         return any(s is not None for s in self.slots)
 
-    def _refill(self, free: list[int], ready: list[TurnRequest]) -> tuple[list[int], list[TurnRequest]] | None:
-        """Prefill prompts from `ready` straight into the `free` slots, as regen_refill plans it. In mixed mode,
-        while rows decode, the first call is not run but returned as (rows, requests): it rides in the launch's
-        first decode step."""
+    def _refill(self, free: list[int], ready: list[TurnRequest]) -> None:
+        """Prefill prompts from `ready` straight into the `free` slots, as regen_refill plans it."""
         window = [len(r.prompt) for r in ready[:max(len(free), self.policy.lookahead)]]
         calls = plan_refill(len(free), window, len(ready), self.B - len(free), self.policy)
-        riding = None
         if calls:
             taken = set()
-            decoding = self._live()
             for call in calls:
                 rows, reqs = free[:len(call)], [ready[i] for i in call]
                 del free[:len(call)]
@@ -230,29 +216,21 @@ class EngineBackend:
                     self.slots[r] = req
                 if max(rows) >= self.width:
                     self.width = self.B    # back to full width (rows past the old width are empty and inactive)
-                if self.mixed and decoding and riding is None:
-                    self.engine.reset(rows)
-                    riding = rows, reqs
-                else:
-                    self._prefill(rows, reqs)
+                self._prefill(rows, reqs)
                 taken.update(call)
             ready[:] = [r for i, r in enumerate(ready) if i not in taken]
-        return riding
 
-    def _decode_launch(self, m0, ready: list[TurnRequest], riding=None) -> None:
-        """check_every decode steps on the slots (after tail compaction where it applies), the first one carrying
-        the `riding` prefill (mixed mode); when collecting early, the state snapshot after step
-        check_every - lag."""
-        if self.compact and not riding and not ready and not (self.staging and len(self.staging)):
+    def _decode_launch(self, m0, ready: list[TurnRequest]) -> None:
+        """check_every decode steps on the slots (after tail compaction where it applies); in overlap mode the
+        state snapshot after step check_every - lag."""
+        if self.compact and not ready and not (self.staging and len(self.staging)):
             self._shrink()
         m1 = mark(self.cuda)
         if self._live():
-            self._unseen = set()
             if self.snap is not None and self.lag == self.check_every:   # the state as this launch starts
                 self.snap.take(self.active, self.n_gen, self.ended, self.out, self.live_row_steps)
-                self._unseen = set(riding[0]) if riding else set()      # they start in the first step
             for i in range(self.check_every):
-                self._decode(riding if i == 0 else None)
+                self._decode()
                 if self.snap is not None and i == self.check_every - 1 - self.lag:
                     self.snap.take(self.active, self.n_gen, self.ended, self.out, self.live_row_steps)
         self._events.append((m0, m1, mark(self.cuda)))
@@ -364,8 +342,7 @@ class EngineBackend:
         return {"decode_steps": self.decode_steps, "mean_live_rows": round(live / steps, 1),
                 "occupancy": round(live / (steps * self.B), 3),
                 "mean_decode_width": round(self.width_row_steps / steps, 1),
-                "prefill_calls": self.prefill_calls, "prefills_in_steps": self.riding_calls,
-                "prefill_rows": self.prefill_rows,
+                "prefill_calls": self.prefill_calls, "prefill_rows": self.prefill_rows,
                 "prefill_tokens": self.prefill_real,
                 "prefill_pad_share": round(1 - self.prefill_real / max(1, self.prefill_padded), 3),
                 "prefill_graphs": self.engine.prefill_graph_count,
@@ -402,19 +379,15 @@ class EngineBackend:
     def _prefill(self, rows: list[int], reqs: list[TurnRequest], deltas: list[list[int]] | None = None) -> None:
         """One bucketed prefill call of `reqs` into the empty `rows`, and their first tokens; with `deltas`, the
         rows hold each prompt's first tokens already (history reuse) and only these are appended."""
+        dev = self.engine.device
         if deltas is None:
             self.engine.reset(rows)
         tokens = deltas if deltas is not None else [r.prompt for r in reqs]
-        self._started(rows, reqs, self.engine.prefill(tokens, rows), tokens)
-
-    def _started(self, rows: list[int], reqs: list[TurnRequest], logits: torch.Tensor,
-                 tokens: list[list[int]] | None = None) -> None:
-        """Rows just prefilled with `tokens` (default: the requests' prompts) start from the prefill's `logits`."""
-        dev = self.engine.device
+        logits = self.engine.prefill(tokens, rows)
         keys = to_device([r.key for r in reqs], dev)                                    # no host sync
         self._start(next_tokens(logits, keys, torch.zeros_like(keys), self.dec), to_device(rows, dev), keys)
         self.sample_until = max(self.sample_until, self.decode_steps + self.dec.greedy_after - 1)
-        lens = [len(t) for t in (tokens if tokens is not None else [r.prompt for r in reqs])]
+        lens = [len(t) for t in tokens]
         self.prefill_rows += len(reqs)
         self.prefill_calls += 1
         self.prefill_real += sum(lens)
@@ -422,22 +395,12 @@ class EngineBackend:
         self.prefill_padded += rb * tb
 
     @torch.inference_mode()
-    def _decode(self, riding: tuple[list[int], list[TurnRequest]] | None = None) -> None:
-        """One decode step of the first `width` rows; with `riding` (rows, requests) it also prefills those
-        requests into their empty rows (mixed_step.py), which start decoding at the next step."""
+    def _decode(self) -> None:
         w = self.width
-        if riding is None:
-            logits = self.engine.forward(self.cur[:w, None], self.active[:w].long()).logits
-        else:
-            rows, reqs = riding
-            logits, first = decode_with_prefill(self.engine, self.cur[:w, None], self.active[:w].long(),
-                                                [r.prompt for r in reqs], rows)
-        self._advance(logits[:, 0], w)
+        out = self.engine.forward(self.cur[:w, None], self.active[:w].long())
+        self._advance(out.logits[:, 0], w)
         self.decode_steps += 1
         self.width_row_steps += w
-        if riding is not None:
-            self.riding_calls += 1
-            self._started(rows, reqs, first)
 
     @torch.inference_mode()
     def collect(self) -> list[Completion]:
@@ -454,8 +417,7 @@ class EngineBackend:
             if snap is None:
                 return []
             active, n_gen, ended, out = snap
-            return [(r, n_gen[r], ended[r], out[r, :n_gen[r]].tolist()) for r in live
-                    if not active[r] and r not in self._unseen]
+            return [(r, n_gen[r], ended[r], out[r, :n_gen[r]].tolist()) for r in live if not active[r]]
         flags = self.active.tolist()                           # the one sync of a step
         done = [i for i in live if not flags[i]]
         if not done:

@@ -75,8 +75,8 @@ from ..errors import RuntimeFailure, UsageError
 from ..io_utils import atomic_write_json
 from ..progress import progress_bar
 from ..target import load_target
-from ..target.static_forward import engine_support
-from .regen_backends import REGEN_PREFILL_LAYOUTS, Completion, EngineBackend, TurnRequest, auto_batch_size
+from ..target.static_forward import PREFILL_LAYOUTS, engine_support
+from .regen_backends import Completion, EngineBackend, TurnRequest, auto_batch_size
 from .regen_hf import HFBackend
 from .regen_output import JsonlAppender, load_sidecar, scan_output, settings_of, sidecar_path  # noqa: F401
 from .regen_sampling import Decoding, answer_key
@@ -104,9 +104,8 @@ def make_backend(bundle, eos: list[int], pad: int, batch: int, max_len: int, max
     if collect_early is not None and not 0 <= collect_early <= steps_per_launch:
         raise UsageError(f"--collect-early must be from 0 to --steps-per-launch ({steps_per_launch}), "
                          f"got {collect_early}")
-    if prefill_layout not in REGEN_PREFILL_LAYOUTS:
-        raise UsageError(f"--prefill-layout must be one of {', '.join(REGEN_PREFILL_LAYOUTS)}, "
-                         f"got {prefill_layout!r}")
+    if prefill_layout not in PREFILL_LAYOUTS:
+        raise UsageError(f"--prefill-layout must be one of {', '.join(PREFILL_LAYOUTS)}, got {prefill_layout!r}")
     if engine not in ENGINES:
         raise UsageError(f"--engine must be one of {', '.join(ENGINES)}, got {engine!r}")
     if attention not in ENGINE_ATTENTION:
@@ -203,8 +202,7 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
     (regen_turns.PromptReadAhead); the same output.
     prefill_layout: how the engine prefills new prompts: "chunks" (16-token chunks, no padding to the longest
     prompt: target/chunked_prefill.py), "padded" (one padded call per length bucket), "auto" (chunks where the
-    per-row attention kernel runs: CUDA, bf16 / fp16), "mixed" (while rows decode, a refill's prompts ride as
-    16-token chunks in the launch's first decode step: target/mixed_step.py). The same answers up to rounding.
+    per-row attention kernel runs: CUDA, bf16 / fp16). The same answers up to rounding.
     steps_per_launch: decode steps queued per launch (engine backend): the host reads finished answers and
     refills their slots once per launch.
     collect_early: read the finished answers from a copy of the state taken this many steps before a launch's

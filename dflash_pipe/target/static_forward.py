@@ -148,7 +148,6 @@ class StaticKVEngine(KVRows):
                          scratch_row=self.bucketed_prefill)
         self.prefill_min_rows, self.max_prefill_graphs = max(1, prefill_min_rows), max_prefill_graphs
         self._append_warm: set = set()       # graph keys of appending prefills that ran eagerly once
-        self._mixed_uses: dict[tuple, int] = {}   # calls per decode-with-prefill graph key (mixed_step.py)
         self.prefill_graph_count = 0
         if use_graphs not in ("auto", "on", "off"):
             raise UsageError(f"use_graphs must be auto, on or off, got {use_graphs!r}")
@@ -276,24 +275,54 @@ class StaticKVEngine(KVRows):
         row_t[b] (rows may repeat), attend over that cache row, and the lengths are left to the caller.
         head=False (with last_only): the last real token's features, not logits (`EngineOutput.last_hidden`)."""
         B, T = ids.shape
-        H, D = self.heads, self.head_dim
+        H, KVH, D = self.heads, self.kv_heads, self.head_dim
+        G = H // KVH
         ri = torch.arange(B, device=self.device) if row_t is None else row_t
         old = start if start is not None else self.lengths[:B] if row_t is None else self.lengths[row_t]
         pos = old[:, None] + torch.arange(T, device=self.device)                   # [B, T]
         write_pos = pos.clamp(max=self.size - 1)
-        mode = self._attention_mode(B, T, fresh, start is not None)
-        mask = self._mask(pos, kv_len, mode)
+        few = T <= GROUPED_QUERY_MAX_T
+        mode = ("causal" if fresh and not few
+                else "rows" if (start is not None and self._chunk_kernel()) or self.row_attention(B, T)
+                else "explicit" if few and self.ops.explicit_attention(B, KVH) else "sdpa")
+        mask = None
+        if mode in ("explicit", "sdpa"):
+            visible = torch.arange(kv_len, device=self.device)[None, None, :] <= pos[:, :, None]   # [B, T, kv]
+            if few:
+                mask = visible[:, None, None].expand(B, 1, G, T, kv_len).reshape(B, 1, G * T, kv_len)
+            else:
+                mask = visible[:, None]
+        if mode == "explicit":
+            mask = few_query_bias(mask, KVH, self.dtype)                             # [B*KVH, G*T, kv], additive
         x = self.embed(ids)
-        rot = self._rotation(x, pos)
+        cos, sin = self.rotary(x, pos)                                               # [B, T, D]
+        sin_signed = signed_sin(sin)                                                 # once per forward
+        by_token = cos[:, :, None], sin_signed[:, :, None]                           # [B, T, 1, D]: q|k at once
+        cos, sin_signed = cos[:, None], sin_signed[:, None]                          # [B, 1, T, D]: q, k apart
         captured = []
         last = len(self.layers) - 1
         for li, layer in enumerate(self.layers):
-            q, k, v = self._qkv(li, layer, x, rot)
+            attn = layer.self_attn
+            h = self.ops.norm(layer.input_layernorm, x)
+            qk_norm = getattr(attn, "q_norm", None) is not None                    # Qwen3
+            joint = None if qk_norm else self.ops.project_qk_v(li, h)
+            if joint is not None:       # q and k adjacent in the fused projection: rotated in one pass (3 kernels)
+                qk = rope(joint[0].view(B, T, H + KVH, D), *by_token)                # [B, T, H + KVH, D]
+                q, k, v = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2), joint[1].view(B, T, KVH, D)
+            else:
+                q, k, v = self.ops.project_qkv(li, attn, h)
+                q, k, v = q.view(B, T, H, D), k.view(B, T, KVH, D), v.view(B, T, KVH, D)
+                if qk_norm:
+                    q, k = attn.q_norm(q), attn.k_norm(k)
+                q, k = q.transpose(1, 2), k.transpose(1, 2)
+                q, k = rope(q, cos, sin_signed), rope(k, cos, sin_signed)
             kc, vc = self.k_cache[li], self.v_cache[li]
             kc[ri[:, None], :, write_pos] = k.transpose(1, 2)
             vc[ri[:, None], :, write_pos] = v
-            o = self._attend(q, (k, v), kc, vc, row_t, ri, old, kv_len, mask, mode, layer.self_attn.scaling)
-            x = self._finish_layer(li, layer, x, o.reshape(B, H, T, D).transpose(1, 2).reshape(B, T, H * D))
+            o = self._attend(q, (k, v), kc, vc, row_t, ri, old, kv_len, mask, mode, attn.scaling)
+            o = o.reshape(B, H, T, D).transpose(1, 2).reshape(B, T, H * D)
+            x = x + self.ops.o[li](o)
+            x = x + self.ops.mlp(li, layer.mlp, self.ops.norm(layer.post_attention_layernorm, x))
             if li in self.capture_layer_ids and li != last:
                 captured.append(x)
         x = self.ops.norm(self.norm, x)
@@ -312,59 +341,6 @@ class StaticKVEngine(KVRows):
         if not head:
             return EngineOutput(None, hidden, x)
         return EngineOutput(self.ops.head(x), hidden)
-
-    def _attention_mode(self, B: int, T: int, fresh: bool, chunked: bool) -> str:
-        """How a call of B rows x T new tokens attends: "causal" (fresh rows, over their own new tokens), "rows"
-        (the per-row kernel), "explicit" (few-query math) or "sdpa" (masked, over the padded kv_len)."""
-        few = T <= GROUPED_QUERY_MAX_T
-        if fresh and not few:
-            return "causal"
-        if (chunked and self._chunk_kernel()) or self.row_attention(B, T):
-            return "rows"
-        return "explicit" if few and self.ops.explicit_attention(B, self.kv_heads) else "sdpa"
-
-    def _mask(self, pos: torch.Tensor, kv_len: int, mode: str) -> torch.Tensor | None:
-        """The visibility mask of a call at positions `pos` [B, T] for the "explicit" / "sdpa" modes (None else)."""
-        if mode not in ("explicit", "sdpa"):
-            return None
-        B, T = pos.shape
-        G = self.heads // self.kv_heads
-        visible = torch.arange(kv_len, device=self.device)[None, None, :] <= pos[:, :, None]   # [B, T, kv]
-        if T > GROUPED_QUERY_MAX_T:
-            return visible[:, None]
-        mask = visible[:, None, None].expand(B, 1, G, T, kv_len).reshape(B, 1, G * T, kv_len)
-        return few_query_bias(mask, self.kv_heads, self.dtype) if mode == "explicit" else mask  # explicit: additive
-
-    def _rotation(self, x: torch.Tensor, pos: torch.Tensor) -> tuple:
-        """RoPE factors of tokens at `pos` [B, T] (x [B, T, hidden] gives the dtype): per token [B, T, 1, D] (q|k
-        rotated at once) and per head [B, 1, T, D] (q, k apart), each (cos, signed sin); once per forward."""
-        cos, sin = self.rotary(x, pos)                                               # [B, T, D]
-        sin_signed = signed_sin(sin)
-        return (cos[:, :, None], sin_signed[:, :, None]), (cos[:, None], sin_signed[:, None])
-
-    def _qkv(self, li: int, layer, x: torch.Tensor, rot: tuple):
-        """Layer `li`'s q [B, H, T, D], k [B, KVH, T, D] (normed where the model norms them, rotated) and
-        v [B, T, KVH, D] of x [B, T, hidden]."""
-        B, T = x.shape[:2]
-        H, KVH, D = self.heads, self.kv_heads, self.head_dim
-        attn = layer.self_attn
-        h = self.ops.norm(layer.input_layernorm, x)
-        qk_norm = getattr(attn, "q_norm", None) is not None                        # Qwen3
-        joint = None if qk_norm else self.ops.project_qk_v(li, h)
-        if joint is not None:           # q and k adjacent in the fused projection: rotated in one pass (3 kernels)
-            qk = rope(joint[0].view(B, T, H + KVH, D), *rot[0])                      # [B, T, H + KVH, D]
-            return qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2), joint[1].view(B, T, KVH, D)
-        q, k, v = self.ops.project_qkv(li, attn, h)
-        q, k, v = q.view(B, T, H, D), k.view(B, T, KVH, D), v.view(B, T, KVH, D)
-        if qk_norm:
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)
-        return rope(q, *rot[1]), rope(k, *rot[1]), v
-
-    def _finish_layer(self, li: int, layer, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-        """x after layer `li` given its attention output o [B, T, H * D]: o_proj and the residual, then the MLP."""
-        x = x + self.ops.o[li](o)
-        return x + self.ops.mlp(li, layer.mlp, self.ops.norm(layer.post_attention_layernorm, x))
 
     def _attend(self, q, new_kv, kc, vc, row_t, ri, old, kv_len: int, mask, mode: str, scale: float) -> torch.Tensor:
         """Attention of q [B, H, T, D] over one layer's cache rows (or, "causal", over the new keys / values
@@ -405,32 +381,25 @@ class StaticKVEngine(KVRows):
                  start=None, head: bool = True):
         """A CUDA graph of one `_compute` with static copies of its inputs: (graph, ids, num_new, output, rows,
         start); a replay reads whatever the caller copied into those."""
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
         s_ids, s_num = ids.clone(), num_new.clone()
         s_rows = None if row_t is None else row_t.clone()
         s_start = None if start is None else start.clone()
-        graph, out = self.graphed(lambda: self._compute(s_ids, s_num, s_rows, kv_len, last_only, fresh, s_start, head),
-                                  warmups)
-        log.debug("captured a CUDA graph for (B, T, kv_len, last_only) = %s", (*ids.shape, kv_len, last_only))
-        return graph, s_ids, s_num, out, s_rows, s_start
-
-    def graphed(self, run, warmups: int = 0):
-        """(graph, output) of `run()`, a forward over static inputs, captured as a CUDA graph in the engine's one
-        pool after `warmups` eager runs on a side stream (lazy inits); the row lengths are put back after each."""
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
         saved = self.lengths.clone()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+        with torch.cuda.stream(side):                    # warm-up (lazy inits); the lengths are put back
             for _ in range(warmups):
-                run()
+                self._compute(s_ids, s_num, s_rows, kv_len, last_only, fresh, s_start, head)
                 self.lengths.copy_(saved)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            out = run()
+            out = self._compute(s_ids, s_num, s_rows, kv_len, last_only, fresh, s_start, head)
         self.lengths.copy_(saved)                        # capture does not run kernels; belt and braces
-        return graph, out
+        log.debug("captured a CUDA graph for (B, T, kv_len, last_only) = %s", (*ids.shape, kv_len, last_only))
+        return graph, s_ids, s_num, out, s_rows, s_start
 
     @property
     def graph_count(self) -> int:
