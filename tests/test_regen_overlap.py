@@ -294,6 +294,8 @@ def test_the_cuda_branches_of_overlap_mode_run_with_stand_in_streams_and_events(
     assert _FakeStream.waits >= st["staged_landed"] // 3 > 0 and st["staging_device_waits"] > 0
     assert regen_staging._done(None)
     assert st["device_decode_s"] > 0 and st["device_staged_prefill_s"] > 0
+    # each fake event pair spans 1 ms: every launch adds 1 ms of decode, every launch after the first 1 ms between
+    assert st["device_between_launches_s"] == round(st["device_decode_s"] - 0.001, 3)
 
 
 def test_collect_early_and_steps_per_launch_flags_reach_the_backend_and_refuse_bad_values(llama, tmp_path,

@@ -114,7 +114,8 @@ class EngineBackend:
         self.prefill_rows = self.prefill_calls = self.prefill_real = self.prefill_padded = 0
         self.cuda = dev.type == "cuda"
         self._events: list[tuple] = []                   # (start, after prefill, after decode) of uncollected launches
-        self.gpu_s = {"prefill": 0.0, "decode": 0.0}     # device time (CUDA events; host time on the CPU)
+        self.gpu_s = {"prefill": 0.0, "decode": 0.0, "between": 0.0}   # device time (CUDA events; host time on the
+        self._last_end = None          # CPU); "between": from one launch's last step to the next launch's start
         mode = "CUDA graphs" if self.engine.use_graphs else "eager"
         attn = "per-row attention" if self.engine.row_attention(batch) else "SDPA attention"
         # overlap mode (module docstring): staged prefills on a side stream, the decode on a high-priority stream
@@ -309,17 +310,23 @@ class EngineBackend:
         self.width = w
 
     def _account(self) -> None:
-        """Add the device time of the launches done on the device (in overlap mode the last one may still run)."""
+        """Add the device time of the launches done on the device (in overlap mode the last one may still run), and
+        the time between them: the device idles there but for the collect's small copies (or overlap mode's side
+        stream), waiting for the host to queue the next launch."""
         keep = []
         for m0, m1, m2 in self._events:
+            if keep or (self.cuda and not m2.query()):
+                keep.append((m0, m1, m2))
+                continue
+            last, self._last_end = self._last_end, m2
             if not self.cuda:
                 self.gpu_s["prefill"] += m1 - m0
                 self.gpu_s["decode"] += m2 - m1
-            elif m2.query():
+                self.gpu_s["between"] += 0.0 if last is None else m0 - last
+            else:
                 self.gpu_s["prefill"] += m0.elapsed_time(m1) / 1e3
                 self.gpu_s["decode"] += m1.elapsed_time(m2) / 1e3
-            else:
-                keep.append((m0, m1, m2))
+                self.gpu_s["between"] += 0.0 if last is None else last.elapsed_time(m0) / 1e3
         self._events = keep
         if self.staging is not None:
             self.staging.account()
@@ -349,7 +356,8 @@ class EngineBackend:
                 "history_reused_tokens": self.reused_tokens, "history_prefills": self.delta_prefills,
                 "decode_graphs": self.engine.graph_count - self.engine.prefill_graph_count,
                 "device_prefill_s": round(self.gpu_s["prefill"], 3),
-                "device_decode_s": round(self.gpu_s["decode"], 3), **staged}
+                "device_decode_s": round(self.gpu_s["decode"], 3),
+                "device_between_launches_s": round(self.gpu_s["between"], 3), **staged}
 
     def _start(self, tok: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor) -> None:
         """Freshly prefilled `rows` start with their first tokens `tok` (chosen at token index 0 by their keys)."""
