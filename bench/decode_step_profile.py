@@ -10,7 +10,8 @@ buffer's). For each `--attention` mode, in the same process:
           kernel by kernel with CUPTI), grouped by name;
   prefill one bucketed prefill call of `--prefill-rows` x `--prefill-tokens` (graphed, after its warm-up
           and capture), median ms, and its profile.
-With --norm hf,fused each attention mode runs with HF's RMSNorm module and with the fused `F.rms_norm` (the
+With --elementwise fused,torch each run is timed with the fused RoPE / SwiGLU kernels (target/fused_elementwise.py)
+and with the PyTorch ops they replace, in the same process. With --norm hf,fused each attention mode runs with HF's RMSNorm module and with the fused `F.rms_norm` (the
 engine's CUDA default since session 20; small_batch_ops.py), so the saving is measured in the same process.
 Also the K/V bytes a step must read (each row's own keys) and the time that takes at 4.0 TB/s, the floor of
 per-row attention.
@@ -31,6 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.cuda_timing import median_ms  # noqa: E402
+from dflash_pipe.target import fused_elementwise  # noqa: E402
 from dflash_pipe.target.static_forward import StaticKVEngine  # noqa: E402
 
 SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -134,6 +136,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=96)
     ap.add_argument("--attention", default="sdpa,rows", help="comma list of engine attention modes")
     ap.add_argument("--norm", default="auto", help="comma list of the engine's RMSNorm modes (auto, fused, hf)")
+    ap.add_argument("--elementwise", default="fused", help="comma list: fused (target/fused_elementwise.py's RoPE "
+                                                           "and SwiGLU kernels, CUDA's default) and / or torch")
     ap.add_argument("--prefill-rows", type=int, default=64)
     ap.add_argument("--prefill-tokens", type=int, default=128)
     ap.add_argument("--no-profile", dest="profile", action="store_false")
@@ -154,10 +158,14 @@ def main() -> None:
            "batch": args.batch, "max_len": args.max_len, "mean_row_len": round(sum(lengths) / len(lengths), 1),
            "row_kv_gb_per_step": round(kv_bytes / 1e9, 3),
            "row_kv_floor_ms_at_4tbs": round(kv_bytes / 4.0e12 * 1e3, 3), "runs": []}
-    for attention, norm in ((a, n) for a in args.attention.split(",") for n in args.norm.split(",")):
+    for attention, norm, elementwise in ((a, n, e) for a in args.attention.split(",") for n in args.norm.split(",")
+                                         for e in args.elementwise.split(",")):
+        fused_elementwise.ENABLED = elementwise == "fused"
         r = measure(model, args, attention, lengths, norm)
+        r["elementwise"] = elementwise
         out["runs"].append(r)
-        print(f"SUMMARY attention {attention} ({r['mode']}), norm {r['norm']}: decode step {r['step_ms']} ms = "
+        print(f"SUMMARY attention {attention} ({r['mode']}), norm {r['norm']}, elementwise {elementwise}: decode "
+              f"step {r['step_ms']} ms = "
               f"{r['tok_s']:,.0f} tok/s at batch {args.batch}; prefill {args.prefill_rows}x{args.prefill_tokens} "
               f"{r['prefill_ms']} ms ({r['prefill_tok_s']:,.0f} tok/s)", flush=True)
         for key in ("step_profile", "prefill_profile"):

@@ -27,7 +27,7 @@
 #     smollm2   (first) reassemble the carried SmolLM2 GGUF and data for the steps after it
 #     regentests  pytest -m gpu of the static-KV engine (graphs == eager, no syncs), the per-row decode attention,
 #               regenerate's overlap mode (staged prefills on a side stream == the direct path, no syncs) and the
-#               chunked prefill (graphed == eager == padded)
+#               chunked prefill (graphed == eager == padded) and the fused RoPE / SwiGLU kernels
 #     decodeprof  bench/decode_step_profile.py: the batch-1024 decode step and a prefill call, per-row vs padded SDPA
 #               attention, with profiler tables (random SmolLM2-shaped weights: needs no carry)
 #     prefill   bench/prefill_layouts.py: regenerate's prefills of the real prompt lengths, padded vs chunked
@@ -102,7 +102,7 @@ rows = [dict(loader_rate(SeedShape(), ${LOADER_WORKERS:-12}, 8, row_group_mb=mb)
 print(json.dumps(rows, indent=1)); open('$OUT/loader_rate.json', 'w').write(json.dumps(rows, indent=1))" ;;
         regentests) step regentests "${REGEN_TESTS_S:-180}" python3 -m pytest -q -m gpu -p no:cacheprovider \
                         tests/test_static_forward_gpu.py tests/test_decode_attention_gpu.py tests/test_regen_overlap_gpu.py \
-                        tests/test_chunked_prefill_gpu.py ;;
+                        tests/test_chunked_prefill_gpu.py tests/test_fused_elementwise_gpu.py ;;
         decodeprof) step decodeprof "${DECODEPROF_S:-180}" python3 bench/decode_step_profile.py \
                         --json "$OUT/decode_step_profile.json" ${DECODEPROF_FLAGS:-} ;;
         prefill) step prefill "${PREFILL_S:-240}" python3 bench/prefill_layouts.py --json "$OUT/prefill_layouts.json" \

@@ -64,6 +64,7 @@ from dflash_pipe.eval.regen_backends import auto_batch_size  # noqa: E402
 from dflash_pipe.eval.regenerate import run_regenerate  # noqa: E402
 from dflash_pipe.eval.runner import encode_prompt  # noqa: E402
 from dflash_pipe.target import load_target  # noqa: E402
+from dflash_pipe.target import fused_elementwise  # noqa: E402
 from dflash_pipe.target.static_forward import StaticKVEngine  # noqa: E402
 
 
@@ -236,9 +237,11 @@ def one_batch(args, bundle, tmp: Path, batch_arg: int, attention: str) -> dict:
     modes = args.overlap.split(",")
     res = {"batch": batch, "attention": attention, "regen_by_overlap": {}}
     for mode in modes:
+        fused_elementwise.ENABLED = "torchops" not in mode.split("+")    # +torchops: PyTorch's RoPE / SwiGLU ops
         res["regen_by_overlap"][mode] = warm_then_time(args, bundle, regen_file(tmp, batch, attention, mode), batch,
                                                        attention, **mode_flags(mode))
         print(f"regen (overlap {mode})", res["regen_by_overlap"][mode], flush=True)
+    fused_elementwise.ENABLED = True
     res["regen"] = res["regen_by_overlap"][modes[0]]
     res["bare"] = bare_loop(args, bundle, batch, attention)
     print("bare", res["bare"], flush=True)
@@ -298,7 +301,9 @@ def main() -> None:
                                                      "+compact (--compact-tail), +noprefetch "
                                                      "(--no-prefetch-prompts), +padded (--prefill-layout "
                                                      "padded), +earlyK (--collect-early K), +everyN "
-                                                     "(--steps-per-launch N), e.g. off,on,on+compact or "
+                                                     "(--steps-per-launch N), +torchops (the engine's "
+                                                     "RoPE / SwiGLU as PyTorch ops, not fused kernels), e.g. "
+                                                     "off,on,on+compact or "
                                                      "off,off+early1,off+every16")
     ap.add_argument("--profile", type=int, default=0, help="then the first N prompts through regenerate again "
                                                           "under torch.profiler at the first batch and --overlap "

@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import UsageError
-from . import decode_attention
+from . import decode_attention, fused_elementwise
 from .linear_choice import CANDIDATES, LinearChooser, extra_for, tf32_on
 
 log = logging.getLogger("dflash_pipe.target")
@@ -53,6 +53,7 @@ log = logging.getLogger("dflash_pipe.target")
 ATTENTION_MODES = ("auto", "sdpa", "explicit", "rows")
 NORM_MODES = ("auto", "fused", "hf")
 DEFAULT_SM_COUNT = 132          # the CPU has none; the same rule as an H200, so CPU tests run the GPU's choice
+SILU_MODULES = ("SiLU", "SiLUActivation")   # torch's and transformers' SiLU modules (F.silu): fused_elementwise's
 
 
 def few_query_bias(visible: torch.Tensor, kv_heads: int, dtype: torch.dtype) -> torch.Tensor:
@@ -244,6 +245,10 @@ class LayerOps:
         if fused is None:
             return mlp(h)
         lin, sizes = fused
-        gate, up = lin(h).split(sizes, dim=-1)
-        x = self.act[li](gate) * up
+        gate_up = lin(h)
+        if type(self.act[li]).__name__ in SILU_MODULES and fused_elementwise.supported(gate_up):
+            x = fused_elementwise.silu_mul(gate_up, sizes[0])             # one kernel (fused_elementwise.py)
+        else:
+            gate, up = gate_up.split(sizes, dim=-1)
+            x = self.act[li](gate) * up
         return self.down[li](x) if self.down[li] is not None else mlp.down_proj(x)

@@ -44,7 +44,8 @@ single spare slot and are lost); ``truncate`` only shrinks.
 Small-batch ops (small_batch_ops.py, `LayerOps`; ``attention``, ``linear``, ``fused``, ``tune_rows``, ``norm`` pick
 its modes): q|k|v and gate|up are fused once into one weight each, of which the HF parameters become
 views (no copy; the HF model still works); the projections, the head, few-query attention (explicit
-math below the SM count, else SDPA), RMSNorm and RoPE run through it rather than the HF modules.
+math below the SM count, else SDPA), RMSNorm and RoPE run through it rather than the HF modules. On CUDA in bf16 /
+fp16 the rotation of q|k and the MLP's SiLU(gate) * up are one Triton kernel each (fused_elementwise.py).
 
 Speculative verification at batch 1 (the eval's use)::
 
@@ -68,6 +69,8 @@ from ..errors import UsageError
 from .chunked_prefill import chunked_prefill
 from .decode_attention import decode_attention as row_length_attention
 from .decode_attention import supported as row_kernel_supported
+from .fused_elementwise import rope_tokens
+from .fused_elementwise import supported as fused_ok
 from .kv_rows import KVRows
 from .prefill_shapes import PrefillShapes, next_pow2
 from .runner_utils import decoder_layers, final_norm, text_backbone, to_device
@@ -296,6 +299,7 @@ class StaticKVEngine(KVRows):
             mask = few_query_bias(mask, KVH, self.dtype)                             # [B*KVH, G*T, kv], additive
         x = self.embed(ids)
         cos, sin = self.rotary(x, pos)                                               # [B, T, D]
+        rotary = cos, sin                                                            # fused_elementwise's inputs
         sin_signed = signed_sin(sin)                                                 # once per forward
         by_token = cos[:, :, None], sin_signed[:, :, None]                           # [B, T, 1, D]: q|k at once
         cos, sin_signed = cos[:, None], sin_signed[:, None]                          # [B, 1, T, D]: q, k apart
@@ -307,7 +311,8 @@ class StaticKVEngine(KVRows):
             qk_norm = getattr(attn, "q_norm", None) is not None                    # Qwen3
             joint = None if qk_norm else self.ops.project_qk_v(li, h)
             if joint is not None:       # q and k adjacent in the fused projection: rotated in one pass (3 kernels)
-                qk = rope(joint[0].view(B, T, H + KVH, D), *by_token)                # [B, T, H + KVH, D]
+                qk = joint[0].view(B, T, H + KVH, D)
+                qk = rope_tokens(qk, *rotary) if fused_ok(qk) else rope(qk, *by_token)  # [B, T, H + KVH, D]
                 q, k, v = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2), joint[1].view(B, T, KVH, D)
             else:
                 q, k, v = self.ops.project_qkv(li, attn, h)
