@@ -1,5 +1,4 @@
-"""regenerate's host work on worker threads: first prompts tokenized ahead (regen_turns.PromptReadAhead), answers
-detokenized while a launch is queued (regen_turns.AnswerWorker). The same output as
+"""regenerate's first prompts tokenized ahead on a worker thread (regen_turns.PromptReadAhead): the same output as
 tokenizing them in the loop, input order kept, nothing tokenized that will not be generated."""
 
 from __future__ import annotations
@@ -74,26 +73,3 @@ def test_first_prompt_is_the_states_first_prompt():
     st = ConvState("x", m)
     assert first_prompt(m) == st.next_prompt() == [m[1], m[2]]
     assert first_prompt([{"role": "user", "content": "only"}]) is None
-
-
-def test_answers_are_detokenized_on_the_worker_and_the_output_stays_the_loops(cfg, llama, tmp_path, monkeypatch):
-    """regen_turns.AnswerWorker: with --prefetch-prompts (the default) every answer is recorded on the
-    "dflash-answers" thread, without it or with --reuse-history in the loop's thread; the three files are the same
-    (every turn, sampled, two samples a conversation)."""
-    real = regen_turns.Regenerator.record
-    threads: list[str] = []
-
-    def spy(self, c):
-        threads.append(threading.current_thread().name)
-        return real(self, c)
-
-    monkeypatch.setattr(regen_turns.Regenerator, "record", spy)
-    outs = {}
-    for name, kw in (("worker", {}), ("loop", {"prefetch_prompts": False}), ("reuse", {"reuse_history": True})):
-        threads.clear()
-        outs[name] = tmp_path / f"{name}.jsonl"
-        run_regenerate(cfg, outs[name], max_new_tokens=NEW, batch_size=2, device="cpu", bundle=llama, **SAMPLING,
-                       **kw)
-        on_worker = {t.startswith("dflash-answers") for t in threads}
-        assert threads and on_worker == {name == "worker"}, (name, set(threads))
-    assert outs["worker"].read_bytes() == outs["loop"].read_bytes() == outs["reuse"].read_bytes()

@@ -135,10 +135,6 @@ class Regenerator:
         st.turns += 1
         return st
 
-    def answers_in(self, completions: list[Completion]) -> list[TurnRequest]:
-        """Record each answer (detokenizing it); the next turns' requests of the conversations that continue."""
-        return self.next_requests([st for st in (self.record(c) for c in completions) if st is not None])
-
     def complete(self, c: Completion) -> TurnRequest | None:
         """Record an answer; the conversation's next request (or None)."""
         st = self.record(c)
@@ -200,42 +196,6 @@ class PromptReadAhead:
             else:
                 self._queue.append((conv, FirstPromptIds(future, k)))
                 k += 1
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-
-
-class AnswerWorker:
-    """`Regenerator.answers_in` on a worker thread: `submit(completions)` before the driver queues a launch, `take()`
-    after it. The launch's graph replays and kernel launches block in C++ once the device's queue is full and
-    release the GIL there, so detokenizing the last answers costs the device nothing (on the H100 at batch 1,024,
-    the device otherwise idled ~4 ms between launches while the host detokenized, session 31). The launch sees
-    the requests the worker builds one launch later, as it did when the loop detokenized after launching: the
-    same schedule and output.
-
-    enabled False (and for `--reuse-history`, whose held rows read the conversations' `done` flags during a
-    launch): `take` runs `answers_in` in the caller's thread."""
-
-    def __init__(self, regen: Regenerator, enabled: bool = True):
-        self._regen = regen
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="dflash-answers") if enabled else None
-        self._job: Future | None = None
-        self._inline: list[Completion] = []
-
-    def submit(self, completions: list[Completion]) -> None:
-        if self._pool is None or not completions:
-            self._inline = completions
-        else:
-            self._job = self._pool.submit(self._regen.answers_in, completions)
-
-    def take(self) -> list[TurnRequest]:
-        """The requests of the answers submitted last (waits for the worker)."""
-        job, self._job = self._job, None
-        if job is not None:
-            return job.result()
-        inline, self._inline = self._inline, []
-        return self._regen.answers_in(inline) if inline else []
 
     def close(self) -> None:
         if self._pool is not None:

@@ -35,9 +35,8 @@ continuous batching (finished slots refilled with the next prompts, CUDA graphs 
 targets (hybrid / recurrent layers) fall back to HF `generate`, greedy, named in the log. Up to
 4 x batch_size conversations are in flight; their ready turns are served oldest conversation
 first, and the answers are written in input order. While the device runs a launch, the host
-detokenizes the answers just collected (on a worker thread while the launch is being queued) and tokenizes the
-round's new prompts in one batched call (`encode_prompts`; a conversation's first prompt is tokenized ahead on
-another worker thread, regen_turns.py); the
+detokenizes the answers just collected and tokenizes the round's new prompts in one batched call
+(`encode_prompts`; a conversation's first prompt is tokenized ahead on a worker thread, regen_turns.py); the
 time of each phase is logged at the end and kept in the sidecar's "timing" (updated at every flush, so a run
 stopped by a deadline keeps its split up to its last flush).
 
@@ -81,7 +80,7 @@ from .regen_backends import Completion, EngineBackend, TurnRequest, auto_batch_s
 from .regen_hf import HFBackend
 from .regen_output import JsonlAppender, load_sidecar, scan_output, settings_of, sidecar_path  # noqa: F401
 from .regen_sampling import Decoding, answer_key
-from .regen_turns import COUNTERS, AnswerWorker, ConvState, PromptReadAhead, Regenerator
+from .regen_turns import COUNTERS, ConvState, PromptReadAhead, Regenerator
 from .runner import resolve_device
 from .specdecode import eos_token_ids
 
@@ -200,8 +199,7 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
     flight; the sidecar then says ``stopped_early``.
     first_sample: the first sample index (ids <id>#first_sample ..): more answers per prompt in another file.
     prefetch_prompts: read conversations ahead and tokenize their first prompts on a worker thread
-    (regen_turns.PromptReadAhead), and detokenize answers on another while a launch is queued
-    (regen_turns.AnswerWorker; not with reuse_history); the same output.
+    (regen_turns.PromptReadAhead); the same output.
     prefill_layout: how the engine prefills new prompts: "chunks" (16-token chunks, no padding to the longest
     prompt: target/chunked_prefill.py), "padded" (one padded call per length bucket), "auto" (chunks where the
     per-row attention kernel runs: CUDA, bf16 / fp16). The same answers up to rounding.
@@ -268,7 +266,6 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
     if done:
         print(f"regenerate: resuming {output}: {len(done)} conversations already written", flush=True)
     writer = JsonlAppender(output)
-    answers = AnswerWorker(regen, enabled=prefetch_prompts and not reuse_history)   # detokenizes under the launch
     t0, seconds0 = time.perf_counter(), float(state["seconds"])
     split = {"setup_s": t0 - entered}
     inflight: list[ConvState] = []          # admitted, not yet written, in input order
@@ -319,7 +316,6 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
         cap = None                           # conversations admitted per round: all at first, then a trickle
         while True:
             launched = oom = False
-            answers.submit(completions)
             t_a = time.perf_counter()
             if ready or backend.busy():
                 try:
@@ -342,10 +338,11 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
                                        attention, reuse_history, overlap, compact, prefill_layout, **tuning)
                 state["decode_path"] = backend.describe
             # host work while the device decodes: the last answers, the next turns, new prompts, the output
-            for req in answers.take():                 # the answers detokenized, the next turns' requests
-                _queue(ready, req)
+            going = [st for st in (regen.record(c) for c in completions) if st is not None]   # detokenizes
             t_c = time.perf_counter()
             split["detokenize_s"] += t_c - t_b
+            for req in regen.next_requests(going):
+                _queue(ready, req)
             admitted, fresh = 0, []
             cap = backend.B if cap is None else max(16, backend.B // 16)
             if max_seconds and not exhausted and _now() - started >= max_seconds:
@@ -391,7 +388,6 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
                 raise RuntimeFailure(f"regenerate stalled with {len(inflight)} conversations in flight (a bug)")
     finally:
         writer.close()
-        answers.close()
         prompts.close()
         bar.close()
         if backend is not None:
