@@ -69,7 +69,7 @@ from ..errors import UsageError
 from .chunked_prefill import chunked_prefill
 from .decode_attention import decode_attention as row_length_attention
 from .decode_attention import supported as row_kernel_supported
-from .fused_elementwise import rope_tokens
+from .fused_elementwise import rope_into_cache, rope_tokens
 from .fused_elementwise import supported as fused_ok
 from .kv_rows import KVRows
 from .prefill_shapes import PrefillShapes, next_pow2
@@ -310,10 +310,14 @@ class StaticKVEngine(KVRows):
             h = self.ops.norm(layer.input_layernorm, x)
             qk_norm = getattr(attn, "q_norm", None) is not None                    # Qwen3
             joint = None if qk_norm else self.ops.project_qk_v(li, h)
+            kc, vc = self.k_cache[li], self.v_cache[li]
             if joint is not None:       # q and k adjacent in the fused projection: rotated in one pass (3 kernels)
-                qk = joint[0].view(B, T, H + KVH, D)
-                qk = rope_tokens(qk, *rotary) if fused_ok(qk) else rope(qk, *by_token)  # [B, T, H + KVH, D]
-                q, k, v = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2), joint[1].view(B, T, KVH, D)
+                qk, v = joint[0].view(B, T, H + KVH, D), joint[1].view(B, T, KVH, D)
+                if mode == "rows" and fused_ok(qk):   # one kernel: rotation + cache writes (the kernel reads the cache)
+                    q, k = rope_into_cache(qk, v, *rotary, H, kc, vc, ri, write_pos).transpose(1, 2), None
+                else:
+                    qk = rope_tokens(qk, *rotary) if fused_ok(qk) else rope(qk, *by_token)  # [B, T, H + KVH, D]
+                    q, k = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2)
             else:
                 q, k, v = self.ops.project_qkv(li, attn, h)
                 q, k, v = q.view(B, T, H, D), k.view(B, T, KVH, D), v.view(B, T, KVH, D)
@@ -321,13 +325,11 @@ class StaticKVEngine(KVRows):
                     q, k = attn.q_norm(q), attn.k_norm(k)
                 q, k = q.transpose(1, 2), k.transpose(1, 2)
                 q, k = rope(q, cos, sin_signed), rope(k, cos, sin_signed)
-            kc, vc = self.k_cache[li], self.v_cache[li]
-            kc[ri[:, None], :, write_pos] = k.transpose(1, 2)
-            vc[ri[:, None], :, write_pos] = v
+            if k is not None:
+                kc[ri[:, None], :, write_pos] = k.transpose(1, 2)
+                vc[ri[:, None], :, write_pos] = v
             o = self._attend(q, (k, v), kc, vc, row_t, ri, old, kv_len, mask, mode, attn.scaling)
-            o = o.reshape(B, H, T, D).transpose(1, 2).reshape(B, T, H * D)
-            x = x + self.ops.o[li](o)
-            x = x + self.ops.mlp(li, layer.mlp, self.ops.norm(layer.post_attention_layernorm, x))
+            x = self._layer_rest(li, layer, x, o, B, T)
             if li in self.capture_layer_ids and li != last:
                 captured.append(x)
         x = self.ops.norm(self.norm, x)
@@ -346,6 +348,12 @@ class StaticKVEngine(KVRows):
         if not head:
             return EngineOutput(None, hidden, x)
         return EngineOutput(self.ops.head(x), hidden)
+
+    def _layer_rest(self, li: int, layer, x: torch.Tensor, o: torch.Tensor, B: int, T: int) -> torch.Tensor:
+        """x after layer `li` given its attention output o ([B, KVH, G*T, D] or [B, H, T, D]): o_proj, residual, MLP."""
+        o = o.reshape(B, self.heads, T, self.head_dim).transpose(1, 2).reshape(B, T, self.heads * self.head_dim)
+        x = x + self.ops.o[li](o)
+        return x + self.ops.mlp(li, layer.mlp, self.ops.norm(layer.post_attention_layernorm, x))
 
     def _attend(self, q, new_kv, kc, vc, row_t, ri, old, kv_len: int, mask, mode: str, scale: float) -> torch.Tensor:
         """Attention of q [B, H, T, D] over one layer's cache rows (or, "causal", over the new keys / values
