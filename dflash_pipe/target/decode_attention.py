@@ -31,6 +31,7 @@ import torch
 log = logging.getLogger("dflash_pipe.target")
 
 BLOCK_N = 64                      # keys per step of the online softmax
+NUM_WARPS, NUM_STAGES = 4, 2      # the launch's warps and software-pipelining stages (bench/decode_attention_tune.py)
 MAX_QUERY_ROWS = 64               # G * T handled by one program (the engine's T <= 16 with G <= 4)
 
 
@@ -102,18 +103,22 @@ def _kernel():
 
 
 def decode_attention(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, rows: torch.Tensor,
-                     old: torch.Tensor, T: int, kv_len: int, scale: float) -> torch.Tensor:
+                     old: torch.Tensor, T: int, kv_len: int, scale: float, config: tuple[int, int, int] | None = None
+                     ) -> torch.Tensor:
     """Attention of q [B, KVH, G*T, D] over cache rows `rows` of k_layer / v_layer [n_rows, KVH, size, D],
-    each row over its own visible keys (module docstring). Launches one kernel; no host sync."""
+    each row over its own visible keys (module docstring). Launches one kernel; no host sync. `config`:
+    (keys per block, warps, stages) instead of the module's defaults (the tuning bench's sweep)."""
     B, KVH, M, D = q.shape
     if q.stride(-1) != 1 or k_layer.stride(-1) != 1 or v_layer.stride(-1) != 1:
         raise ValueError("decode_attention needs the head dim contiguous in q, keys and values")
     out = torch.empty((B, KVH, M, D), dtype=q.dtype, device=q.device)
     block_m = max(16, 1 << (M - 1).bit_length())
+    block_n, warps, stages = config or (BLOCK_N, NUM_WARPS, NUM_STAGES)
     _kernel()[(B, KVH)](q, k_layer, v_layer, out, rows, old, float(scale), int(kv_len),
                         q.stride(0), q.stride(1), q.stride(2), k_layer.stride(0), k_layer.stride(1), k_layer.stride(2),
                         v_layer.stride(0), v_layer.stride(1), v_layer.stride(2), out.stride(0), out.stride(1),
-                        out.stride(2), M=M, T=T, D=D, BLOCK_M=block_m, BLOCK=BLOCK_N, num_warps=4, num_stages=2)
+                        out.stride(2), M=M, T=T, D=D, BLOCK_M=block_m, BLOCK=block_n, num_warps=warps,
+                        num_stages=stages)
     return out
 
 
