@@ -54,8 +54,8 @@ def main() -> None:
     args = ap.parse_args()
     g = torch.Generator().manual_seed(0)
     cases = shapes(g)
-    default = (da.BLOCK_N, da.NUM_WARPS, da.NUM_STAGES)
-    res = {"device": torch.cuda.get_device_name(), "default": default, "runs": []}
+    default = da.CONFIG_ONE_TOKEN
+    res = {"device": torch.cuda.get_device_name(), "default": default, "default_chunks": da.CONFIG_TOKENS, "runs": []}
     ref = {n: da.decode_attention(q, k, v, r, o, T, k.shape[2], 0.125) for n, (q, k, v, r, o, T, _) in cases.items()}
     for cfg in itertools.product(*(map(int, a.split(",")) for a in (args.blocks, args.warps, args.stages))):
         row = {"config": cfg}
@@ -75,7 +75,7 @@ def main() -> None:
     best = min(ok, key=lambda r: r["decode"]["ms"])
     base = next(r for r in ok if tuple(r["config"]) == default)
     res["best_decode"] = best
-    print(f"SUMMARY default {default}: decode {base['decode']['ms']} ms ({base['decode']['gb_s']} GB/s), chunks "
+    print(f"SUMMARY decode default {default}: decode {base['decode']['ms']} ms ({base['decode']['gb_s']} GB/s), chunks "
           f"{base['chunks'].get('ms')} ms; best decode {best['config']}: {best['decode']['ms']} ms "
           f"({best['decode']['gb_s']} GB/s), chunks {best['chunks'].get('ms')} ms", flush=True)
     if args.json:

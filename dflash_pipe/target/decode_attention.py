@@ -5,7 +5,7 @@ length rounded up to a bucket, with a mask for the rest. Under regenerate's cont
 row is always near `max_len`, so a step reads the whole K/V buffer (12 GB at SmolLM2's shape, batch
 1,024, max_len 512) although the rows hold ~170 tokens on average. `decode_attention` reads, per
 (row, KV head), only the keys that row can see: one Triton program each, an online softmax over
-64-key blocks up to the row's own length, the G query heads of the KV head (times the T new tokens)
+64- or 128-key blocks up to the row's own length, the G query heads of the KV head (times the T new tokens)
 as the rows of one small matrix product (GQA without copying keys).
 
 Semantics (the same as the SDPA path of `StaticKVEngine._compute`): q [B, KVH, G*T, D] with rows
@@ -17,7 +17,7 @@ never turns on). `decode_attention_reference` is the same math in PyTorch (CPU t
 reference).
 
 Triton is imported on first use, only where CUDA is (it is never installed on CPU machines); the
-kernel has one fixed configuration (no autotuning, so a CUDA graph can capture its launch after the
+kernel has one fixed configuration per shape kind (CONFIG_ONE_TOKEN, CONFIG_TOKENS: no autotuning, so a CUDA graph can capture its launch after the
 first call compiled it).
 """
 
@@ -30,8 +30,11 @@ import torch
 
 log = logging.getLogger("dflash_pipe.target")
 
-BLOCK_N = 64                      # keys per step of the online softmax
-NUM_WARPS, NUM_STAGES = 4, 2      # the launch's warps and software-pipelining stages (bench/decode_attention_tune.py)
+# (keys per step of the online softmax, warps, software-pipelining stages) of a launch: one token per row (decode),
+# and more (chunks, verify blocks). bench/decode_attention_tune.py on the H100 (session 31): decode 0.108 ms against
+# 0.127 for session 12's (64, 4, 2), chunks 0.060 against 0.069
+CONFIG_ONE_TOKEN = (128, 2, 3)
+CONFIG_TOKENS = (64, 2, 3)
 MAX_QUERY_ROWS = 64               # G * T handled by one program (the engine's T <= 16 with G <= 4)
 
 
@@ -113,7 +116,7 @@ def decode_attention(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tens
         raise ValueError("decode_attention needs the head dim contiguous in q, keys and values")
     out = torch.empty((B, KVH, M, D), dtype=q.dtype, device=q.device)
     block_m = max(16, 1 << (M - 1).bit_length())
-    block_n, warps, stages = config or (BLOCK_N, NUM_WARPS, NUM_STAGES)
+    block_n, warps, stages = config or (CONFIG_ONE_TOKEN if T == 1 else CONFIG_TOKENS)
     _kernel()[(B, KVH)](q, k_layer, v_layer, out, rows, old, float(scale), int(kv_len),
                         q.stride(0), q.stride(1), q.stride(2), k_layer.stride(0), k_layer.stride(1), k_layer.stride(2),
                         v_layer.stride(0), v_layer.stride(1), v_layer.stride(2), out.stride(0), out.stride(1),
