@@ -17,8 +17,8 @@ never turns on). `decode_attention_reference` is the same math in PyTorch (CPU t
 reference).
 
 Triton is imported on first use, only where CUDA is (it is never installed on CPU machines); the
-kernel has one fixed configuration per shape kind (CONFIG_ONE_TOKEN, CONFIG_TOKENS: no autotuning, so a CUDA graph can capture its launch after the
-first call compiled it).
+kernel has one fixed configuration per shape kind (CONFIG_ONE_TOKEN, CONFIG_TOKENS; no autotuning, so a CUDA
+graph can capture its launch after the first call compiled it).
 """
 
 from __future__ import annotations
