@@ -5,7 +5,7 @@ length rounded up to a bucket, with a mask for the rest. Under regenerate's cont
 row is always near `max_len`, so a step reads the whole K/V buffer (12 GB at SmolLM2's shape, batch
 1,024, max_len 512) although the rows hold ~170 tokens on average. `decode_attention` reads, per
 (row, KV head), only the keys that row can see: one Triton program each, an online softmax over
-64- or 128-key blocks up to the row's own length, the G query heads of the KV head (times the T new tokens)
+64-key blocks up to the row's own length, the G query heads of the KV head (times the T new tokens)
 as the rows of one small matrix product (GQA without copying keys).
 
 Semantics (the same as the SDPA path of `StaticKVEngine._compute`): q [B, KVH, G*T, D] with rows
@@ -31,10 +31,12 @@ import torch
 log = logging.getLogger("dflash_pipe.target")
 
 # (keys per step of the online softmax, warps, software-pipelining stages) of a launch: one token per row (decode),
-# and more (chunks, verify blocks). bench/decode_attention_tune.py on the H100 (session 31): decode 0.108 ms against
-# 0.127 for session 12's (64, 4, 2), chunks 0.060 against 0.069
-CONFIG_ONE_TOKEN = (128, 2, 3)
-CONFIG_TOKENS = (64, 2, 3)
+# and more (chunks, verify blocks). On the H100 (session 31) bench/decode_attention_tune.py timed (128, 2, 3) at
+# 0.108 ms a decode call against 0.127 for this (64, 4, 2) and (64, 2, 3) at 0.060 against 0.069 for chunks, but in
+# regenerate (SmolLM2, batch 1,024) the decode steps' device time did not move (9.60 s against 9.68), while the bf16
+# answers changed (4,031 of 13,835 rows identical): the defaults stay
+CONFIG_ONE_TOKEN = (64, 4, 2)
+CONFIG_TOKENS = (64, 4, 2)
 MAX_QUERY_ROWS = 64               # G * T handled by one program (the engine's T <= 16 with G <= 4)
 
 
