@@ -64,10 +64,8 @@ from dflash_pipe.eval.regen_backends import auto_batch_size  # noqa: E402
 from dflash_pipe.eval.regenerate import run_regenerate  # noqa: E402
 from dflash_pipe.eval.runner import encode_prompt  # noqa: E402
 from dflash_pipe.target import load_target  # noqa: E402
-from dflash_pipe.target import decode_attention, fused_elementwise  # noqa: E402
+from dflash_pipe.target import fused_elementwise  # noqa: E402
 from dflash_pipe.target.static_forward import StaticKVEngine  # noqa: E402
-
-ATTENTION_CONFIGS = decode_attention.CONFIG_ONE_TOKEN, decode_attention.CONFIG_TOKENS
 
 
 def _cfg(args, n: int, skip: int = 0) -> RunConfig:
@@ -240,13 +238,10 @@ def one_batch(args, bundle, tmp: Path, batch_arg: int, attention: str) -> dict:
     res = {"batch": batch, "attention": attention, "regen_by_overlap": {}}
     for mode in modes:
         fused_elementwise.ENABLED = "torchops" not in mode.split("+")    # +torchops: PyTorch's RoPE / SwiGLU ops
-        decode_attention.CONFIG_ONE_TOKEN, decode_attention.CONFIG_TOKENS = (    # +attn642: session 12's launch
-            ((64, 4, 2), (64, 4, 2)) if "attn642" in mode.split("+") else ATTENTION_CONFIGS)
         res["regen_by_overlap"][mode] = warm_then_time(args, bundle, regen_file(tmp, batch, attention, mode), batch,
                                                        attention, **mode_flags(mode))
         print(f"regen (overlap {mode})", res["regen_by_overlap"][mode], flush=True)
     fused_elementwise.ENABLED = True
-    decode_attention.CONFIG_ONE_TOKEN, decode_attention.CONFIG_TOKENS = ATTENTION_CONFIGS
     res["regen"] = res["regen_by_overlap"][modes[0]]
     res["bare"] = bare_loop(args, bundle, batch, attention)
     print("bare", res["bare"], flush=True)
@@ -307,8 +302,7 @@ def main() -> None:
                                                      "(--no-prefetch-prompts), +padded (--prefill-layout "
                                                      "padded), +earlyK (--collect-early K), +everyN "
                                                      "(--steps-per-launch N), +torchops (the engine's "
-                                                     "RoPE / SwiGLU as PyTorch ops, not fused kernels), +attn642 "
-                                                     "(the per-row attention's session-12 launch), e.g. "
+                                                     "RoPE / SwiGLU as PyTorch ops, not fused kernels), e.g. "
                                                      "off,on,on+compact or "
                                                      "off,off+early1,off+every16")
     ap.add_argument("--profile", type=int, default=0, help="then the first N prompts through regenerate again "
