@@ -285,7 +285,7 @@ def test_the_cuda_branches_of_overlap_mode_run_with_stand_in_streams_and_events(
     direct, _ = _answers(llama.model, prompts, dec)
     be = EngineBackend(llama.model, EOS, batch=4, max_len=96, max_new_tokens=14, dec=dec, check_every=3,
                        overlap=True, staging_rows=3)
-    be.cuda = be.staging.cuda = be.snap.cuda = True          # the CUDA branches, on CPU tensors
+    be.cuda = be.staging.cuda = be.snap.cuda = be.clock.cuda = True          # the CUDA branches, on CPU tensors
     be.main, be.staging.stream = _FakeStream(), _FakeStream()
     _FakeStream.waits = 0
     got = drain_backend(be, prompts, key_offset=100)

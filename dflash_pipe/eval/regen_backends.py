@@ -57,7 +57,8 @@ from ..target.static_forward import StaticKVEngine, to_device
 from .regen_refill import RefillPolicy, plan_refill
 from .regen_requests import Completion, Held, TurnRequest, auto_batch_size  # noqa: F401 - re-exported
 from .regen_sampling import Decoding, next_tokens
-from .regen_staging import Snapshot, StagingArea, mark
+from .regen_clock import LaunchClock
+from .regen_staging import Snapshot, StagingArea
 
 log = logging.getLogger("dflash_pipe.eval")
 GREEDY = Decoding()
@@ -113,9 +114,7 @@ class EngineBackend:
         self.sample_until = 0
         self.prefill_rows = self.prefill_calls = self.prefill_real = self.prefill_padded = 0
         self.cuda = dev.type == "cuda"
-        self._events: list[tuple] = []                   # (start, after prefill, after decode) of uncollected launches
-        self.gpu_s = {"prefill": 0.0, "decode": 0.0, "between": 0.0}   # device time (CUDA events; host time on the
-        self._last_end = None          # CPU); "between": from one launch's last step to the next launch's start
+        self.clock = LaunchClock(self.cuda)              # device time of prefills, decode steps, gaps (regen_clock)
         mode = "CUDA graphs" if self.engine.use_graphs else "eager"
         attn = "per-row attention" if self.engine.row_attention(batch) else "SDPA attention"
         # overlap mode (module docstring): staged prefills on a side stream, the decode on a high-priority stream
@@ -186,7 +185,7 @@ class EngineBackend:
             self._launch(ready)
 
     def _launch(self, ready: list[TurnRequest]) -> None:
-        m0 = mark(self.cuda)
+        m0 = self.clock.mark()
         if self.held:
             self._continue_held(ready)
         free = self._free_rows()
@@ -226,7 +225,7 @@ class EngineBackend:
         state snapshot after step check_every - lag."""
         if self.compact and not ready and not (self.staging and len(self.staging)):
             self._shrink()
-        m1 = mark(self.cuda)
+        m1 = self.clock.mark()
         if self._live():
             if self.snap is not None and self.lag == self.check_every:   # the state as this launch starts
                 self.snap.take(self.active, self.n_gen, self.ended, self.out, self.live_row_steps)
@@ -234,7 +233,7 @@ class EngineBackend:
                 self._decode()
                 if self.snap is not None and i == self.check_every - 1 - self.lag:
                     self.snap.take(self.active, self.n_gen, self.ended, self.out, self.live_row_steps)
-        self._events.append((m0, m1, mark(self.cuda)))
+        self.clock.add(m0, m1)
 
     def _land(self, free: list[int], wait: bool) -> None:
         """Staged prompts into free slots (regen_staging.StagingArea.land), started like freshly prefilled rows."""
@@ -310,24 +309,8 @@ class EngineBackend:
         self.width = w
 
     def _account(self) -> None:
-        """Add the device time of the launches done on the device (in overlap mode the last one may still run), and
-        the time between them: the device idles there but for the collect's small copies (or overlap mode's side
-        stream), waiting for the host to queue the next launch."""
-        keep = []
-        for m0, m1, m2 in self._events:
-            if keep or (self.cuda and not m2.query()):
-                keep.append((m0, m1, m2))
-                continue
-            last, self._last_end = self._last_end, m2
-            if not self.cuda:
-                self.gpu_s["prefill"] += m1 - m0
-                self.gpu_s["decode"] += m2 - m1
-                self.gpu_s["between"] += 0.0 if last is None else m0 - last
-            else:
-                self.gpu_s["prefill"] += m0.elapsed_time(m1) / 1e3
-                self.gpu_s["decode"] += m1.elapsed_time(m2) / 1e3
-                self.gpu_s["between"] += 0.0 if last is None else last.elapsed_time(m0) / 1e3
-        self._events = keep
+        """Count the device time of the launches done on the device (in overlap mode the last one may still run)."""
+        self.clock.account()
         if self.staging is not None:
             self.staging.account()
 
@@ -355,9 +338,9 @@ class EngineBackend:
                 "prefill_graphs": self.engine.prefill_graph_count,
                 "history_reused_tokens": self.reused_tokens, "history_prefills": self.delta_prefills,
                 "decode_graphs": self.engine.graph_count - self.engine.prefill_graph_count,
-                "device_prefill_s": round(self.gpu_s["prefill"], 3),
-                "device_decode_s": round(self.gpu_s["decode"], 3),
-                "device_between_launches_s": round(self.gpu_s["between"], 3), **staged}
+                "device_prefill_s": round(self.clock.seconds["prefill"], 3),
+                "device_decode_s": round(self.clock.seconds["decode"], 3),
+                "device_between_launches_s": round(self.clock.seconds["between"], 3), **staged}
 
     def _start(self, tok: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor) -> None:
         """Freshly prefilled `rows` start with their first tokens `tok` (chosen at token index 0 by their keys)."""
