@@ -10,9 +10,10 @@ buffer's). For each `--attention` mode, in the same process:
           kernel by kernel with CUPTI), grouped by name;
   prefill one bucketed prefill call of `--prefill-rows` x `--prefill-tokens` (graphed, after its warm-up
           and capture), median ms, and its profile.
-With --elementwise fused,torch each run is timed with the fused RoPE / SwiGLU kernels (target/fused_elementwise.py)
-and with the PyTorch ops they replace, in the same process. With --norm hf,fused each attention mode runs with HF's RMSNorm module and with the fused `F.rms_norm` (the
-engine's CUDA default since session 20; small_batch_ops.py), so the saving is measured in the same process.
+With --elementwise fused,torch each run is timed with the fused RoPE / SwiGLU / cache-write kernels
+(target/fused_elementwise.py) and with the PyTorch ops they replace, in the same process. With --norm hf,fused each
+attention mode runs with HF's RMSNorm module and with the fused `F.rms_norm` (the engine's CUDA default since
+session 20; small_batch_ops.py), so the saving is measured in the same process.
 Also the K/V bytes a step must read (each row's own keys) and the time that takes at 4.0 TB/s, the floor of
 per-row attention.
 

@@ -45,7 +45,8 @@ Small-batch ops (small_batch_ops.py, `LayerOps`; ``attention``, ``linear``, ``fu
 its modes): q|k|v and gate|up are fused once into one weight each, of which the HF parameters become
 views (no copy; the HF model still works); the projections, the head, few-query attention (explicit
 math below the SM count, else SDPA), RMSNorm and RoPE run through it rather than the HF modules. On CUDA in bf16 /
-fp16 the rotation of q|k and the MLP's SiLU(gate) * up are one Triton kernel each (fused_elementwise.py).
+fp16 the rotation of q|k (with the K/V cache writes where the per-row kernel attends) and the MLP's SiLU(gate) * up
+are one Triton kernel each (fused_elementwise.py).
 
 Speculative verification at batch 1 (the eval's use)::
 
