@@ -1,7 +1,8 @@
-"""Two Triton kernels for the static-KV engine's elementwise work on CUDA: RoPE of q|k and SiLU(gate) * up.
+"""Triton kernels for the static-KV engine's elementwise work on CUDA: RoPE of q|k (optionally writing the K/V cache)
+and SiLU(gate) * up.
 
 Elementwise kernels are most of a prefill call's device time at SmolLM2's size. In the H100 profile of a
-64 x 64-token call (session 31, BENCHMARKS.md), GEMMs took 30 % and elementwise kernels and copies 65 %. Two
+64 x 64-token call (session 31, BENCHMARKS.md), GEMMs took 30 % and elementwise kernels and copies 66 %. Two
 groups stand out there:
 * RoPE is three kernels a layer: swap the halves (a flip), x * cos, then addcmul.
 * The MLP's SiLU(gate) * up is two kernels, each reading strided halves of the fused gate|up output (PyTorch's
