@@ -54,8 +54,8 @@ def main() -> None:
     args = ap.parse_args()
     g = torch.Generator().manual_seed(0)
     cases = shapes(g)
-    default = da.CONFIG_ONE_TOKEN
-    res = {"device": torch.cuda.get_device_name(), "default": default, "default_chunks": da.CONFIG_TOKENS, "runs": []}
+    default = da.CONFIG
+    res = {"device": torch.cuda.get_device_name(), "default": default, "runs": []}
     ref = {n: da.decode_attention(q, k, v, r, o, T, k.shape[2], 0.125) for n, (q, k, v, r, o, T, _) in cases.items()}
     for cfg in itertools.product(*(map(int, a.split(",")) for a in (args.blocks, args.warps, args.stages))):
         row = {"config": cfg}

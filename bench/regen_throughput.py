@@ -151,7 +151,8 @@ def bare_loop(args, bundle, batch: int, attention: str = "auto") -> dict:
         secs = time.perf_counter() - t0
     return {"batch": batch, "steps": args.new_tokens, "tokens": batch * args.new_tokens,
             "prefill_layout": eng.prefill_layout,
-            "mean_prompt_tokens": round(sum(map(len, prompts)) / batch, 1), "graphs": eng.graph_count - eng.prefill_graph_count,
+            "mean_prompt_tokens": round(sum(map(len, prompts)) / batch, 1),
+            "graphs": eng.graph_count - eng.prefill_graph_count,
             "kv_cache_gb": round(eng.cache_bytes() / 1e9, 2), "ms_per_step": round(1e3 * secs / args.new_tokens, 3),
             "tok_s": round(batch * args.new_tokens / secs, 1), "prefill_s": round(prefill_s, 3),
             "tok_s_with_prefill": round(batch * args.new_tokens / (secs + prefill_s), 1)}

@@ -33,12 +33,12 @@ class LaunchClock:
     def account(self) -> None:
         """Count the launches the device has finished, in order."""
         keep = []
+        span = (lambda a, b: b - a) if not self.cuda else (lambda a, b: a.elapsed_time(b) / 1e3)
         for m0, m1, m2 in self._pending:
             if keep or (self.cuda and not m2.query()):
                 keep.append((m0, m1, m2))
                 continue
             last, self._last_end = self._last_end, m2
-            span = (lambda a, b: b - a) if not self.cuda else (lambda a, b: a.elapsed_time(b) / 1e3)
             self.seconds["prefill"] += span(m0, m1)
             self.seconds["decode"] += span(m1, m2)
             self.seconds["between"] += 0.0 if last is None else span(last, m0)

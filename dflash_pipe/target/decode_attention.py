@@ -17,8 +17,8 @@ never turns on). `decode_attention_reference` is the same math in PyTorch (CPU t
 reference).
 
 Triton is imported on first use, only where CUDA is (it is never installed on CPU machines); the
-kernel has one fixed configuration per shape kind (CONFIG_ONE_TOKEN, CONFIG_TOKENS; no autotuning, so a CUDA
-graph can capture its launch after the first call compiled it).
+kernel has one fixed configuration (CONFIG; no autotuning, so a CUDA graph can capture its launch after the first
+call compiled it).
 """
 
 from __future__ import annotations
@@ -30,13 +30,11 @@ import torch
 
 log = logging.getLogger("dflash_pipe.target")
 
-# (keys per step of the online softmax, warps, software-pipelining stages) of a launch: one token per row (decode),
-# and more (chunks, verify blocks). On the H100 (session 31) bench/decode_attention_tune.py timed (128, 2, 3) at
-# 0.108 ms a decode call against 0.127 for this (64, 4, 2) and (64, 2, 3) at 0.060 against 0.069 for chunks, but in
-# regenerate (SmolLM2, batch 1,024) the decode steps' device time did not move (9.60 s against 9.68), while the bf16
-# answers changed (4,031 of 13,835 rows identical): the defaults stay
-CONFIG_ONE_TOKEN = (64, 4, 2)
-CONFIG_TOKENS = (64, 4, 2)
+# (keys per step of the online softmax, warps, software-pipelining stages) of a launch. On the H100 (session 31)
+# bench/decode_attention_tune.py timed (128, 2, 3) at 0.108 ms a decode call against 0.127 for this one, and
+# (64, 2, 3) at 0.060 against 0.069 for 16-token chunks, but in regenerate (SmolLM2, batch 1,024) the decode steps'
+# device time did not move (9.60 s against 9.68) while the bf16 answers changed (4,031 of 13,835 rows identical)
+CONFIG = (64, 4, 2)
 MAX_QUERY_ROWS = 64               # G * T handled by one program (the engine's T <= 16 with G <= 4)
 
 
@@ -118,7 +116,7 @@ def decode_attention(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tens
         raise ValueError("decode_attention needs the head dim contiguous in q, keys and values")
     out = torch.empty((B, KVH, M, D), dtype=q.dtype, device=q.device)
     block_m = max(16, 1 << (M - 1).bit_length())
-    block_n, warps, stages = config or (CONFIG_ONE_TOKEN if T == 1 else CONFIG_TOKENS)
+    block_n, warps, stages = config or CONFIG
     _kernel()[(B, KVH)](q, k_layer, v_layer, out, rows, old, float(scale), int(kv_len),
                         q.stride(0), q.stride(1), q.stride(2), k_layer.stride(0), k_layer.stride(1), k_layer.stride(2),
                         v_layer.stride(0), v_layer.stride(1), v_layer.stride(2), out.stride(0), out.stride(1),

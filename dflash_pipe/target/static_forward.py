@@ -330,7 +330,9 @@ class StaticKVEngine(KVRows):
                 kc[ri[:, None], :, write_pos] = k.transpose(1, 2)
                 vc[ri[:, None], :, write_pos] = v
             o = self._attend(q, (k, v), kc, vc, row_t, ri, old, kv_len, mask, mode, attn.scaling)
-            x = self._layer_rest(li, layer, x, o, B, T)
+            o = o.reshape(B, H, T, D).transpose(1, 2).reshape(B, T, H * D)
+            x = x + self.ops.o[li](o)
+            x = x + self.ops.mlp(li, layer.mlp, self.ops.norm(layer.post_attention_layernorm, x))
             if li in self.capture_layer_ids and li != last:
                 captured.append(x)
         x = self.ops.norm(self.norm, x)
@@ -349,12 +351,6 @@ class StaticKVEngine(KVRows):
         if not head:
             return EngineOutput(None, hidden, x)
         return EngineOutput(self.ops.head(x), hidden)
-
-    def _layer_rest(self, li: int, layer, x: torch.Tensor, o: torch.Tensor, B: int, T: int) -> torch.Tensor:
-        """x after layer `li` given its attention output o ([B, KVH, G*T, D] or [B, H, T, D]): o_proj, residual, MLP."""
-        o = o.reshape(B, self.heads, T, self.head_dim).transpose(1, 2).reshape(B, T, self.heads * self.head_dim)
-        x = x + self.ops.o[li](o)
-        return x + self.ops.mlp(li, layer.mlp, self.ops.norm(layer.post_attention_layernorm, x))
 
     def _attend(self, q, new_kv, kc, vc, row_t, ri, old, kv_len: int, mask, mode: str, scale: float) -> torch.Tensor:
         """Attention of q [B, H, T, D] over one layer's cache rows (or, "causal", over the new keys / values
