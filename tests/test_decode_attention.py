@@ -88,7 +88,7 @@ def test_engine_on_the_per_row_path_equals_the_sdpa_engine(monkeypatch):
 
     def stand_in(*args):                         # the kernel's reference, counted
         calls.append(args[0].shape)
-        return da.decode_attention_reference(*args)
+        return da.row_attention_reference(*args)
 
     eng = StaticKVEngine(model, len(prompts), 96, kv_bucket=16, attention="sdpa")
     eng.ops.attention = "rows"                   # as on CUDA with Triton (the CPU constructor refuses "rows")
@@ -97,6 +97,6 @@ def test_engine_on_the_per_row_path_equals_the_sdpa_engine(monkeypatch):
     got = _decode_trace(eng, prompts)
     layers = len(eng.layers)
     assert len(calls) == layers * (12 + 1 + 3)   # every decode / verify / subset step, no prefill (T > 16)
-    assert {c[2] for c in calls} == {eng.heads // eng.kv_heads, 4 * eng.heads // eng.kv_heads}
+    assert {c[1] for c in calls} == {1, 4} and {c[2] for c in calls} == {eng.heads}    # q as [B, T, H, D]
     for a, b in zip(got, want):                  # fp32: the two attentions differ only in summation order
         assert a.shape == b.shape and float((a - b).abs().max() / b.abs().max()) <= 1e-5

@@ -53,6 +53,30 @@ def test_kernel_equals_the_reference_as_closely_as_sdpa_does(T, dtype):
         assert float(e_got.mean()) <= 1.5 * float(e_sdpa.mean()) + ulp / 16
 
 
+@pytest.mark.parametrize("T", [1, 16])
+def test_the_token_major_layout_gives_the_grouped_layouts_numbers_bit_for_bit(T):
+    """row_attention on q [B, T, H, D] (a strided slice of a joint q|k projection, as the engine passes it) equals
+    decode_attention on the same q regrouped to [B, KVH, G*T, D], bit for bit, and its float64-reference error
+    is the grouped one's."""
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(7 + T)
+    n_rows, KVH, G, D, size, B = 40, 3, 3, 64, 300, 29
+    H = KVH * G
+    k = torch.randn(n_rows, KVH, size, D, device=dev, generator=g).to(torch.bfloat16)
+    v = torch.randn(n_rows, KVH, size, D, device=dev, generator=g).to(torch.bfloat16)
+    rows = torch.randperm(n_rows, device=dev, generator=g)[:B]
+    old = torch.randint(0, size - T, (B,), device=dev, generator=g)
+    qk = torch.randn(B, T, H + KVH, D, device=dev, generator=g).to(torch.bfloat16)
+    q = qk[:, :, :H]                                                    # not contiguous: the engine's view
+    grouped = q.reshape(B, T, KVH, G, D).permute(0, 2, 3, 1, 4).reshape(B, KVH, G * T, D)
+    got = da.row_attention(q, k, v, rows, old, size, 0.125)
+    want = da.decode_attention(grouped, k, v, rows, old, T, size, 0.125)
+    assert got.shape == (B, T, H, D) and got.is_contiguous()
+    assert torch.equal(got, want.reshape(B, KVH, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H, D))
+    ref = da.row_attention_reference(q.double(), k.double(), v.double(), rows, old, size, 0.125)
+    assert float((got.double() - ref).abs().max()) < 0.05
+
+
 def _model(dtype=torch.bfloat16):
     m = build_random_model("tiny-llama", seed=0, device=torch.device("cuda"), dtype=torch.float32)
     return liven(m.eval().requires_grad_(False)).to(dtype)     # the same weights in both dtypes

@@ -17,14 +17,13 @@ buffers and the stopping masks (EOS / max_new_tokens) stay on the device; `colle
 until then (at most check_every - 1 wasted steps), and costs nothing in attention (its length
 stops growing).
 
-History reuse (`reuse_history`, multi-turn): a finished row's slot is held with its K/V (the prompt and the
-answer tokens fed so far) until the driver has turned the answer into the conversation's next request. If
-that prompt starts with exactly those tokens (the chat template re-renders the history; a re-tokenization
-that differs falls back), only the new tokens (the end-of-turn token, the next user message, the assistant
-header) are prefilled into the held row, grouped into calls as a refill groups fresh prompts; otherwise, or when no next
-request comes within two launches, the slot is freed. Later turns then cost their new tokens instead of
-their whole history (session 14's every-turn data: 19 % of the prefilled tokens). The held history's K/V were
-written by decode steps instead of one prefill: the same values up to rounding.
+History reuse (`reuse_history`, multi-turn) and tail compaction: regen_slots.py.
+
+Queuing a launch in two parts (``host_work_after`` K; by default 2 steps on CUDA): `launch` queues the refill and
+the first K decode steps only, the driver does its host work (detokenize, tokenize, write), then `finish_launch`
+queues the rest. Queued in one go, a launch's steps do not all fit in the device's launch queue: the host blocks
+in the last graph launches until only a step or two are left ahead of the device, and the host work that follows
+then outlasts them. The same answers (the device runs the same work in the same order).
 
 Collecting early (``snapshot_lag`` K, 1 by default on CUDA): `collect` reads a copy of the per-row state taken K
 steps before the launch's end and refills the freed slots at once; the refill's prefills queue behind those last
@@ -48,13 +47,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import replace
 
 import torch
 
 from ..errors import UsageError
 from ..target.static_forward import StaticKVEngine, to_device
 from .regen_refill import RefillPolicy, plan_refill
+from .regen_slots import continue_held, shrink
 from .regen_requests import Completion, Held, TurnRequest, auto_batch_size  # noqa: F401 - re-exported
 from .regen_sampling import Decoding, next_tokens
 from .regen_clock import LaunchClock
@@ -62,6 +61,7 @@ from .regen_staging import Snapshot, StagingArea
 
 log = logging.getLogger("dflash_pipe.eval")
 GREEDY = Decoding()
+HOST_WORK_AFTER_CUDA = 2             # decode steps queued before the host's work between launches (module docstring)
 
 
 class EngineBackend:
@@ -73,7 +73,7 @@ class EngineBackend:
                  check_every: int = 8, prefill_tokens: int | None = None, use_graphs: str = "auto",
                  compact: bool | None = None, min_free: int | None = None, attention: str = "auto",
                  reuse_history: bool = False, overlap: bool = False, staging_rows: int | None = None,
-                 snapshot_lag: int | None = None, prefill_layout: str = "auto"):
+                 snapshot_lag: int | None = None, prefill_layout: str = "auto", host_work_after: int | None = None):
         cuda = next(model.parameters()).device.type == "cuda"     # padding rows to 8 saves graphs, not CPU time
         self.engine = StaticKVEngine(model, batch, max_len, use_graphs=use_graphs, bucketed_prefill=True,
                                      prefill_min_rows=8 if cuda else 1, attention=attention,
@@ -134,11 +134,18 @@ class EngineBackend:
         self.lag = max(0, min(self.check_every, lag))
         if self.lag or overlap:
             self.snap = Snapshot(batch, max_new_tokens + 1, dev)
+        # a launch in two parts (module docstring): the steps queued before the host's work; the rest in finish_launch
+        after = host_work_after if host_work_after is not None else HOST_WORK_AFTER_CUDA if self.cuda \
+            else self.check_every
+        self.host_work_after = max(0, min(self.check_every, after))
+        self._open = None                  # (start mark, after-prefill mark, pause mark) of a launch's queued 1st part
         if self.main is not None:
             self.main.wait_stream(torch.cuda.current_stream())     # the buffers above were made on this one
         steps = f"collect {self.lag} step{'s' * (self.lag != 1)} early"
         over = (f", prefills under the decode ({self.staging.rows} staging rows, {steps})" if overlap
                 else f", {steps}" if self.lag else "")
+        if self.host_work_after < self.check_every:
+            over += f", host work after {self.host_work_after} step{'s' * (self.host_work_after != 1)}"
         self.describe = (f"{self.name} ({mode}, batch {batch}, {attn}, {self.engine.prefill_layout} prefill, "
                          f"check every {self.check_every} steps, "
                          f"refill at {self.policy.min_free} free slots{', history reuse' if reuse_history else ''}"
@@ -173,6 +180,7 @@ class EngineBackend:
         if self.staging is not None:
             with self._on_main():
                 back += self.staging.take_back()
+        self._open = None                  # its second part is never queued
         self.close()                       # the caller frees this backend next (a smaller batch)
         self.slots = [None] * self.B
         self.held.clear()                  # the rerun prefills whole prompts
@@ -180,14 +188,27 @@ class EngineBackend:
 
     @torch.inference_mode()
     def launch(self, ready: list[TurnRequest]) -> None:
-        """Fill free slots from the front of `ready` and queue check_every decode steps (no host sync)."""
+        """Fill free slots from the front of `ready` and queue the launch's decode steps (no host sync): the
+        first `host_work_after` of them, the rest in `finish_launch`."""
         with self._on_main():
             self._launch(ready)
+
+    @torch.inference_mode()
+    def finish_launch(self) -> None:
+        """Queue the rest of the launch's decode steps (module docstring); nothing if they are queued already."""
+        if self._open is None:
+            return
+        m0, m1, paused = self._open
+        self._open = None
+        with self._on_main():
+            resumed = self.clock.mark()
+            self._steps(self.host_work_after, self.check_every)
+            self.clock.add(m0, m1, (paused, resumed))
 
     def _launch(self, ready: list[TurnRequest]) -> None:
         m0 = self.clock.mark()
         if self.held:
-            self._continue_held(ready)
+            continue_held(self, ready)
         free = self._free_rows()
         if self.staging is not None and free and len(self.staging):
             self._land(free, wait=not self._live() or len(free) >= self.policy.min_free)
@@ -224,16 +245,25 @@ class EngineBackend:
         """check_every decode steps on the slots (after tail compaction where it applies); in overlap mode the
         state snapshot after step check_every - lag."""
         if self.compact and not ready and not (self.staging and len(self.staging)):
-            self._shrink()
+            shrink(self)
         m1 = self.clock.mark()
-        if self._live():
-            if self.snap is not None and self.lag == self.check_every:   # the state as this launch starts
+        if not self._live():
+            self.clock.add(m0, m1)
+            return
+        if self.snap is not None and self.lag == self.check_every:   # the state as this launch starts
+            self.snap.take(self.active, self.n_gen, self.ended, self.out, self.live_row_steps)
+        self._steps(0, self.host_work_after)
+        if self.host_work_after < self.check_every:
+            self._open = (m0, m1, self.clock.mark())
+        else:
+            self.clock.add(m0, m1)
+
+    def _steps(self, first: int, stop: int) -> None:
+        """Decode steps first .. stop - 1 of a launch, with the state snapshot after step check_every - 1 - lag."""
+        for i in range(first, stop):
+            self._decode()
+            if self.snap is not None and i == self.check_every - 1 - self.lag:
                 self.snap.take(self.active, self.n_gen, self.ended, self.out, self.live_row_steps)
-            for i in range(self.check_every):
-                self._decode()
-                if self.snap is not None and i == self.check_every - 1 - self.lag:
-                    self.snap.take(self.active, self.n_gen, self.ended, self.out, self.live_row_steps)
-        self.clock.add(m0, m1)
 
     def _land(self, free: list[int], wait: bool) -> None:
         """Staged prompts into free slots (regen_staging.StagingArea.land), started like freshly prefilled rows."""
@@ -247,66 +277,6 @@ class EngineBackend:
         dev = self.engine.device
         self._start(first, to_device(rows, dev), to_device([r.key for r in reqs], dev))
         self.sample_until = max(self.sample_until, self.decode_steps + self.dec.greedy_after - 1)
-
-    def _continue_held(self, ready: list[TurnRequest]) -> None:
-        """History reuse: the next requests of held rows' conversations go back into their rows, prefilling only
-        what follows the tokens already there (grouped into calls as a refill groups fresh prompts); held rows
-        whose conversation has no such request are freed (after two launches without one, or at once when the
-        request's prompt does not extend them)."""
-        by_state = {id(h.state): r for r, h in self.held.items()}
-        rows, reqs, taken, drop = [], [], set(), []
-        for i, req in enumerate(ready):
-            r = by_state.get(id(req.state))
-            if r is None:
-                continue
-            fed = self.held[r].fed
-            if len(req.prompt) > len(fed) and req.prompt[:len(fed)] == fed:
-                rows.append(r)
-                reqs.append(req)
-                taken.add(i)
-            else:
-                drop.append(r)              # the re-rendered history differs: a fresh prefill, elsewhere
-        for r, h in self.held.items():
-            h.launches += 1
-            if r not in rows and r not in drop and (h.state.done or h.launches > 2):
-                drop.append(r)
-        if drop:
-            self._release(drop)
-        if not rows:
-            return
-        deltas = []
-        for r, req in zip(rows, reqs):
-            fed = self.held.pop(r).fed
-            deltas.append(req.prompt[len(fed):])
-            self.reused_tokens += len(fed)
-            self.slots[r] = req
-        ready[:] = [r for i, r in enumerate(ready) if i not in taken]
-        n = len(rows)
-        appending = replace(self.policy, chunked=False)           # appends to held rows pad (static_forward.py)
-        for call in plan_refill(n, [len(d) for d in deltas], n, self.B - n, appending):
-            self.delta_prefills += 1
-            self._prefill([rows[i] for i in call], [reqs[i] for i in call], [deltas[i] for i in call])
-
-    def _shrink(self) -> None:
-        """Halve the decode width while the live rows fit in half of it (min batch / 8), moving rows down."""
-        live = [i for i, s in enumerate(self.slots) if s is not None]
-        w = self.width
-        while w // 2 >= max(len(live), self.min_width):
-            w //= 2
-        if w == self.width:
-            return
-        src = [i for i in live if i >= w]
-        dst = [i for i in range(w) if self.slots[i] is None][:len(src)]
-        if src:
-            self.engine.move_rows(src, dst)
-            s = to_device(src, self.engine.device)
-            d = to_device(dst, self.engine.device)
-            for t in (self.cur, self.active, self.ended, self.n_gen, self.keys, self.out):
-                t[d] = t[s]
-            self.active.index_fill_(0, s, False)
-            for a, b in zip(src, dst):
-                self.slots[b], self.slots[a] = self.slots[a], None
-        self.width = w
 
     def _account(self) -> None:
         """Count the device time of the launches done on the device (in overlap mode the last one may still run)."""
@@ -340,7 +310,8 @@ class EngineBackend:
                 "decode_graphs": self.engine.graph_count - self.engine.prefill_graph_count,
                 "device_prefill_s": round(self.clock.seconds["prefill"], 3),
                 "device_decode_s": round(self.clock.seconds["decode"], 3),
-                "device_between_launches_s": round(self.clock.seconds["between"], 3), **staged}
+                "device_between_launches_s": round(self.clock.seconds["between"], 3),
+                "device_paused_in_launch_s": round(self.clock.seconds["paused"], 3), **staged}
 
     def _start(self, tok: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor) -> None:
         """Freshly prefilled `rows` start with their first tokens `tok` (chosen at token index 0 by their keys)."""
@@ -418,6 +389,7 @@ class EngineBackend:
         return [(r, row[0], bool(row[1]), row[2:2 + row[0]]) for r, row in zip(done, table)]
 
     def _collect(self) -> list[Completion]:
+        self.finish_launch()               # a driver that does its host work before `launch` never calls it
         finished = self._finished()
         self._account()
         if not finished:

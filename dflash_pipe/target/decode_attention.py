@@ -9,12 +9,15 @@ row is always near `max_len`, so a step reads the whole K/V buffer (12 GB at Smo
 as the rows of one small matrix product (GQA without copying keys).
 
 Semantics (the same as the SDPA path of `StaticKVEngine._compute`): q [B, KVH, G*T, D] with rows
-ordered (g, t); the new tokens' keys are already written at positions old[b] .. old[b] + T - 1 of
-cache row rows[b]; query (g, t) sees keys 0 .. min(old[b] + t, kv_len - 1). Output [B, KVH, G*T, D]
-in q's dtype. fp32 accumulation, the probabilities rounded to the value dtype before the PV product
-(as flash attention does); bf16 / fp16 only (an fp32 `tl.dot` would run in TF32, which the engine
-never turns on). `decode_attention_reference` is the same math in PyTorch (CPU tests, the GPU test's
-reference).
+ordered (g, t) (`decode_attention`), or q [B, T, H, D] as the projection makes it, query head
+h = kv_head * G + g (`row_attention`: the kernel reads q and writes the output through strides, so the
+engine's 16-token prefill chunks need no transposing copies). The new tokens' keys are already written
+at positions old[b] .. old[b] + T - 1 of cache row rows[b]; query (g, t) sees keys
+0 .. min(old[b] + t, kv_len - 1). The output has q's shape and dtype. fp32 accumulation, the
+probabilities rounded to the value dtype before the PV product (as flash attention does); bf16 / fp16
+only (an fp32 `tl.dot` would run in TF32, which the engine never turns on).
+`decode_attention_reference` / `row_attention_reference` are the same math in PyTorch (CPU tests, the
+GPU test's reference).
 
 Triton is imported on first use, only where CUDA is (it is never installed on CPU machines); the
 kernel has one fixed configuration (CONFIG; no autotuning, so a CUDA graph can capture its launch after the first
@@ -65,7 +68,7 @@ def _kernel():
 
     @triton.jit
     def decode_attention_kernel(Q, K, V, O, ROWS, OLD, scale, kv_len,
-                                s_qb, s_qh, s_qm, s_kr, s_kh, s_kn, s_vr, s_vh, s_vn, s_ob, s_oh, s_om,
+                                s_qb, s_qh, s_qg, s_qt, s_kr, s_kh, s_kn, s_vr, s_vh, s_vn, s_ob, s_oh, s_og, s_ot,
                                 M: tl.constexpr, T: tl.constexpr, D: tl.constexpr,
                                 BLOCK_M: tl.constexpr, BLOCK: tl.constexpr):
         b = tl.program_id(0)
@@ -76,9 +79,10 @@ def _kernel():
         offs_d = tl.arange(0, D)
         offs_n = tl.arange(0, BLOCK)
         live_m = offs_m < M
-        q = tl.load(Q + b * s_qb + h * s_qh + offs_m[:, None] * s_qm + offs_d[None, :], mask=live_m[:, None],
-                    other=0.0)
-        limit = tl.minimum(old + (offs_m % T) + 1, kv_len)       # query row m sees keys < limit[m]
+        g_m, t_m = offs_m // T, offs_m % T                        # query row m = (query head g of h, token t)
+        q = tl.load(Q + b * s_qb + h * s_qh + (g_m * s_qg + t_m * s_qt)[:, None] + offs_d[None, :],
+                    mask=live_m[:, None], other=0.0)
+        limit = tl.minimum(old + t_m + 1, kv_len)       # query row m sees keys < limit[m]
         n_end = tl.minimum(old + T, kv_len)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -99,8 +103,8 @@ def _kernel():
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
         out = acc / l_i[:, None]
-        tl.store(O + b * s_ob + h * s_oh + offs_m[:, None] * s_om + offs_d[None, :], out.to(O.dtype.element_ty),
-                 mask=live_m[:, None])
+        tl.store(O + b * s_ob + h * s_oh + (g_m * s_og + t_m * s_ot)[:, None] + offs_d[None, :],
+                 out.to(O.dtype.element_ty), mask=live_m[:, None])
 
     return decode_attention_kernel
 
@@ -112,17 +116,41 @@ def decode_attention(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tens
     each row over its own visible keys (module docstring). Launches one kernel; no host sync. `config`:
     (keys per block, warps, stages) instead of the module's defaults (the tuning bench's sweep)."""
     B, KVH, M, D = q.shape
+    out = torch.empty((B, KVH, M, D), dtype=q.dtype, device=q.device)
+    s_q, s_o = q.stride(2), out.stride(2)                      # row m = g * T + t
+    _launch(q, (q.stride(0), q.stride(1), T * s_q, s_q), out, (out.stride(0), out.stride(1), T * s_o, s_o),
+            k_layer, v_layer, rows, old, M, T, D, kv_len, scale, config)
+    return out
+
+
+def row_attention(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, rows: torch.Tensor,
+                  old: torch.Tensor, kv_len: int, scale: float) -> torch.Tensor:
+    """`decode_attention` of q [B, T, H, D] (the projection's layout; any strides with the head dim contiguous),
+    written as [B, T, H, D] (contiguous): the same kernel, the same numbers, no transposing copies (module
+    docstring)."""
+    B, T, H, D = q.shape
+    KVH = k_layer.shape[1]
+    G = H // KVH
+    out = torch.empty((B, T, H, D), dtype=q.dtype, device=q.device)
+    _launch(q, (q.stride(0), G * q.stride(2), q.stride(2), q.stride(1)),
+            out, (out.stride(0), G * out.stride(2), out.stride(2), out.stride(1)),
+            k_layer, v_layer, rows, old, G * T, T, D, kv_len, scale, None)
+    return out
+
+
+def _launch(q, q_strides, out, out_strides, k_layer, v_layer, rows, old, M: int, T: int, D: int, kv_len: int,
+            scale: float, config) -> None:
+    """One kernel launch over (row, KV head): q / out addressed by (batch, KV head, query head g, token t)
+    strides."""
     if q.stride(-1) != 1 or k_layer.stride(-1) != 1 or v_layer.stride(-1) != 1:
         raise ValueError("decode_attention needs the head dim contiguous in q, keys and values")
-    out = torch.empty((B, KVH, M, D), dtype=q.dtype, device=q.device)
+    B, KVH = q.shape[0], k_layer.shape[1]
     block_m = max(16, 1 << (M - 1).bit_length())
     block_n, warps, stages = config or CONFIG
-    _kernel()[(B, KVH)](q, k_layer, v_layer, out, rows, old, float(scale), int(kv_len),
-                        q.stride(0), q.stride(1), q.stride(2), k_layer.stride(0), k_layer.stride(1), k_layer.stride(2),
-                        v_layer.stride(0), v_layer.stride(1), v_layer.stride(2), out.stride(0), out.stride(1),
-                        out.stride(2), M=M, T=T, D=D, BLOCK_M=block_m, BLOCK=block_n, num_warps=warps,
-                        num_stages=stages)
-    return out
+    _kernel()[(B, KVH)](q, k_layer, v_layer, out, rows, old, float(scale), int(kv_len), *q_strides,
+                        k_layer.stride(0), k_layer.stride(1), k_layer.stride(2),
+                        v_layer.stride(0), v_layer.stride(1), v_layer.stride(2), *out_strides,
+                        M=M, T=T, D=D, BLOCK_M=block_m, BLOCK=block_n, num_warps=warps, num_stages=stages)
 
 
 def decode_attention_reference(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, rows: torch.Tensor,
@@ -142,3 +170,14 @@ def decode_attention_reference(q: torch.Tensor, k_layer: torch.Tensor, v_layer: 
         scores = scores.masked_fill(~visible[None], float("-inf"))
         out[b] = torch.einsum("hmn,hnd->hmd", torch.softmax(scores, dim=-1), vals).to(q.dtype)
     return out
+
+
+def row_attention_reference(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, rows: torch.Tensor,
+                            old: torch.Tensor, kv_len: int, scale: float) -> torch.Tensor:
+    """`row_attention` in PyTorch: q [B, T, H, D] regrouped to [B, KVH, G*T, D] for the reference, and back."""
+    B, T, H, D = q.shape
+    KVH = k_layer.shape[1]
+    G = H // KVH
+    grouped = q.reshape(B, T, KVH, G, D).permute(0, 2, 3, 1, 4).reshape(B, KVH, G * T, D)
+    o = decode_attention_reference(grouped, k_layer, v_layer, rows, old, T, kv_len, scale)
+    return o.reshape(B, KVH, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H, D)

@@ -68,7 +68,7 @@ import torch.nn.functional as F
 
 from ..errors import UsageError
 from .chunked_prefill import chunked_prefill
-from .decode_attention import decode_attention as row_length_attention
+from .decode_attention import row_attention as row_length_attention
 from .decode_attention import supported as row_kernel_supported
 from .fused_elementwise import rope_into_cache, rope_tokens
 from .fused_elementwise import supported as fused_ok
@@ -330,7 +330,7 @@ class StaticKVEngine(KVRows):
                 kc[ri[:, None], :, write_pos] = k.transpose(1, 2)
                 vc[ri[:, None], :, write_pos] = v
             o = self._attend(q, (k, v), kc, vc, row_t, ri, old, kv_len, mask, mode, attn.scaling)
-            o = o.reshape(B, H, T, D).transpose(1, 2).reshape(B, T, H * D)
+            o = o.reshape(B, T, H * D) if mode == "rows" else o.reshape(B, H, T, D).transpose(1, 2).reshape(B, T, H * D)
             x = x + self.ops.o[li](o)
             x = x + self.ops.mlp(li, layer.mlp, self.ops.norm(layer.post_attention_layernorm, x))
             if li in self.capture_layer_ids and li != last:
@@ -354,7 +354,7 @@ class StaticKVEngine(KVRows):
 
     def _attend(self, q, new_kv, kc, vc, row_t, ri, old, kv_len: int, mask, mode: str, scale: float) -> torch.Tensor:
         """Attention of q [B, H, T, D] over one layer's cache rows (or, "causal", over the new keys / values
-        [B, KVH, T, D] / [B, T, KVH, D] alone); [B, KVH, G*T, D] or [B, H, T, D]."""
+        [B, KVH, T, D] / [B, T, KVH, D] alone); [B, KVH, G*T, D], [B, H, T, D] or ("rows") [B, T, H, D]."""
         B, H, T, D = q.shape
         KVH = self.kv_heads
         G = H // KVH
@@ -362,7 +362,7 @@ class StaticKVEngine(KVRows):
             k, v = new_kv[0].repeat_interleave(G, dim=1), new_kv[1].transpose(1, 2).repeat_interleave(G, dim=1)
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
         if mode == "rows":
-            return row_length_attention(q.reshape(B, KVH, G * T, D), kc, vc, ri, old, T, kv_len, scale)
+            return row_length_attention(q.transpose(1, 2), kc, vc, ri, old, kv_len, scale)   # strided: no copy
         if row_t is None:
             keys, vals = kc[:B, :, :kv_len], vc[:B, :, :kv_len]
         else:
