@@ -30,6 +30,8 @@
 #               chunked prefill (graphed == eager == padded) and the fused RoPE / SwiGLU kernels
 #     attntune  bench/decode_attention_tune.py: the per-row attention kernel's launch configurations swept on the
 #               decode and chunked-prefill shapes (no carry)
+#     launchq   bench/launch_queue.py: how many decode steps the host queues ahead of a busy device before a
+#               launch call blocks (random SmolLM2-shaped weights: needs no carry)
 #     decodeprof  bench/decode_step_profile.py: the batch-1024 decode step and a prefill call, per-row vs padded SDPA
 #               attention, with profiler tables (random SmolLM2-shaped weights: needs no carry)
 #     prefill   bench/prefill_layouts.py: regenerate's prefills of the real prompt lengths, padded vs chunked
@@ -105,6 +107,7 @@ print(json.dumps(rows, indent=1)); open('$OUT/loader_rate.json', 'w').write(json
         regentests) step regentests "${REGEN_TESTS_S:-180}" python3 -m pytest -q -m gpu -p no:cacheprovider \
                         tests/test_static_forward_gpu.py tests/test_decode_attention_gpu.py tests/test_regen_overlap_gpu.py \
                         tests/test_chunked_prefill_gpu.py tests/test_fused_elementwise_gpu.py ;;
+        launchq) step launchq "${LAUNCHQ_S:-180}" python3 bench/launch_queue.py --json "$OUT/launch_queue.json" ;;
         attntune) step attntune "${ATTNTUNE_S:-240}" python3 bench/decode_attention_tune.py \
                       --json "$OUT/decode_attention_tune.json" ${ATTNTUNE_FLAGS:-} ;;
         decodeprof) step decodeprof "${DECODEPROF_S:-180}" python3 bench/decode_step_profile.py \
@@ -134,6 +137,6 @@ print(json.dumps(rows, indent=1)); open('$OUT/loader_rate.json', 'w').write(json
         objstore) step objstore "${OBJSTORE_S:-400}" env PATH="/tmp/site/bin:$PATH" python3 bench/objstore_loader.py \
                       --batches "${OBJSTORE_BATCHES:-24}" --workers 12 --server rclone --json "$OUT/objstore_loader.json" ${OBJSTORE_FLAGS:-} ;;
         gputests) step gputests "${TESTS_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider tests ;;
-        *) echo "unknown step $what (smollm2 extract flex train trainsmol topk stats draft loader regentests attntune decodeprof prefill regen hybrid evaltests window windowq smallgemm evalprofile evalspeed objstore gputests)"; exit 2 ;;
+        *) echo "unknown step $what (smollm2 extract flex train trainsmol topk stats draft loader regentests launchq attntune decodeprof prefill regen hybrid evaltests window windowq smallgemm evalprofile evalspeed objstore gputests)"; exit 2 ;;
     esac
 done

@@ -145,8 +145,8 @@ def regenerate_cmd(cfg: RunConfig, output: Path = typer.Option(..., "--output", 
                    host_work_after: int = typer.Option(-1, help="Static-KV engine: queue this many of a launch's "
                                                        "decode steps, do the host's work (detokenize, tokenize, "
                                                        "write), then queue the rest, so the device is never left "
-                                                       "without steps while the host works (-1 = 2 on CUDA, all "
-                                                       "on the CPU; the same output).")):
+                                                       "without steps while the host works (-1 = all at once; "
+                                                       "the same output).")):
     """Regenerate the assistant turns with the target itself (drafters must learn the target's outputs)."""
     from .errors import UsageError
     from .eval.regenerate import run_regenerate

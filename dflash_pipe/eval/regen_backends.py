@@ -19,11 +19,12 @@ stops growing).
 
 History reuse (`reuse_history`, multi-turn) and tail compaction: regen_slots.py.
 
-Queuing a launch in two parts (``host_work_after`` K; by default 2 steps on CUDA): `launch` queues the refill and
+Queuing a launch in two parts (``host_work_after`` K < check_every; off by default): `launch` queues the refill and
 the first K decode steps only, the driver does its host work (detokenize, tokenize, write), then `finish_launch`
-queues the rest. Queued in one go, a launch's steps do not all fit in the device's launch queue: the host blocks
-in the last graph launches until only a step or two are left ahead of the device, and the host work that follows
-then outlasts them. The same answers (the device runs the same work in the same order).
+queues the rest. The same answers (the device runs the same work in the same order). It was meant to keep steps
+queued while the host works, but measured slower on the H100 (session 32, BENCHMARKS.md: 0.920x at K = 2, 0.965x
+at K = 4): the host work outlasts K steps, the device then pauses inside the launch, and the CUDA launch queue
+holds ~17 whole decode steps (`bench/launch_queue.py`), so queuing all 8 at once never blocked on it.
 
 Collecting early (``snapshot_lag`` K, 1 by default on CUDA): `collect` reads a copy of the per-row state taken K
 steps before the launch's end and refills the freed slots at once; the refill's prefills queue behind those last
@@ -61,7 +62,6 @@ from .regen_staging import Snapshot, StagingArea
 
 log = logging.getLogger("dflash_pipe.eval")
 GREEDY = Decoding()
-HOST_WORK_AFTER_CUDA = 2             # decode steps queued before the host's work between launches (module docstring)
 
 
 class EngineBackend:
@@ -135,8 +135,7 @@ class EngineBackend:
         if self.lag or overlap:
             self.snap = Snapshot(batch, max_new_tokens + 1, dev)
         # a launch in two parts (module docstring): the steps queued before the host's work; the rest in finish_launch
-        after = host_work_after if host_work_after is not None else HOST_WORK_AFTER_CUDA if self.cuda \
-            else self.check_every
+        after = self.check_every if host_work_after is None else host_work_after
         self.host_work_after = max(0, min(self.check_every, after))
         self._open = None                  # (start mark, after-prefill mark, pause mark) of a launch's queued 1st part
         if self.main is not None:

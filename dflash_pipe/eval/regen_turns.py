@@ -80,6 +80,7 @@ class Regenerator:
         self.tokenizer, self.eos, self.dec = tokenizer, eos, dec
         self.max_new_tokens, self.max_length, self.max_turns = max_new_tokens, max_length, max_turns
         self.limit = limit or f"max_length {max_length}"    # what max_length is, for the skip reasons
+        self._batch_decode: bool | None = None             # decode_texts: whether the Rust batch decode agrees
 
     def next_request(self, st: ConvState) -> TurnRequest | None:
         """The conversation's next turn to generate, or None (it is finished)."""
@@ -120,12 +121,35 @@ class Regenerator:
             reqs.append(TurnRequest(st, ids, answer_key(self.dec.seed, st.sample_id, st.turns), st.order))
         return reqs
 
-    def record(self, c: Completion) -> ConvState | None:
-        """Record an answer; its conversation if it may continue (else None: it is finished)."""
+    def record_all(self, comps: list[Completion]) -> list[ConvState]:
+        """Record answers, detokenized in one batch (`decode_texts`); the conversations that may continue."""
+        texts = self.decode_texts([c.tokens for c in comps])
+        return [st for st in (self.record(c, t) for c, t in zip(comps, texts)) if st is not None]
+
+    def decode_texts(self, seqs: list[list[int]]) -> list[str]:
+        """The answers' texts as `tokenizer.decode(ids, skip_special_tokens=True)` gives them. A fast tokenizer
+        without the clean-up pass decodes a batch in Rust: in parallel, without the GIL, ~2x faster per answer
+        even on 2 cores. The first batch is checked against the one-by-one decode (up to 8 answers); any
+        difference (another transformers version, another tokenizer) keeps the one-by-one decode for the run."""
+        tok = self.tokenizer
+        backend = getattr(tok, "backend_tokenizer", None)
+        if self._batch_decode is None and seqs:
+            self._batch_decode = False
+            if backend is not None and not getattr(tok, "clean_up_tokenization_spaces", True):
+                probe = seqs[:8]
+                self._batch_decode = (backend.decode_batch(probe, skip_special_tokens=True)
+                                      == [tok.decode(q, skip_special_tokens=True) for q in probe])
+        if self._batch_decode and len(seqs) > 1:
+            return backend.decode_batch(seqs, skip_special_tokens=True)
+        return [tok.decode(q, skip_special_tokens=True) for q in seqs]
+
+    def record(self, c: Completion, text: str | None = None) -> ConvState | None:
+        """Record an answer (`text`: its decoded tokens, if decoded already); its conversation if it may continue
+        (else None: it is finished)."""
         st: ConvState = c.request.state
         st.counts["generated_tokens"] += len(c.tokens) + c.ended
         st.counts["truncated_responses"] += not c.ended
-        text = self.tokenizer.decode(c.tokens, skip_special_tokens=True)
+        text = self.tokenizer.decode(c.tokens, skip_special_tokens=True) if text is None else text
         if not text.strip():
             st.counts["empty_answers"] += 1
             st.finish("the target's first answer is empty")

@@ -215,7 +215,7 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
     steps_per_launch: the copy as the launch starts, the host a whole launch ahead). The same output; an answer
     that ends in those last steps waits one launch more.
     host_work_after: queue this many of a launch's decode steps, do the host's work (detokenize, tokenize, write),
-    then queue the rest (None: 2 on CUDA; steps_per_launch: all at once). The same output.
+    then queue the rest (None: all at once). The same output.
     """
     started = _now() if max_seconds else 0.0
     entered = time.perf_counter()            # the set-up before the loop (target load, engine) is timed too
@@ -351,7 +351,7 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
             t_b = time.perf_counter()
             split["launch_s"] += t_b - t_a
             # host work while the device decodes: the last answers, the next turns, new prompts, the output
-            going = [st for st in (regen.record(c) for c in completions) if st is not None]   # detokenizes
+            going = regen.record_all(completions)                                             # detokenizes
             t_c = time.perf_counter()
             split["detokenize_s"] += t_c - t_b
             for req in regen.next_requests(going):
