@@ -7,13 +7,14 @@ launches as its tokens need, so the answers per launch and their lengths look li
 is host work: the split's tokenize / detokenize / write seconds per launch are what the real run's device must
 cover while the host does them (issue 18: at SmolLM2's size a launch's device work is ~30 ms on an H100).
 
-    python bench/regen_host_work.py --prompts 4096 --json host.json
+    python bench/regen_host_work.py --prompts 4096 --no-prefetch [--one-by-one] --json host.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -23,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash_pipe.config import RunConfig  # noqa: E402
 from dflash_pipe.data.sources import load_conversations  # noqa: E402
-from dflash_pipe.eval import regenerate  # noqa: E402
+from dflash_pipe.eval import regen_turns, regenerate  # noqa: E402
 from dflash_pipe.eval.regen_requests import Completion  # noqa: E402
 from dflash_pipe.target.loading import load_target  # noqa: E402
 
@@ -87,9 +88,14 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1024)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--no-prefetch", action="store_true", help="first prompts tokenized in the loop (no worker)")
+    ap.add_argument("--one-by-one", action="store_true",
+                    help="detokenize answer by answer (tokenizer.decode), as regenerate did before session 32")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     bundle = load_target(args.model, device="cpu")
+    if args.one_by_one:
+        regen_turns.Regenerator.decode_texts = lambda self, seqs: [self.tokenizer.decode(q, skip_special_tokens=True)
+                                                                   for q in seqs]
     tok = bundle.tokenizer
     replies = [tok.encode(m["content"], add_special_tokens=False)
                for conv in load_conversations(args.data, max_samples=2000)
@@ -105,7 +111,8 @@ def main() -> None:
         wall = time.perf_counter() - t0
     t = state["timing"]
     launches = max(1, round(state["generated_tokens"] / (args.batch * 8 * 0.93)))   # a real run's launch count
-    res = {"answers": state["rows_written"], "generated_tokens": state["generated_tokens"], "wall_s": round(wall, 3),
+    res = {"prefetch": not args.no_prefetch, "detokenize": "one by one" if args.one_by_one else "batch",
+           "cpus": os.cpu_count(), "answers": state["rows_written"], "generated_tokens": state["generated_tokens"], "wall_s": round(wall, 3),
            "timing": t, "per_answer_us": {k: round(1e6 * t[k] / max(1, state["rows_written"]), 1)
                                           for k in ("tokenize_s", "detokenize_s", "write_s")},
            "per_real_launch_ms": {k: round(1e3 * t[k] / launches, 2) for k in ("tokenize_s", "detokenize_s",

@@ -60,7 +60,9 @@ def test_27b_shape_bf16_rollback_state_is_within_the_noise_floor_and_a_skipped_r
     accepts = (4, 15, 0, 9)                                   # re-feeds of 5 and 10 tokens, one T=1 re-feed
     verifier, chunks = rollback_path(model, ids, accepts, block=16, seed=3)
     broken, broken_chunks = rollback_path(model, ids, accepts, block=16, seed=3, skip_restore=True)
-    assert broken_chunks == chunks                            # same drafts, same commits: only the state differs
+    # a stale state may also change what the target commits (the H100 runs of sessions 30 and 32: the 4th chunk):
+    # then the skipped restore is caught by its tokens already, and its state by the bound below either way
+    tokens_differ = broken_chunks != chunks
     fresh = fed_cache(model, [[t for c in chunks for t in c]])
     same_chunks = fed_cache(model, chunks)
     floor = worst_rel_error(same_chunks, fresh)
@@ -71,7 +73,7 @@ def test_27b_shape_bf16_rollback_state_is_within_the_noise_floor_and_a_skipped_r
     bound = 2.0 * floor + 1e-3
     summary = (f"floor {floor:.4g}, rollback {err:.4g} (vs the same-chunk path {vs_same:.3g}, bitwise "
                f"{bitwise_equal(verifier.cache, same_chunks)}), refeed=states {err_states:.4g}, "
-               f"skipped restore {err_broken:.4g}, bound {bound:.4g}")
+               f"skipped restore {err_broken:.4g} (its tokens differ: {tokens_differ}), bound {bound:.4g}")
     print(summary)
     assert err <= bound, summary
     assert err_states <= bound, summary

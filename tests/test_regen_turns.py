@@ -73,3 +73,32 @@ def test_first_prompt_is_the_states_first_prompt():
     st = ConvState("x", m)
     assert first_prompt(m) == st.next_prompt() == [m[1], m[2]]
     assert first_prompt([{"role": "user", "content": "only"}]) is None
+
+
+def test_answers_are_detokenized_in_one_batch_exactly_as_one_by_one(llama):
+    """Regenerator.decode_texts: with the fast tokenizer, one Rust batch call gives what `decode(ids,
+    skip_special_tokens=True)` gives each answer (special tokens, an empty answer, a one-token one), and the batch
+    path is taken; a tokenizer whose batch decode disagrees on the first batch, or one without a Rust backend, is
+    decoded one by one for the whole run."""
+    import torch
+
+    from dflash_pipe.eval.regen_sampling import Decoding
+    from dflash_pipe.eval.regen_turns import Regenerator
+
+    tok = llama.tokenizer
+    g = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(0, len(tok), (int(n),), generator=g).tolist() for n in (40, 1, 0, 300, 17)]
+    seqs[0][3] = seqs[3][0] = int(tok.eos_token_id)                    # special tokens are skipped
+    want = [tok.decode(s, skip_special_tokens=True) for s in seqs]
+    reg = Regenerator(tok, [int(tok.eos_token_id)], 8, 512, 1, Decoding())
+    assert reg.decode_texts(seqs) == want and reg._batch_decode is True
+    assert reg.decode_texts(seqs[::-1]) == want[::-1]
+
+    batches = []
+    wrong = SimpleNamespace(decode_batch=lambda s, skip_special_tokens: batches.append(len(s)) or ["?"] * len(s))
+    stand_in = SimpleNamespace(backend_tokenizer=wrong, clean_up_tokenization_spaces=False, decode=tok.decode)
+    reg = Regenerator(stand_in, [0], 8, 512, 1, Decoding())
+    assert reg.decode_texts(seqs) == want and reg.decode_texts(seqs) == want
+    assert reg._batch_decode is False and batches == [5]               # probed once, never used
+    slow = SimpleNamespace(decode=tok.decode)
+    assert Regenerator(slow, [0], 8, 512, 1, Decoding()).decode_texts(seqs) == want
