@@ -59,7 +59,7 @@ def main() -> None:
     args = ap.parse_args()
     dev = torch.device("cuda")
     model = build_model(dev, torch.bfloat16, smoke=False)
-    be = EngineBackend(model, [0], args.batch, 512, 256, Decoding(), check_every=8, host_work_after=8)
+    be = EngineBackend(model, [0], args.batch, 512, 256, Decoding(), check_every=8)
     g = torch.Generator().manual_seed(0)
     ready = [TurnRequest(None, torch.randint(1, 49152, (int(n),), generator=g).tolist(), key=i, order=i)
              for i, n in enumerate(torch.randint(20, 200, (args.batch,), generator=g))]

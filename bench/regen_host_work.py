@@ -54,9 +54,6 @@ class StandInBackend:
             ended = len(toks) < self.max_new
             self.slots[i] = (req, toks, ended, -(-len(toks) // self.steps))
 
-    def finish_launch(self) -> None:
-        pass
-
     def collect(self) -> list[Completion]:
         out = []
         for i, s in enumerate(self.slots):
@@ -112,7 +109,8 @@ def main() -> None:
     t = state["timing"]
     launches = max(1, round(state["generated_tokens"] / (args.batch * 8 * 0.93)))   # a real run's launch count
     res = {"prefetch": not args.no_prefetch, "detokenize": "one by one" if args.one_by_one else "batch",
-           "cpus": os.cpu_count(), "answers": state["rows_written"], "generated_tokens": state["generated_tokens"], "wall_s": round(wall, 3),
+           "cpus": os.cpu_count(), "answers": state["rows_written"], "generated_tokens": state["generated_tokens"],
+           "wall_s": round(wall, 3),
            "timing": t, "per_answer_us": {k: round(1e6 * t[k] / max(1, state["rows_written"]), 1)
                                           for k in ("tokenize_s", "detokenize_s", "write_s")},
            "per_real_launch_ms": {k: round(1e3 * t[k] / launches, 2) for k in ("tokenize_s", "detokenize_s",

@@ -160,9 +160,8 @@ def bare_loop(args, bundle, batch: int, attention: str = "auto") -> dict:
 
 def _split_line(t: dict) -> str:
     """The regen run's time split as one line: host phases, device time, occupancy."""
-    keys = ("setup_s", "wall_s", "launch_s", "finish_launch_s", "collect_s", "tokenize_s", "detokenize_s", "write_s",
-            "device_prefill_s", "device_decode_s", "device_between_launches_s", "device_paused_in_launch_s",
-            "decode_steps", "occupancy", "mean_live_rows",
+    keys = ("setup_s", "wall_s", "launch_s", "collect_s", "tokenize_s", "detokenize_s", "write_s", "device_prefill_s",
+            "device_decode_s", "device_between_launches_s", "decode_steps", "occupancy", "mean_live_rows",
             "prefill_calls", "prefill_pad_share", "prefill_graphs", "decode_graphs", "staged_rows",
             "staging_device_waits", "device_staged_prefill_s")
     return ", ".join(f"{k} {t[k]}" for k in keys if k in t)
@@ -178,8 +177,8 @@ def warm_then_time(args, bundle, out: Path, batch: int, attention: str, **kw) ->
 def mode_flags(mode: str) -> dict:
     """run_regenerate's flags of an --overlap mode: off or on, with +compact (--compact-tail), +noprefetch
     (--no-prefetch-prompts: every prompt tokenized in the driver loop) and / or +padded (--prefill-layout padded:
-    the padded prefill instead of the chunked one), +earlyK (--collect-early K), +everyN (--steps-per-launch N)
-    and / or +hostK (--host-work-after K) added."""
+    the padded prefill instead of the chunked one), +earlyK (--collect-early K) and / or +everyN
+    (--steps-per-launch N) added (+switch and +torchops: one_batch)."""
     base, *extra = mode.split("+")
     flags = {"overlap": base == "on", "compact": "compact" in extra, "prefetch_prompts": "noprefetch" not in extra,
              "prefill_layout": "padded" if "padded" in extra else "auto"}
@@ -188,8 +187,6 @@ def mode_flags(mode: str) -> dict:
             flags["collect_early"] = int(e[5:])
         elif e.startswith("every"):
             flags["steps_per_launch"] = int(e[5:])
-        elif e.startswith("host"):
-            flags["host_work_after"] = int(e[4:])
     return flags
 
 
@@ -308,9 +305,8 @@ def main() -> None:
                                                      "+compact (--compact-tail), +noprefetch "
                                                      "(--no-prefetch-prompts), +padded (--prefill-layout "
                                                      "padded), +earlyK (--collect-early K), +everyN "
-                                                     "(--steps-per-launch N), +hostK (--host-work-after "
-                                                     "K), +switch (the GIL's switch interval 0.2 ms, not 5), "
-                                                     "+torchops (the engine's "
+                                                     "(--steps-per-launch N), +switch (the GIL's switch "
+                                                     "interval 0.2 ms, not 5), +torchops (the engine's "
                                                      "RoPE / SwiGLU as PyTorch ops, not fused kernels), e.g. "
                                                      "off,on,on+compact or "
                                                      "off,off+early1,off+every16")

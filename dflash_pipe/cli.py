@@ -141,12 +141,7 @@ def regenerate_cmd(cfg: RunConfig, output: Path = typer.Option(..., "--output", 
                                                      "copy of the state taken K steps before a launch ends, so "
                                                      "the host's work between launches overlaps the last steps "
                                                      "(-1 = 1 on CUDA, 0 on the CPU; at most --steps-per-launch: "
-                                                     "the copy as the launch starts; the same output)."),
-                   host_work_after: int = typer.Option(-1, help="Static-KV engine: queue this many of a launch's "
-                                                       "decode steps, do the host's work (detokenize, tokenize, "
-                                                       "write), then queue the rest, so the device is never left "
-                                                       "without steps while the host works (-1 = all at once; "
-                                                       "the same output).")):
+                                                     "the copy as the launch starts; the same output).")):
     """Regenerate the assistant turns with the target itself (drafters must learn the target's outputs)."""
     from .errors import UsageError
     from .eval.regenerate import run_regenerate
@@ -163,8 +158,7 @@ def regenerate_cmd(cfg: RunConfig, output: Path = typer.Option(..., "--output", 
                        reuse_history=reuse_history, overlap=overlap_prefill, compact=compact_tail,
                        max_seconds=max_seconds, first_sample=first_sample, prefetch_prompts=prefetch_prompts,
                        prefill_layout=prefill_layout, steps_per_launch=steps_per_launch,
-                       collect_early=None if collect_early == -1 else collect_early,
-                       host_work_after=None if host_work_after == -1 else host_work_after)
+                       collect_early=None if collect_early == -1 else collect_early)
 
 
 @app.command("export")

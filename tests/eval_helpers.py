@@ -56,7 +56,6 @@ def drain_backend(be, prompts: list[list[int]], sync_each: bool = False, strict:
             torch.cuda.set_sync_debug_mode("error")
         try:
             be.launch(ready)
-            be.finish_launch()
         finally:
             if strict:
                 torch.cuda.set_sync_debug_mode(0)

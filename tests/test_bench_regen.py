@@ -39,4 +39,3 @@ def test_overlap_modes_map_to_regenerate_flags():
     assert f == {"overlap": True, "compact": True, "prefetch_prompts": True, "prefill_layout": "padded",
                  "collect_early": 2, "steps_per_launch": 16}
     assert mode_flags("off+early0+noprefetch")["collect_early"] == 0
-    assert mode_flags("off+host8")["host_work_after"] == 8

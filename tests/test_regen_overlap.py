@@ -23,7 +23,7 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
 
 
 def _answers(model, prompts, dec, **kw) -> tuple[dict, EngineBackend]:
-    be = EngineBackend(model, EOS, batch=4, max_len=96, max_new_tokens=14, dec=dec, **{"check_every": 3, **kw})
+    be = EngineBackend(model, EOS, batch=4, max_len=96, max_new_tokens=14, dec=dec, check_every=3, **kw)
     return drain_backend(be, prompts, key_offset=100), be
 
 
@@ -146,35 +146,6 @@ def test_collecting_early_without_staging_gives_the_direct_answers_a_launch_late
             assert late > 0
             be.stats()
             assert be.snap.live_row_steps == int(ref.live_row_steps) > 0    # the same decode work, other launches
-
-
-def test_a_launch_queued_in_two_parts_gives_the_same_answers_and_counts_its_steps(llama):
-    """host_work_after K: `launch` queues the refill and K decode steps, `finish_launch` the rest (once; a collect
-    without it queues them itself). Every answer (sampled; K = 0, 1, 2, 4 of 3- and 5-step launches; collected
-    early or not) equals the one-part launch's, and the steps queued per part are K and N - K."""
-    prompts = _prompts(24, seed=17)
-    dec = Decoding(temperature=0.9, top_p=0.95, seed=6)
-    for every, after, lag in ((3, 0, 1), (3, 1, 0), (5, 2, 2), (5, 4, 1)):
-        direct, _ = _answers(llama.model, prompts, dec, snapshot_lag=lag, check_every=every, host_work_after=every)
-        be = EngineBackend(llama.model, EOS, batch=4, max_len=96, max_new_tokens=14, dec=dec, check_every=every,
-                           snapshot_lag=lag, host_work_after=after)
-        assert f"host work after {after} step" in be.describe
-        ready = [TurnRequest(None, p, key=100 + i, order=i) for i, p in enumerate(prompts)]
-        got, launches = {}, 0
-        while ready or be.busy():
-            s0 = be.decode_steps
-            be.launch(ready)
-            assert be.decode_steps - s0 == after
-            if launches % 2:                        # every other launch: the driver's call; else collect's
-                be.finish_launch()
-                be.finish_launch()                  # a second call queues nothing
-                assert be.decode_steps - s0 == every
-            for c in be.collect():
-                got[c.request.key - 100] = (c.tokens, c.ended, c.end_token)
-            assert be.decode_steps - s0 == every
-            launches += 1
-        assert got == direct, (every, after, lag)
-        assert be.stats()["device_paused_in_launch_s"] >= 0
 
 
 def test_the_backend_describes_overlap_mode(llama):
@@ -329,9 +300,8 @@ def test_the_cuda_branches_of_overlap_mode_run_with_stand_in_streams_and_events(
 
 def test_collect_early_and_steps_per_launch_flags_reach_the_backend_and_refuse_bad_values(llama, tmp_path,
                                                                                          monkeypatch):
-    """`regenerate --collect-early K --steps-per-launch N --host-work-after H` reach run_regenerate (-1 = the
-    mode's default, None); K or H outside [0, N] or N < 1 is a usage error naming the flag, raised before any
-    engine is built."""
+    """`regenerate --collect-early K --steps-per-launch N` reach run_regenerate (-1 = the mode's default, None);
+    K outside [0, N) or N < 1 is a usage error naming the flag, raised before any engine is built."""
     import pytest
     from typer.testing import CliRunner
 
@@ -341,17 +311,13 @@ def test_collect_early_and_steps_per_launch_flags_reach_the_backend_and_refuse_b
 
     seen = {}
     monkeypatch.setattr(regen_mod, "run_regenerate", lambda cfg, out, **kw: seen.update(
-        early=kw["collect_early"], every=kw["steps_per_launch"], host=kw["host_work_after"]))
+        early=kw["collect_early"], every=kw["steps_per_launch"]))
     out = str(tmp_path / "o.jsonl")
-    assert CliRunner().invoke(app, ["regenerate", "-o", out]).exit_code == 0
-    assert seen == {"early": None, "every": 8, "host": None}
-    res = CliRunner().invoke(app, ["regenerate", "-o", out, "--collect-early", "2", "--steps-per-launch", "16",
-                                   "--host-work-after", "3"])
-    assert res.exit_code == 0 and seen == {"early": 2, "every": 16, "host": 3}
+    assert CliRunner().invoke(app, ["regenerate", "-o", out]).exit_code == 0 and seen == {"early": None, "every": 8}
+    res = CliRunner().invoke(app, ["regenerate", "-o", out, "--collect-early", "2", "--steps-per-launch", "16"])
+    assert res.exit_code == 0 and seen == {"early": 2, "every": 16}
     monkeypatch.setattr(regen_backends, "EngineBackend", lambda *a, **k: pytest.fail("engine built"))
-    for early, every, host, flag in ((9, 8, None, "--collect-early"), (-2, 8, None, "--collect-early"),
-                                     (0, 0, None, "^--steps-per-launch"), (None, 8, 9, "--host-work-after"),
-                                     (None, 8, -1, "--host-work-after")):
+    for early, every, flag in ((9, 8, "--collect-early"), (-2, 8, "--collect-early"), (0, 0, "^--steps-per-launch")):
         with pytest.raises(UsageError, match=flag):
             regen_mod.make_backend(llama, [2], 0, 4, 64, 8, Decoding(), "static", collect_early=early,
-                                   steps_per_launch=every, host_work_after=host)
+                                   steps_per_launch=every)

@@ -19,13 +19,6 @@ stops growing).
 
 History reuse (`reuse_history`, multi-turn) and tail compaction: regen_slots.py.
 
-Queuing a launch in two parts (``host_work_after`` K < check_every; off by default): `launch` queues the refill and
-the first K decode steps only, the driver does its host work (detokenize, tokenize, write), then `finish_launch`
-queues the rest. The same answers (the device runs the same work in the same order). It was meant to keep steps
-queued while the host works, but measured slower on the H100 (session 32, BENCHMARKS.md: 0.920x at K = 2, 0.965x
-at K = 4): the host work outlasts K steps, the device then pauses inside the launch, and the CUDA launch queue
-holds ~17 whole decode steps (`bench/launch_queue.py`), so queuing all 8 at once never blocked on it.
-
 Collecting early (``snapshot_lag`` K, 1 by default on CUDA): `collect` reads a copy of the per-row state taken K
 steps before the launch's end and refills the freed slots at once; the refill's prefills queue behind those last
 steps, so the host's work between launches runs while the device still decodes. The same answers; one that ends
@@ -73,7 +66,7 @@ class EngineBackend:
                  check_every: int = 8, prefill_tokens: int | None = None, use_graphs: str = "auto",
                  compact: bool | None = None, min_free: int | None = None, attention: str = "auto",
                  reuse_history: bool = False, overlap: bool = False, staging_rows: int | None = None,
-                 snapshot_lag: int | None = None, prefill_layout: str = "auto", host_work_after: int | None = None):
+                 snapshot_lag: int | None = None, prefill_layout: str = "auto"):
         cuda = next(model.parameters()).device.type == "cuda"     # padding rows to 8 saves graphs, not CPU time
         self.engine = StaticKVEngine(model, batch, max_len, use_graphs=use_graphs, bucketed_prefill=True,
                                      prefill_min_rows=8 if cuda else 1, attention=attention,
@@ -134,17 +127,11 @@ class EngineBackend:
         self.lag = max(0, min(self.check_every, lag))
         if self.lag or overlap:
             self.snap = Snapshot(batch, max_new_tokens + 1, dev)
-        # a launch in two parts (module docstring): the steps queued before the host's work; the rest in finish_launch
-        after = self.check_every if host_work_after is None else host_work_after
-        self.host_work_after = max(0, min(self.check_every, after))
-        self._open = None                  # (start mark, after-prefill mark, pause mark) of a launch's queued 1st part
         if self.main is not None:
             self.main.wait_stream(torch.cuda.current_stream())     # the buffers above were made on this one
         steps = f"collect {self.lag} step{'s' * (self.lag != 1)} early"
         over = (f", prefills under the decode ({self.staging.rows} staging rows, {steps})" if overlap
                 else f", {steps}" if self.lag else "")
-        if self.host_work_after < self.check_every:
-            over += f", host work after {self.host_work_after} step{'s' * (self.host_work_after != 1)}"
         self.describe = (f"{self.name} ({mode}, batch {batch}, {attn}, {self.engine.prefill_layout} prefill, "
                          f"check every {self.check_every} steps, "
                          f"refill at {self.policy.min_free} free slots{', history reuse' if reuse_history else ''}"
@@ -179,7 +166,6 @@ class EngineBackend:
         if self.staging is not None:
             with self._on_main():
                 back += self.staging.take_back()
-        self._open = None                  # its second part is never queued
         self.close()                       # the caller frees this backend next (a smaller batch)
         self.slots = [None] * self.B
         self.held.clear()                  # the rerun prefills whole prompts
@@ -187,22 +173,9 @@ class EngineBackend:
 
     @torch.inference_mode()
     def launch(self, ready: list[TurnRequest]) -> None:
-        """Fill free slots from the front of `ready` and queue the launch's decode steps (no host sync): the
-        first `host_work_after` of them, the rest in `finish_launch`."""
+        """Fill free slots from the front of `ready` and queue check_every decode steps (no host sync)."""
         with self._on_main():
             self._launch(ready)
-
-    @torch.inference_mode()
-    def finish_launch(self) -> None:
-        """Queue the rest of the launch's decode steps (module docstring); nothing if they are queued already."""
-        if self._open is None:
-            return
-        m0, m1, paused = self._open
-        self._open = None
-        with self._on_main():
-            resumed = self.clock.mark()
-            self._steps(self.host_work_after, self.check_every)
-            self.clock.add(m0, m1, (paused, resumed))
 
     def _launch(self, ready: list[TurnRequest]) -> None:
         m0 = self.clock.mark()
@@ -246,23 +219,14 @@ class EngineBackend:
         if self.compact and not ready and not (self.staging and len(self.staging)):
             shrink(self)
         m1 = self.clock.mark()
-        if not self._live():
-            self.clock.add(m0, m1)
-            return
-        if self.snap is not None and self.lag == self.check_every:   # the state as this launch starts
-            self.snap.take(self.active, self.n_gen, self.ended, self.out, self.live_row_steps)
-        self._steps(0, self.host_work_after)
-        if self.host_work_after < self.check_every:
-            self._open = (m0, m1, self.clock.mark())
-        else:
-            self.clock.add(m0, m1)
-
-    def _steps(self, first: int, stop: int) -> None:
-        """Decode steps first .. stop - 1 of a launch, with the state snapshot after step check_every - 1 - lag."""
-        for i in range(first, stop):
-            self._decode()
-            if self.snap is not None and i == self.check_every - 1 - self.lag:
+        if self._live():
+            if self.snap is not None and self.lag == self.check_every:   # the state as this launch starts
                 self.snap.take(self.active, self.n_gen, self.ended, self.out, self.live_row_steps)
+            for i in range(self.check_every):
+                self._decode()
+                if self.snap is not None and i == self.check_every - 1 - self.lag:
+                    self.snap.take(self.active, self.n_gen, self.ended, self.out, self.live_row_steps)
+        self.clock.add(m0, m1)
 
     def _land(self, free: list[int], wait: bool) -> None:
         """Staged prompts into free slots (regen_staging.StagingArea.land), started like freshly prefilled rows."""
@@ -309,8 +273,7 @@ class EngineBackend:
                 "decode_graphs": self.engine.graph_count - self.engine.prefill_graph_count,
                 "device_prefill_s": round(self.clock.seconds["prefill"], 3),
                 "device_decode_s": round(self.clock.seconds["decode"], 3),
-                "device_between_launches_s": round(self.clock.seconds["between"], 3),
-                "device_paused_in_launch_s": round(self.clock.seconds["paused"], 3), **staged}
+                "device_between_launches_s": round(self.clock.seconds["between"], 3), **staged}
 
     def _start(self, tok: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor) -> None:
         """Freshly prefilled `rows` start with their first tokens `tok` (chosen at token index 0 by their keys)."""
@@ -388,7 +351,6 @@ class EngineBackend:
         return [(r, row[0], bool(row[1]), row[2:2 + row[0]]) for r, row in zip(done, table)]
 
     def _collect(self) -> list[Completion]:
-        self.finish_launch()               # a driver that does its host work before `launch` never calls it
         finished = self._finished()
         self._account()
         if not finished:

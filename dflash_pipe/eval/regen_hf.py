@@ -28,9 +28,6 @@ class HFBackend:
     def close(self) -> None:
         """Nothing runs after `launch` returns."""
 
-    def finish_launch(self) -> None:
-        """Nothing: `launch` generated the whole batch."""
-
     def collect(self) -> list[Completion]:
         done, self._done = self._done, []
         return done

@@ -34,8 +34,7 @@ How (regen_backends): on attention-only targets a static-KV engine runs `batch_s
 continuous batching (finished slots refilled with the next prompts, CUDA graphs on CUDA); other
 targets (hybrid / recurrent layers) fall back to HF `generate`, greedy, named in the log. Up to
 4 x batch_size conversations are in flight; their ready turns are served oldest conversation
-first, and the answers are written in input order. While the device runs a launch (queued in two parts around
-this host work: regen_backends.py), the host
+first, and the answers are written in input order. While the device runs a launch, the host
 detokenizes the answers just collected and tokenizes the round's new prompts in one batched call
 (`encode_prompts`; a conversation's first prompt is tokenized ahead on a worker thread, regen_turns.py); the
 time of each phase is logged at the end and kept in the sidecar's "timing" (updated at every flush, so a run
@@ -98,13 +97,10 @@ def _queue(ready: list[TurnRequest], req: TurnRequest | None) -> None:
 def make_backend(bundle, eos: list[int], pad: int, batch: int, max_len: int, max_new: int, dec: Decoding,
                  engine: str, attention: str = "auto", reuse_history: bool = False, overlap: bool = False,
                  compact: bool = False, prefill_layout: str = "auto", collect_early: int | None = None,
-                 steps_per_launch: int = 8, host_work_after: int | None = None):
+                 steps_per_launch: int = 8):
     """The engine backend where the target allows it (halving `batch` on OOM), else HF generate."""
     if steps_per_launch < 1:
         raise UsageError(f"--steps-per-launch must be >= 1, got {steps_per_launch}")
-    if host_work_after is not None and not 0 <= host_work_after <= steps_per_launch:
-        raise UsageError(f"--host-work-after must be from 0 to --steps-per-launch ({steps_per_launch}), "
-                         f"got {host_work_after}")
     if collect_early is not None and not 0 <= collect_early <= steps_per_launch:
         raise UsageError(f"--collect-early must be from 0 to --steps-per-launch ({steps_per_launch}), "
                          f"got {collect_early}")
@@ -126,7 +122,6 @@ def make_backend(bundle, eos: list[int], pad: int, batch: int, max_len: int, max
                          why=why + "".join(f"; {flag} ignored: it needs the static-KV engine" for flag, on in
                                            (("--overlap-prefill", overlap), ("--compact-tail", compact),
                                             ("--collect-early", collect_early is not None),
-                                            ("--host-work-after", host_work_after is not None),
                                             ("--steps-per-launch", steps_per_launch != 8)) if on))
     batch = batch or auto_batch_size(bundle.model, max_len)
     while True:
@@ -134,7 +129,7 @@ def make_backend(bundle, eos: list[int], pad: int, batch: int, max_len: int, max
             return EngineBackend(bundle.model, eos, batch, max_len, max_new, dec, attention=attention,
                                  reuse_history=reuse_history, overlap=overlap, compact=compact,
                                  prefill_layout=prefill_layout, snapshot_lag=collect_early,
-                                 check_every=steps_per_launch, host_work_after=host_work_after)
+                                 check_every=steps_per_launch)
         except torch.OutOfMemoryError:
             batch = _halve(batch)
 
@@ -189,7 +184,7 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
                    attention: str = "auto", greedy_after: int = 0, reuse_history: bool = False, overlap: bool = False,
                    compact: bool = False, max_seconds: float = 0.0, first_sample: int = 0,
                    prefetch_prompts: bool = True, prefill_layout: str = "auto", collect_early: int | None = None,
-                   steps_per_launch: int = 8, host_work_after: int | None = None) -> dict:
+                   steps_per_launch: int = 8) -> dict:
     """Regenerate cfg.data's conversations into `output` (JSONL); returns the final sidecar dict.
 
     batch_size 0 = auto (16 on the CPU, up to 1024 on CUDA as memory allows).
@@ -214,8 +209,6 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
     end, so the host's work between launches overlaps the last steps (None: 1 on CUDA, 0 on the CPU; up to
     steps_per_launch: the copy as the launch starts, the host a whole launch ahead). The same output; an answer
     that ends in those last steps waits one launch more.
-    host_work_after: queue this many of a launch's decode steps, do the host's work (detokenize, tokenize, write),
-    then queue the rest (None: all at once). The same output.
     """
     started = _now() if max_seconds else 0.0
     entered = time.perf_counter()            # the set-up before the loop (target load, engine) is timed too
@@ -254,7 +247,7 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
     max_len, limit = length_limit(cfg.extract.max_length, bundle)
     regen = Regenerator(bundle.tokenizer, eos, max_new_tokens, max_len, max_turns, dec, limit)
     reuse_history = reuse_history and max_turns != 1
-    tuning = dict(collect_early=collect_early, steps_per_launch=steps_per_launch, host_work_after=host_work_after)
+    tuning = dict(collect_early=collect_early, steps_per_launch=steps_per_launch)
     backend = make_backend(bundle, eos, pad, batch_size, max_len, max_new_tokens, dec, engine,
                            attention, reuse_history, overlap, compact, prefill_layout, **tuning)
     print(f"regenerate: decode path: {backend.describe}", flush=True)
@@ -319,37 +312,31 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
 
     try:
         completions: list[Completion] = []
-        split.update(dict.fromkeys(("launch_s", "detokenize_s", "tokenize_s", "write_s", "finish_launch_s",
-                                    "collect_s"), 0.0))
+        split.update(dict.fromkeys(("launch_s", "detokenize_s", "tokenize_s", "write_s", "collect_s"), 0.0))
         cap = None                           # conversations admitted per round: all at first, then a trickle
-
-        def queue_or_shrink(queue) -> bool:
-            """Run `queue` (a launch or its second part); out of memory, hand the requests in flight back to
-            `ready` and rebuild the backend at half the batch. Whether it was queued."""
-            nonlocal backend
-            try:
-                queue()
-                return True
-            except torch.OutOfMemoryError:
-                pass                         # handled here, once the traceback no longer holds the engine
-            # an OOM inside a prefill leaves the requests it had already placed in slots in `ready` too (the
-            # backend trims `ready` after its calls): each goes back once
-            queued = {id(r) for r in ready}
-            for req in backend.take_back():
-                if id(req) not in queued:
-                    _queue(ready, req)
-            smaller = backend.B
-            backend = None                   # free its cache before allocating the smaller one
-            backend = make_backend(bundle, eos, pad, _halve(smaller), max_len, max_new_tokens, dec, engine,
-                                   attention, reuse_history, overlap, compact, prefill_layout, **tuning)
-            state["decode_path"] = backend.describe
-            return False
-
         while True:
+            launched = oom = False
             t_a = time.perf_counter()
-            launched = bool(ready or backend.busy()) and queue_or_shrink(lambda: backend.launch(ready))
+            if ready or backend.busy():
+                try:
+                    backend.launch(ready)
+                    launched = True
+                except torch.OutOfMemoryError:
+                    oom = True               # handled below, once the traceback no longer holds the engine
             t_b = time.perf_counter()
             split["launch_s"] += t_b - t_a
+            if oom:
+                # an OOM inside a prefill leaves the requests it had already placed in slots in `ready` too (the
+                # backend trims `ready` after its calls): each goes back once
+                queued = {id(r) for r in ready}
+                for req in backend.take_back():
+                    if id(req) not in queued:
+                        _queue(ready, req)
+                smaller = backend.B
+                backend = None               # free its cache before allocating the smaller one
+                backend = make_backend(bundle, eos, pad, _halve(smaller), max_len, max_new_tokens, dec, engine,
+                                       attention, reuse_history, overlap, compact, prefill_layout, **tuning)
+                state["decode_path"] = backend.describe
             # host work while the device decodes: the last answers, the next turns, new prompts, the output
             going = regen.record_all(completions)                                             # detokenizes
             t_c = time.perf_counter()
@@ -395,11 +382,8 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
             split["write_s"] += t_e - t_d
             if finished:
                 break
-            launched = launched and queue_or_shrink(backend.finish_launch)    # the launch's other steps
-            t_f = time.perf_counter()
-            split["finish_launch_s"] += t_f - t_e
             completions = backend.collect() if launched else []
-            split["collect_s"] += time.perf_counter() - t_f
+            split["collect_s"] += time.perf_counter() - t_e
             if not launched and not ready and exhausted:
                 raise RuntimeFailure(f"regenerate stalled with {len(inflight)} conversations in flight (a bug)")
     finally:
