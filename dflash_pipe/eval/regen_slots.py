@@ -1,11 +1,12 @@
-"""What the engine backend (regen_backends.EngineBackend) does with its slots besides refilling them.
+"""What the engine backend (regen_backends.EngineBackend) does with its slots besides refilling them: functions of
+the backend's state, called from its launch.
 
 History reuse (`reuse_history`, multi-turn): a finished row's slot is held with its K/V (the prompt and the
 answer tokens fed so far) until the driver has turned the answer into the conversation's next request. If
 that prompt starts with exactly those tokens (the chat template re-renders the history; a re-tokenization
 that differs falls back), only the new tokens (the end-of-turn token, the next user message, the assistant
-header) are prefilled into the held row, grouped into calls as a refill groups fresh prompts; otherwise, or when no next
-request comes within two launches, the slot is freed. Later turns then cost their new tokens instead of
+header) are prefilled into the held row, grouped into calls as a refill groups fresh prompts; otherwise, or when
+no next request comes within two launches, the slot is freed. Later turns then cost their new tokens instead of
 their whole history (session 14's every-turn data: 19 % of the prefilled tokens). The held history's K/V were
 written by decode steps instead of one prefill: the same values up to rounding.
 
@@ -60,7 +61,6 @@ def continue_held(be, ready: list[TurnRequest]) -> None:
     for call in plan_refill(n, [len(d) for d in deltas], n, be.B - n, appending):
         be.delta_prefills += 1
         be._prefill([rows[i] for i in call], [reqs[i] for i in call], [deltas[i] for i in call])
-
 
 
 def shrink(be) -> None:
