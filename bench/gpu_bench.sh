@@ -23,7 +23,10 @@
 #     smallgemm bench/small_gemm.py: batch-1 linear formulations (M 1 / 16) and SDPA vs explicit attention, fp32
 #     evalprofile bench/eval_profile.py: ms/token of each eval method at batch 1 + a profiler table (needs smollm2)
 #     objstore  bench/objstore_loader.py at the seed's shape, s3:// via loopback rclone vs local (GPU_WHEELS with .gpucarry/rclone)
-#     gputests  pytest -m gpu
+#     gputests  pytest -m gpu (the whole GPU suite: 57 of its 77 tests took 540 s on the H100 in session 32, so it
+#               no longer fits one 600 s call; gputests-a and gputests-b split it over two calls)
+#     gputests-a  pytest -m gpu of everything but tests/test_target* and tests/test_train*
+#     gputests-b  pytest -m gpu of tests/test_target* and tests/test_train* (FLA runner, trainer; carry .whl/gpu)
 #     smollm2   (first) reassemble the carried SmolLM2 GGUF and data for the steps after it
 #     regentests  pytest -m gpu of the static-KV engine (graphs == eager, no syncs), the per-row decode attention,
 #               regenerate's overlap mode (staged prefills on a side stream == the direct path, no syncs) and the
@@ -137,6 +140,10 @@ print(json.dumps(rows, indent=1)); open('$OUT/loader_rate.json', 'w').write(json
         objstore) step objstore "${OBJSTORE_S:-400}" env PATH="/tmp/site/bin:$PATH" python3 bench/objstore_loader.py \
                       --batches "${OBJSTORE_BATCHES:-24}" --workers 12 --server rclone --json "$OUT/objstore_loader.json" ${OBJSTORE_FLAGS:-} ;;
         gputests) step gputests "${TESTS_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider tests ;;
-        *) echo "unknown step $what (smollm2 extract flex train trainsmol topk stats draft loader regentests launchq attntune decodeprof prefill regen hybrid evaltests window windowq smallgemm evalprofile evalspeed objstore gputests)"; exit 2 ;;
+        gputests-a) step gputests-a "${TESTS_S:-540}" python3 -m pytest -q -m gpu -p no:cacheprovider tests \
+                        --ignore-glob='tests/test_target*' --ignore-glob='tests/test_train*' ;;
+        gputests-b) step gputests-b "${TESTS_S:-540}" python3 -m pytest -q -m gpu -p no:cacheprovider \
+                        tests/test_target*.py tests/test_train*.py ;;
+        *) echo "unknown step $what (smollm2 extract flex train trainsmol topk stats draft loader regentests launchq attntune decodeprof prefill regen hybrid evaltests window windowq smallgemm evalprofile evalspeed objstore gputests gputests-a gputests-b)"; exit 2 ;;
     esac
 done
