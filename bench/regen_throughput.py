@@ -238,14 +238,15 @@ def one_batch(args, bundle, tmp: Path, batch_arg: int, attention: str) -> dict:
     batch = batch_arg or auto_batch_size(bundle.model, args.max_length)
     modes = args.overlap.split(",")
     res = {"batch": batch, "attention": attention, "regen_by_overlap": {}}
+    switch = sys.getswitchinterval()
     for mode in modes:
         fused_elementwise.ENABLED = "torchops" not in mode.split("+")    # +torchops: PyTorch's RoPE / SwiGLU ops
-        sys.setswitchinterval(2e-4 if "switch" in mode.split("+") else 5e-3)  # +switch: the GIL handed over sooner
+        sys.setswitchinterval(2e-4 if "switch" in mode.split("+") else switch)  # +switch: the GIL handed over sooner
         res["regen_by_overlap"][mode] = warm_then_time(args, bundle, regen_file(tmp, batch, attention, mode), batch,
                                                        attention, **mode_flags(mode))
         print(f"regen (overlap {mode})", res["regen_by_overlap"][mode], flush=True)
     fused_elementwise.ENABLED = True
-    sys.setswitchinterval(5e-3)
+    sys.setswitchinterval(switch)
     res["regen"] = res["regen_by_overlap"][modes[0]]
     res["bare"] = bare_loop(args, bundle, batch, attention)
     print("bare", res["bare"], flush=True)

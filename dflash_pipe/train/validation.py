@@ -98,8 +98,7 @@ class Validator:
     def _complete(self, fs) -> bool:
         """Whether the validation cache's manifest is there and checks out (cache_index.checked_manifest). Under
         --follow only: a damaged one counts as not written yet (one warning), as for the training cache."""
-        spec = load_spec(fs) if fs.exists(MANIFEST_FILE) else None
-        if spec is None:
+        if not fs.exists(MANIFEST_FILE) or (spec := load_spec(fs)) is None:
             return False
         try:
             checked_manifest(fs, spec)
