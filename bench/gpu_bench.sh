@@ -109,7 +109,7 @@ rows = [dict(loader_rate(SeedShape(), ${LOADER_WORKERS:-12}, 8, row_group_mb=mb)
 print(json.dumps(rows, indent=1)); open('$OUT/loader_rate.json', 'w').write(json.dumps(rows, indent=1))" ;;
         regentests) step regentests "${REGEN_TESTS_S:-180}" python3 -m pytest -q -m gpu -p no:cacheprovider \
                         tests/test_static_forward_gpu.py tests/test_decode_attention_gpu.py tests/test_regen_overlap_gpu.py \
-                        tests/test_chunked_prefill_gpu.py tests/test_fused_elementwise_gpu.py ;;
+                        tests/test_chunked_prefill_gpu.py tests/test_fused_elementwise_gpu.py tests/test_regen_lookup_gpu.py ;;
         launchq) step launchq "${LAUNCHQ_S:-180}" python3 bench/launch_queue.py --json "$OUT/launch_queue.json" ;;
         attntune) step attntune "${ATTNTUNE_S:-240}" python3 bench/decode_attention_tune.py \
                       --json "$OUT/decode_attention_tune.json" ${ATTNTUNE_FLAGS:-} ;;

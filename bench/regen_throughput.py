@@ -149,7 +149,8 @@ def bare_loop(args, bundle, batch: int, attention: str = "auto") -> dict:
         secs = a.elapsed_time(b) / 1e3
     else:
         secs = time.perf_counter() - t0
-    return {"batch": batch, "steps": args.new_tokens, "tokens": batch * args.new_tokens,
+    verify = {T: verify_step_ms(eng, batch, T, cuda) for T in args.verify_widths}
+    return {"verify_ms_per_step": verify, "batch": batch, "steps": args.new_tokens, "tokens": batch * args.new_tokens,
             "prefill_layout": eng.prefill_layout,
             "mean_prompt_tokens": round(sum(map(len, prompts)) / batch, 1),
             "graphs": eng.graph_count - eng.prefill_graph_count,
@@ -158,10 +159,31 @@ def bare_loop(args, bundle, batch: int, attention: str = "auto") -> dict:
             "tok_s_with_prefill": round(batch * args.new_tokens / (secs + prefill_s), 1)}
 
 
+def verify_step_ms(eng, batch: int, T: int, cuda: bool, steps: int = 32) -> float:
+    """ms of one graphed T-token step on every row (a --lookup-draft T - 1 verify), each row's length moved back to
+    one more token after it, as a step that keeps one token does; from the lengths the bare loop left."""
+    ids = torch.randint(3, 1000, (batch, T), device=eng.device)
+
+    def run() -> None:
+        for _ in range(steps):
+            eng.forward(ids)
+            eng.lengths[:batch] -= T - 1
+    run()                                    # untimed, twice: captures the graphs (the host's length bounds
+    run()                                    # grow T a step and settle at max_length)
+    if cuda:
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    run()
+    if cuda:
+        torch.cuda.synchronize()
+    return round(1e3 * (time.perf_counter() - t) / steps, 3)
+
+
 def _split_line(t: dict) -> str:
     """The regen run's time split as one line: host phases, device time, occupancy."""
     keys = ("setup_s", "wall_s", "launch_s", "collect_s", "tokenize_s", "detokenize_s", "write_s", "device_prefill_s",
             "device_decode_s", "device_between_launches_s", "decode_steps", "occupancy", "mean_live_rows",
+            "kept_per_row_step", "lookup_found_share",
             "prefill_calls", "prefill_pad_share", "prefill_graphs", "decode_graphs", "staged_rows",
             "staging_device_waits", "device_staged_prefill_s")
     return ", ".join(f"{k} {t[k]}" for k in keys if k in t)
@@ -178,7 +200,7 @@ def mode_flags(mode: str) -> dict:
     """run_regenerate's flags of an --overlap mode: off or on, with +compact (--compact-tail), +noprefetch
     (--no-prefetch-prompts: every prompt tokenized in the driver loop) and / or +padded (--prefill-layout padded:
     the padded prefill instead of the chunked one), +earlyK (--collect-early K) and / or +everyN
-    (--steps-per-launch N) added (+switch and +torchops: one_batch)."""
+    (--steps-per-launch N), +lookupK (--lookup-draft K) added (+switch and +torchops: one_batch)."""
     base, *extra = mode.split("+")
     flags = {"overlap": base == "on", "compact": "compact" in extra, "prefetch_prompts": "noprefetch" not in extra,
              "prefill_layout": "padded" if "padded" in extra else "auto"}
@@ -187,6 +209,8 @@ def mode_flags(mode: str) -> dict:
             flags["collect_early"] = int(e[5:])
         elif e.startswith("every"):
             flags["steps_per_launch"] = int(e[5:])
+        elif e.startswith("lookup"):
+            flags["lookup_draft"] = int(e[6:])
     return flags
 
 
@@ -315,6 +339,9 @@ def main() -> None:
                                                           "under torch.profiler at the first batch and --overlap "
                                                           "mode: device busy share, idle gaps, top ops "
                                                           "(bench/regen_profile.py; tables next to --json)")
+    ap.add_argument("--verify-widths", type=lambda v: [int(x) for x in v.split(",") if x], default=[1, 3, 4],
+                    help="after the bare loop, ms of a graphed step of T tokens on every row for each T here (1: the "
+                         "decode step; T > 1: a --lookup-draft T - 1 verify), at the lengths the loop left")
     ap.add_argument("--hf-prompts", type=int, default=256)
     ap.add_argument("--hf-batch", type=int, default=256)
     ap.add_argument("--smoke", action="store_true", help="CPU, random tiny-llama, toy sizes")

@@ -17,7 +17,8 @@ buffers and the stopping masks (EOS / max_new_tokens) stay on the device; `colle
 until then (at most check_every - 1 wasted steps), and costs nothing in attention (its length
 stops growing).
 
-History reuse (`reuse_history`, multi-turn) and tail compaction: regen_slots.py.
+History reuse (`reuse_history`, multi-turn) and tail compaction: regen_slots.py. Prompt-lookup speculation
+(`lookup_draft` K > 0: K tokens drafted from each row's own history and verified in every step): regen_lookup.py.
 
 Collecting early (``snapshot_lag`` K, 1 by default on CUDA): `collect` reads a copy of the per-row state taken K
 steps before the launch's end and refills the freed slots at once; the refill's prefills queue behind those last
@@ -51,6 +52,7 @@ from .regen_slots import continue_held, shrink
 from .regen_requests import Completion, Held, TurnRequest, auto_batch_size  # noqa: F401 - re-exported
 from .regen_sampling import Decoding, next_tokens
 from .regen_clock import LaunchClock
+from .regen_lookup import LookupDrafts, check_lookup
 from .regen_staging import Snapshot, StagingArea
 
 log = logging.getLogger("dflash_pipe.eval")
@@ -66,7 +68,7 @@ class EngineBackend:
                  check_every: int = 8, prefill_tokens: int | None = None, use_graphs: str = "auto",
                  compact: bool | None = None, min_free: int | None = None, attention: str = "auto",
                  reuse_history: bool = False, overlap: bool = False, staging_rows: int | None = None,
-                 snapshot_lag: int | None = None, prefill_layout: str = "auto"):
+                 snapshot_lag: int | None = None, prefill_layout: str = "auto", lookup_draft: int = 0):
         cuda = next(model.parameters()).device.type == "cuda"     # padding rows to 8 saves graphs, not CPU time
         self.engine = StaticKVEngine(model, batch, max_len, use_graphs=use_graphs, bucketed_prefill=True,
                                      prefill_min_rows=8 if cuda else 1, attention=attention,
@@ -83,6 +85,11 @@ class EngineBackend:
         if reuse_history and compact:
             raise UsageError("history reuse keeps finished rows in place; tail compaction moves rows")
         self.reuse_history = reuse_history
+        # prompt-lookup speculation (regen_lookup.py): K drafts a row verified in each step
+        if check_lookup(lookup_draft) and (overlap or compact):
+            raise UsageError(f"--lookup-draft {lookup_draft} keeps each row's token history in its slot: not with "
+                             f"{'--overlap-prefill' if overlap else '--compact-tail'}", "drop one of them")
+        self.lookup = LookupDrafts(batch, max_len, lookup_draft, self.engine.device) if lookup_draft else None
         self.held: dict[int, Held] = {}
         self.reused_tokens = self.delta_prefills = 0
         # tail compaction: with nothing waiting, live rows move down and steps run on the first `width` rows.
@@ -135,7 +142,8 @@ class EngineBackend:
         self.describe = (f"{self.name} ({mode}, batch {batch}, {attn}, {self.engine.prefill_layout} prefill, "
                          f"check every {self.check_every} steps, "
                          f"refill at {self.policy.min_free} free slots{', history reuse' if reuse_history else ''}"
-                         f"{', tail compaction' if self.compact else ''}{over})")
+                         f"{', tail compaction' if self.compact else ''}"
+                         f"{f', {lookup_draft} lookup drafts a step' if lookup_draft else ''}{over})")
 
     def busy(self) -> bool:
         return self._live() or bool(self.staging and len(self.staging))
@@ -262,7 +270,8 @@ class EngineBackend:
             "staged_pad_share": round(1 - st.real_tokens / max(1, st.padded_tokens), 3),
             "staged_landed": st.landed, "staging_device_waits": st.device_waits,
             "device_staged_prefill_s": round(st.device_s, 3)}
-        return {"decode_steps": self.decode_steps, "mean_live_rows": round(live / steps, 1),
+        spec = {} if self.lookup is None else self.lookup.stats(live)
+        return {"decode_steps": self.decode_steps, "mean_live_rows": round(live / steps, 1), **spec,
                 "occupancy": round(live / (steps * self.B), 3),
                 "mean_decode_width": round(self.width_row_steps / steps, 1),
                 "prefill_calls": self.prefill_calls, "prefill_rows": self.prefill_rows,
@@ -309,7 +318,10 @@ class EngineBackend:
         tokens = deltas if deltas is not None else [r.prompt for r in reqs]
         logits = self.engine.prefill(tokens, rows)
         keys = to_device([r.key for r in reqs], dev)                                    # no host sync
-        self._start(next_tokens(logits, keys, torch.zeros_like(keys), self.dec), to_device(rows, dev), keys)
+        first, rows_t = next_tokens(logits, keys, torch.zeros_like(keys), self.dec), to_device(rows, dev)
+        self._start(first, rows_t, keys)
+        if self.lookup is not None:
+            self.lookup.fill(rows_t, [r.prompt for r in reqs], first)
         self.sample_until = max(self.sample_until, self.decode_steps + self.dec.greedy_after - 1)
         lens = [len(t) for t in tokens]
         self.prefill_rows += len(reqs)
@@ -321,8 +333,12 @@ class EngineBackend:
     @torch.inference_mode()
     def _decode(self) -> None:
         w = self.width
-        out = self.engine.forward(self.cur[:w, None], self.active[:w].long())
-        self._advance(out.logits[:, 0], w)
+        if self.lookup is not None:
+            greedy_now = self.dec.greedy_after and self.decode_steps >= self.sample_until
+            self.lookup.step(self, w, GREEDY if greedy_now else self.dec)
+        else:
+            out = self.engine.forward(self.cur[:w, None], self.active[:w].long())
+            self._advance(out.logits[:, 0], w)
         self.decode_steps += 1
         self.width_row_steps += w
 

@@ -78,6 +78,7 @@ from ..target import load_target
 from ..target.static_forward import PREFILL_LAYOUTS, engine_support
 from .regen_backends import Completion, EngineBackend, TurnRequest, auto_batch_size
 from .regen_hf import HFBackend
+from .regen_lookup import check_lookup
 from .regen_output import JsonlAppender, load_sidecar, scan_output, settings_of, sidecar_path  # noqa: F401
 from .regen_sampling import Decoding, answer_key
 from .regen_turns import COUNTERS, ConvState, PromptReadAhead, Regenerator
@@ -97,8 +98,9 @@ def _queue(ready: list[TurnRequest], req: TurnRequest | None) -> None:
 def make_backend(bundle, eos: list[int], pad: int, batch: int, max_len: int, max_new: int, dec: Decoding,
                  engine: str, attention: str = "auto", reuse_history: bool = False, overlap: bool = False,
                  compact: bool = False, prefill_layout: str = "auto", collect_early: int | None = None,
-                 steps_per_launch: int = 8):
+                 steps_per_launch: int = 8, lookup_draft: int = 0):
     """The engine backend where the target allows it (halving `batch` on OOM), else HF generate."""
+    check_lookup(lookup_draft)
     if steps_per_launch < 1:
         raise UsageError(f"--steps-per-launch must be >= 1, got {steps_per_launch}")
     if collect_early is not None and not 0 <= collect_early <= steps_per_launch:
@@ -122,14 +124,15 @@ def make_backend(bundle, eos: list[int], pad: int, batch: int, max_len: int, max
                          why=why + "".join(f"; {flag} ignored: it needs the static-KV engine" for flag, on in
                                            (("--overlap-prefill", overlap), ("--compact-tail", compact),
                                             ("--collect-early", collect_early is not None),
-                                            ("--steps-per-launch", steps_per_launch != 8)) if on))
+                                            ("--steps-per-launch", steps_per_launch != 8),
+                                            ("--lookup-draft", lookup_draft > 0)) if on))
     batch = batch or auto_batch_size(bundle.model, max_len)
     while True:
         try:
             return EngineBackend(bundle.model, eos, batch, max_len, max_new, dec, attention=attention,
                                  reuse_history=reuse_history, overlap=overlap, compact=compact,
                                  prefill_layout=prefill_layout, snapshot_lag=collect_early,
-                                 check_every=steps_per_launch)
+                                 check_every=steps_per_launch, lookup_draft=lookup_draft)
         except torch.OutOfMemoryError:
             batch = _halve(batch)
 
@@ -184,7 +187,7 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
                    attention: str = "auto", greedy_after: int = 0, reuse_history: bool = False, overlap: bool = False,
                    compact: bool = False, max_seconds: float = 0.0, first_sample: int = 0,
                    prefetch_prompts: bool = True, prefill_layout: str = "auto", collect_early: int | None = None,
-                   steps_per_launch: int = 8) -> dict:
+                   steps_per_launch: int = 8, lookup_draft: int = 0) -> dict:
     """Regenerate cfg.data's conversations into `output` (JSONL); returns the final sidecar dict.
 
     batch_size 0 = auto (16 on the CPU, up to 1024 on CUDA as memory allows).
@@ -209,6 +212,9 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
     end, so the host's work between launches overlaps the last steps (None: 1 on CUDA, 0 on the CPU; up to
     steps_per_launch: the copy as the launch starts, the host a whole launch ahead). The same output; an answer
     that ends in those last steps waits one launch more.
+    lookup_draft: K > 0 drafts K tokens a row from its own prompt and answer so far and verifies them in each
+    decode step (engine backend, eval/regen_lookup.py; not with overlap or compact). The same output up to the
+    rounding of a (K + 1)-token forward.
     """
     started = _now() if max_seconds else 0.0
     entered = time.perf_counter()            # the set-up before the loop (target load, engine) is timed too
@@ -247,7 +253,7 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
     max_len, limit = length_limit(cfg.extract.max_length, bundle)
     regen = Regenerator(bundle.tokenizer, eos, max_new_tokens, max_len, max_turns, dec, limit)
     reuse_history = reuse_history and max_turns != 1
-    tuning = dict(collect_early=collect_early, steps_per_launch=steps_per_launch)
+    tuning = dict(collect_early=collect_early, steps_per_launch=steps_per_launch, lookup_draft=lookup_draft)
     backend = make_backend(bundle, eos, pad, batch_size, max_len, max_new_tokens, dec, engine,
                            attention, reuse_history, overlap, compact, prefill_layout, **tuning)
     print(f"regenerate: decode path: {backend.describe}", flush=True)

@@ -1,0 +1,169 @@
+"""regenerate --lookup-draft K (eval/regen_lookup.py): drafts from each row's own history, verified in one forward.
+
+The answers must be the plain decode's: checked against the same backend without drafts and against unbatched
+greedy decoding, greedy and sampled, with drafts that are always right (an oracle), found by the lookup, or
+always wrong. In float64: a sampled token of the tiny random model's nearly flat distribution flips on float32
+rounding (a 4-token forward against a 1-token one did flip one in float32).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+from dflash_pipe.errors import UsageError
+from dflash_pipe.eval import regen_backends
+from dflash_pipe.eval.regen_lookup import LookupDrafts, draft_reference
+from dflash_pipe.eval.regen_sampling import Decoding
+from tests.eval_helpers import llama  # noqa: F401 - pytest fixture
+from tests.test_eval_regenerate import _rows, cfg  # noqa: F401 - pytest fixture
+from tests.test_regen_decoding import _run
+
+
+@torch.inference_mode()
+def test_device_drafts_equal_the_python_reference():
+    """Histories over a 4-token vocabulary (many repeats) and a 50-token one (few): every row's drafts and its
+    found flag equal draft_reference's, where the reference has a token (past the history: padding)."""
+    g = torch.Generator().manual_seed(0)
+    for vocab in (4, 50):
+        lens = torch.randint(1, 40, (32,), generator=g).tolist()
+        hists = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lens]
+        d = LookupDrafts(batch=32, max_len=48, k=3, device=torch.device("cpu"))
+        d.hist.fill_(99)                              # stale tokens past every history
+        for r, h in enumerate(hists):
+            d.hist[r, :len(h)] = torch.tensor(h)
+            d.hlen[r] = len(h)
+        drafts, found = d.draft(32)
+        for r, h in enumerate(hists):
+            ref = draft_reference(h, 3)
+            got = drafts[r].tolist()
+            assert all(x is None or x == y for x, y in zip(ref, got)), (vocab, h, ref, got)
+            matched = any(h[j:j + n] == h[-n:] for n in (1, 2, 3) if len(h) > n for j in range(len(h) - n))
+            assert bool(found[r]) == matched, (h, found[r])
+        assert 0 < int(found.sum()) <= 32
+
+
+def _answers(llama, prompts, dec, lookup, max_new=23, batch=3, oracle=None, eos=None):
+    """Every prompt through an EngineBackend (its answers and its stats); with `oracle` (order -> answer, shift)
+    the drafts are the true next tokens of each row's answer (shift 1: each true token + 1, always wrong)."""
+    from dflash_pipe.eval import eos_token_ids
+
+    eos = eos or eos_token_ids(llama.model, llama.tokenizer)
+    be = regen_backends.EngineBackend(llama.model, eos, batch=batch, max_len=96, max_new_tokens=max_new, dec=dec,
+                                      check_every=4, lookup_draft=lookup)
+    if oracle is not None:
+        truth, shift = oracle
+
+        def draft(w):
+            rows = []
+            for r in range(w):
+                s = be.slots[r]
+                ans, n = (truth[s.order] if s is not None else []), int(be.n_gen[r])
+                rows.append([(ans[i] + shift if i < len(ans) else 0) for i in range(n, n + lookup)])
+            return torch.tensor(rows), torch.ones(w, dtype=torch.bool)
+        be.lookup.draft = draft
+    ready = [regen_backends.TurnRequest(None, p, key=500 + i, order=i) for i, p in enumerate(prompts)]
+    got = {}
+    while ready or be.busy():
+        be.launch(ready)
+        for c in be.collect():
+            got[c.request.order] = c.tokens + [eos[0]] * c.ended
+    return [got[i] for i in range(len(prompts))], be.stats(), eos
+
+
+def _f64(bundle):
+    return dataclasses.replace(bundle, model=copy.deepcopy(bundle.model).to(torch.float64))
+
+
+@pytest.fixture(scope="module")
+def diverse(llama):
+    """The livened tiny Llama in float64: answers that rarely repeat (drafts must come from an oracle)."""
+    return _f64(llama)
+
+
+@pytest.fixture(scope="module")
+def repeater(tmp_path_factory):
+    """The tiny random Llama as initialised (not livened), float64: greedy answers that repeat one token, as a small
+    target's loops do, so the lookup finds drafts."""
+    from dflash_pipe.target import load_target
+
+    return _f64(load_target("random:tiny-llama", dtype="float32",
+                            model_cache_dir=tmp_path_factory.getbasetemp() / "dflash-model-cache"))
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(11)
+    loop = torch.randint(3, 49152, (5,), generator=g).tolist()
+    return [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (9, 30, 4, 17)] + [loop * 6, loop * 2 + [7]]
+
+
+@pytest.mark.parametrize("dec", [Decoding(), Decoding(temperature=1.5, greedy_after=4),
+                                 Decoding(temperature=0.9, top_p=0.9)], ids=["greedy", "greedy-after", "sampled"])
+def test_lookup_answers_equal_plain_decoding(repeater, prompts, dec):
+    """K = 3 lookup drafts give the plain backend's answers (greedy: also unbatched greedy decoding's); where the
+    answers are greedy (all or after 4 tokens) the lookup finds drafts, the target keeps them and the run takes
+    fewer steps (measured: 24 against 48, 2.2 and 1.8 tokens a row-step); fully sampled answers rarely repeat."""
+    from dflash_pipe.eval import greedy_generate
+
+    plain, plain_stats, eos = _answers(repeater, prompts, dec, 0)
+    spec, st, _ = _answers(repeater, prompts, dec, 3)
+    assert spec == plain
+    assert st["lookup_draft"] == 3 and "lookup_draft" not in plain_stats
+    if dec.greedy or dec.greedy_after:
+        assert st["decode_steps"] < plain_stats["decode_steps"]
+        assert 1.5 < st["kept_per_row_step"] <= 4.0 and 0.5 < st["lookup_found_share"] <= 1
+    else:
+        assert 1.0 <= st["kept_per_row_step"] and st["decode_steps"] <= plain_stats["decode_steps"]
+    if dec.greedy:
+        assert all(a == greedy_generate(repeater.model, p, 23, eos) for p, a in zip(prompts, spec))
+
+
+@pytest.mark.parametrize("shift,max_new", [(0, 23), (0, 8), (1, 23)], ids=["right", "right-short", "wrong"])
+def test_drafts_that_are_always_right_or_always_wrong_give_the_same_answers(diverse, prompts, shift, max_new):
+    """An oracle's drafts are all kept (4 tokens a step until an answer ends; max_new 8 cuts a step's 4 at the
+    limit), wrong ones never (1 token a step, as a plain step); the answers stay the plain ones."""
+    dec = Decoding(temperature=1.5, greedy_after=2)
+    plain, plain_stats, _ = _answers(diverse, prompts, dec, 0, max_new=max_new)
+    spec, st, _ = _answers(diverse, prompts, dec, 3, max_new=max_new, oracle=(plain, shift))
+    assert spec == plain
+    if shift:
+        assert st["kept_per_row_step"] == 1.0
+    else:                               # the first token comes from the prefill, then 4 a step until the end
+        after_first = [len(a) - 1 for a in plain]
+        assert st["kept_per_row_step"] == round(sum(after_first) / sum(-(-n // 4) for n in after_first), 3)
+
+
+def test_an_eos_inside_a_kept_block_ends_the_answer_there(diverse, prompts):
+    """EOS set to a token inside the first answer (its 7th): the plain answer stops at it; an oracle drafting the
+    answer as it was without that EOS offers tokens past it, and the speculative answer stops at it too."""
+    dec = Decoding(temperature=1.5, greedy_after=2)
+    free, _, _ = _answers(diverse, prompts, dec, 0)
+    stop = free[0][6]
+    plain, _, _ = _answers(diverse, prompts, dec, 0, eos=[stop])
+    spec, st, _ = _answers(diverse, prompts, dec, 3, eos=[stop], oracle=(free, 0))
+    assert spec == plain and plain[0] == free[0][:7]
+    assert st["kept_per_row_step"] > 2.0
+
+
+def test_regenerate_with_lookup_drafts_writes_the_plain_rows(cfg, llama, tmp_path, capsys):
+    """The CLI path end to end: the same rows as without drafts, the decode path names the drafts, the sidecar's
+    timing carries the kept tokens per step."""
+    plain = _run(cfg, llama, tmp_path / "plain.jsonl", engine="static")
+    spec = _run(cfg, llama, tmp_path / "spec.jsonl", engine="static", lookup_draft=2)
+    assert "2 lookup drafts a step" in capsys.readouterr().out
+    assert (tmp_path / "spec.jsonl").read_bytes() == (tmp_path / "plain.jsonl").read_bytes()
+    assert len(_rows(tmp_path / "spec.jsonl")) > 0
+    assert spec["timing"]["kept_per_row_step"] >= 1.0 and "kept_per_row_step" not in plain["timing"]
+
+
+@pytest.mark.parametrize("kw,flag", [({"lookup_draft": -1}, "--lookup-draft"), ({"lookup_draft": 16}, "--lookup-draft"),
+                                     ({"lookup_draft": 2, "overlap": True}, "--overlap-prefill"),
+                                     ({"lookup_draft": 2, "compact": True}, "--compact-tail")])
+def test_bad_lookup_flags_are_usage_errors_naming_the_flag(cfg, llama, tmp_path, kw, flag):
+    with pytest.raises(UsageError, match=flag):
+        _run(cfg, llama, tmp_path / "o.jsonl", engine="static", **kw)
+    assert not (tmp_path / "o.jsonl").exists() or not _rows(tmp_path / "o.jsonl")
