@@ -112,6 +112,7 @@ def test_lookup_answers_equal_plain_decoding(repeater, prompts, dec):
     plain, plain_stats, eos = _answers(repeater, prompts, dec, 0)
     spec, st, _ = _answers(repeater, prompts, dec, 3)
     assert spec == plain
+    assert _answers(repeater, prompts[:2], dec, 3, batch=4)[0] == plain[:2]     # slots never filled draft nothing
     assert st["lookup_draft"] == 3 and "lookup_draft" not in plain_stats
     if dec.greedy or dec.greedy_after:
         assert st["decode_steps"] < plain_stats["decode_steps"]

@@ -108,6 +108,7 @@ class EngineBackend:
             self.eos = torch.tensor(sorted(set(eos)), dtype=torch.long, device=dev)
             self.live_row_steps = torch.zeros((), dtype=torch.long, device=dev)   # occupancy, summed per step
         self.decode_steps = 0
+        self.idle_slot_launches = 0          # empty slots summed over launches (each idles check_every steps)
         # --greedy-after K: a row refilled before decode step s0 samples while its token index is < K, i.e. at
         # steps < s0 + K - 1; past the last such step no row samples and the step takes the argmax alone
         # (skipping softmax + the full-vocabulary sort of top-p). The host knows this without a sync.
@@ -197,6 +198,8 @@ class EngineBackend:
         # `min_free` slots would still idle (the staging area ran dry: a burst of ends, next turns just queued)
         if self.staging is None or not self._live() or len(free) >= self.policy.min_free:
             self._refill(free, ready)
+        if self._live():                     # slots this launch leaves empty (waiting for min_free, or no prompts)
+            self.idle_slot_launches += len(self._free_rows())
         self._decode_launch(m0, ready)
         if self.staging is not None:
             self.staging.top_up(ready)      # on the side stream, under the steps just queued
@@ -274,6 +277,7 @@ class EngineBackend:
         return {"decode_steps": self.decode_steps, "mean_live_rows": round(live / steps, 1), **spec,
                 "occupancy": round(live / (steps * self.B), 3),
                 "mean_decode_width": round(self.width_row_steps / steps, 1),
+                "idle_slot_launches": self.idle_slot_launches,
                 "prefill_calls": self.prefill_calls, "prefill_rows": self.prefill_rows,
                 "prefill_tokens": self.prefill_real,
                 "prefill_pad_share": round(1 - self.prefill_real / max(1, self.prefill_padded), 3),

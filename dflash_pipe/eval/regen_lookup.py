@@ -72,6 +72,8 @@ class LookupDrafts:
             self.ar_T = torch.arange(self.T, device=device)
             self.kept = torch.zeros((), dtype=torch.long, device=device)      # tokens kept, summed over steps
             self.drafted_rows = torch.zeros((), dtype=torch.long, device=device)   # live rows a lookup found
+        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}     # CUDA: the whole step per (rows, greedy)
+        self._warm: dict[tuple, int] = {}
 
     def fill(self, rows: torch.Tensor, prompts: Sequence[Sequence[int]], first: torch.Tensor) -> None:
         """Rows freshly prefilled with `prompts`, their first tokens `first`: the history starts as prompt + first
@@ -87,7 +89,7 @@ class LookupDrafts:
     def draft(self, w: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The K drafts of rows 0..w-1 ([w, K], long), `draft_reference` for every row at once, and whether a
         lookup found them ([w], bool)."""
-        h, last = self.hist[:w], self.hlen[:w] - 1              # `last`: where the row's last token sits
+        h, last = self.hist[:w], (self.hlen[:w] - 1).clamp(min=0)   # where the row's last token sits (0: empty row)
         cols = self.cols
         score = torch.full_like(h, -1)
         match = cols[None] < last[:, None]                      # an earlier occurrence ends before the last token
@@ -108,12 +110,38 @@ class LookupDrafts:
         return drafts, found
 
     def step(self, be, w: int, dec: Decoding) -> None:
-        """One speculative step of backend `be` on its first `w` rows (the plain step is `EngineBackend._decode` +
-        `_advance`): feed, choose at every position, keep the agreeing drafts, move the lengths back."""
-        T, k = self.T, self.k
+        """One speculative step of backend `be` on its first `w` rows. With CUDA graphs the whole step (drafts,
+        forward, choices, bookkeeping: ~60 kernels besides the forward's) is one graph per (w, greedy or not):
+        every input is a persistent buffer, so a replay needs no copies. A key's first two steps run eagerly (the
+        warm-up: kernel choice, lazy inits), its third is captured and replayed. Its forward attends over the
+        whole cache width (`kv_len` = the engine's size: the per-row kernel reads each row's own keys anyway), and
+        the host's length bounds of the rows go to max_len (any row may have grown by T)."""
+        eng = be.engine
+        if not eng.use_graphs:
+            return self._step(be, w, dec, None)
+        eng._bound[:w] = [eng.max_len] * w
+        key = (w, dec.greedy)
+        graph = self._graphs.get(key)
+        if graph is None:
+            self._warm[key] = self._warm.get(key, 0) + 1
+            if self._warm[key] <= 2:
+                return self._step(be, w, dec, eng.size)
+            if eng._pool is None:
+                eng._pool = torch.cuda.graph_pool_handle()
+            graph = self._graphs[key] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=eng._pool):       # shared with the engine's graphs: never concurrent
+                self._step(be, w, dec, eng.size)
+        graph.replay()
+
+    def _step(self, be, w: int, dec: Decoding, kv_len: int | None) -> None:
+        """The step itself (the plain one is `EngineBackend._decode` + `_advance`): feed, choose at every position,
+        keep the agreeing drafts, move the lengths back. kv_len None: through `forward` (eager, host bounds)."""
+        T, k, eng = self.T, self.k, be.engine
         drafts, found = self.draft(w)
         act = be.active[:w].clone()
-        logits = be.engine.forward(torch.cat([be.cur[:w, None], drafts], dim=1), act.long() * T).logits   # [w, T, V]
+        ids, num_new = torch.cat([be.cur[:w, None], drafts], dim=1), act.long() * T
+        out = eng.forward(ids, num_new) if kv_len is None else eng._compute(ids, num_new, None, kv_len, False)
+        logits = out.logits                                      # [w, T, V]
         n_gen = be.n_gen[:w]
         steps = n_gen[:, None] + self.ar_T                       # each position's token index in its answer
         tok = next_tokens(logits.reshape(w * T, -1), be.keys[:w].repeat_interleave(T), steps.reshape(-1),
@@ -127,7 +155,7 @@ class LookupDrafts:
         be.out[:w].scatter_(1, torch.where(keep, steps, be.max_new), tok)
         self.hist[:w].scatter_(1, torch.where(keep, self.hlen[:w, None] + self.ar_T, self.spare), tok)
         self.hlen[:w] += n
-        be.engine.lengths[:w] -= torch.where(act, T - n, 0)      # the rejected drafts' K / V are past the length
+        eng.lengths[:w] -= torch.where(act, T - n, 0)      # the rejected drafts' K / V are past the length
         last = tok.gather(1, (n - 1).clamp(min=0)[:, None])[:, 0]
         be.cur[:w].copy_(torch.where(act, last, be.cur[:w]))
         hit = act & (first_eos < n)
@@ -142,5 +170,6 @@ class LookupDrafts:
         """Tokens kept per live row and step (1.0 = no draft ever kept), and the share of live row-steps whose
         history held a match (one host sync)."""
         live = max(1, live_row_steps)
-        return {"lookup_draft": self.k, "kept_per_row_step": round(int(self.kept) / live, 3),
+        return {"lookup_draft": self.k, "lookup_graphs": len(self._graphs),
+                "kept_per_row_step": round(int(self.kept) / live, 3),
                 "lookup_found_share": round(int(self.drafted_rows) / live, 3)}

@@ -33,7 +33,8 @@ conversations share a batch.
 How (regen_backends): on attention-only targets a static-KV engine runs `batch_size` slots of
 continuous batching (finished slots refilled with the next prompts, CUDA graphs on CUDA); other
 targets (hybrid / recurrent layers) fall back to HF `generate`, greedy, named in the log. Up to
-4 x batch_size conversations are in flight; their ready turns are served oldest conversation
+IN_FLIGHT x batch_size conversations are in flight (8: fewer stalled `--lookup-draft` runs, whose fast answers
+pile up behind the oldest unfinished one); their ready turns are served oldest conversation
 first, and the answers are written in input order. While the device runs a launch, the host
 detokenizes the answers just collected and tokenizes the round's new prompts in one batched call
 (`encode_prompts`; a conversation's first prompt is tokenized ahead on a worker thread, regen_turns.py); the
@@ -50,7 +51,7 @@ settings (target weights, data selection, max_new_tokens, max_length, decoding):
 different ones is refused instead of mixing two datasets in one file. Out of GPU memory, the
 batch is halved (logged) and the answers in flight are rerun; they come out the same.
 
-Time caps: a kill loses the conversations in flight (up to 4 x batch_size, and every finished one
+Time caps: a kill loses the conversations in flight (up to 8 x batch_size, and every finished one
 behind the oldest unfinished, since rows go out in input order). ``--max-seconds S`` stops
 admitting conversations S seconds after the command started and finishes the ones in flight, so
 the output is a prefix of the input with nothing generated in vain; the sidecar records
@@ -89,6 +90,7 @@ log = logging.getLogger("dflash_pipe.eval")
 ENGINES = ("auto", "static", "hf")
 ENGINE_ATTENTION = ("auto", "rows", "sdpa")
 FLUSH_SECONDS = 10.0
+IN_FLIGHT = 8                # conversations in flight per slot (module docstring)
 _now = time.monotonic        # the --max-seconds clock (a seam for tests)
 def _queue(ready: list[TurnRequest], req: TurnRequest | None) -> None:
     if req is not None:
@@ -350,14 +352,17 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
             for req in regen.next_requests(going):
                 _queue(ready, req)
             admitted, fresh = 0, []
-            cap = backend.B if cap is None else max(16, backend.B // 16)
+            # per round: all slots' worth at first, then B/16 plus as many as just finished (a trickle that keeps up)
+            cap = backend.B if cap is None else max(16, backend.B // 16 + len(completions))
             if max_seconds and not exhausted and _now() - started >= max_seconds:
                 exhausted = True             # no new conversations; the ones in flight finish and are written
                 state["stopped_early"] = {"max_seconds": max_seconds, "in_flight": len(inflight)}
                 print(f"regenerate: --max-seconds {max_seconds:g} reached: finishing the {len(inflight)} "
                       f"conversations in flight", flush=True)
+            if not exhausted and len(ready) < backend.B and len(inflight) >= IN_FLIGHT * backend.B:
+                split["in_flight_full_rounds"] = split.get("in_flight_full_rounds", 0) + 1
             while (not exhausted and admitted < cap and len(ready) < backend.B
-                   and len(inflight) < 4 * backend.B):
+                   and len(inflight) < IN_FLIGHT * backend.B):
                 item = prompts.next()
                 if item is None:
                     exhausted = True
