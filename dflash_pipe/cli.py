@@ -142,11 +142,13 @@ def regenerate_cmd(cfg: RunConfig, output: Path = typer.Option(..., "--output", 
                                                      "the host's work between launches overlaps the last steps "
                                                      "(-1 = 1 on CUDA, 0 on the CPU; at most --steps-per-launch: "
                                                      "the copy as the launch starts; the same output)."),
-                   lookup_draft: int = typer.Option(0, help="Static-KV engine: draft K tokens a row from its own "
+                   lookup_draft: int = typer.Option(-1, help="Static-KV engine: draft K tokens a row from its own "
                                                     "prompt and answer so far (prompt lookup) and verify them in "
                                                     "every decode step, keeping those the target would have "
-                                                    "chosen (0 = off; the same output up to rounding; not with "
-                                                    "--overlap-prefill / --compact-tail; eval/regen_lookup.py).")):
+                                                    "chosen (0 = off; -1 = auto: 2 for greedy answers on CUDA, "
+                                                    "1.2x on the H100, else off; the same output up to rounding; "
+                                                    "not with --overlap-prefill / --compact-tail; "
+                                                    "eval/regen_lookup.py).")):
     """Regenerate the assistant turns with the target itself (drafters must learn the target's outputs)."""
     from .errors import UsageError
     from .eval.regenerate import run_regenerate
@@ -163,7 +165,8 @@ def regenerate_cmd(cfg: RunConfig, output: Path = typer.Option(..., "--output", 
                        reuse_history=reuse_history, overlap=overlap_prefill, compact=compact_tail,
                        max_seconds=max_seconds, first_sample=first_sample, prefetch_prompts=prefetch_prompts,
                        prefill_layout=prefill_layout, steps_per_launch=steps_per_launch,
-                       collect_early=None if collect_early == -1 else collect_early, lookup_draft=lookup_draft)
+                       collect_early=None if collect_early == -1 else collect_early,
+                       lookup_draft=None if lookup_draft == -1 else lookup_draft)
 
 
 @app.command("export")

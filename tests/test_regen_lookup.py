@@ -168,3 +168,17 @@ def test_bad_lookup_flags_are_usage_errors_naming_the_flag(cfg, llama, tmp_path,
     with pytest.raises(UsageError, match=flag):
         _run(cfg, llama, tmp_path / "o.jsonl", engine="static", **kw)
     assert not (tmp_path / "o.jsonl").exists() or not _rows(tmp_path / "o.jsonl")
+
+
+def test_auto_lookup_drafts_two_only_for_greedy_answers_on_cuda_graphs(cfg, llama, tmp_path, capsys):
+    """--lookup-draft auto (None, the CLI's -1): 2 where it was measured to pay (greedy, CUDA graphs, no overlap /
+    compaction), else off; an explicit K is kept. On the CPU the run is the plain one."""
+    from dflash_pipe.eval.regen_lookup import auto_lookup
+
+    greedy, sampled = Decoding(), Decoding(temperature=0.7)
+    assert auto_lookup(None, True, greedy, False, False) == 2
+    assert [auto_lookup(None, *a) for a in ((False, greedy, False, False), (True, sampled, False, False),
+                                            (True, greedy, True, False), (True, greedy, False, True))] == [0] * 4
+    assert auto_lookup(3, False, sampled, False, False) == 3 and auto_lookup(0, True, greedy, False, False) == 0
+    st = _run(cfg, llama, tmp_path / "auto.jsonl", engine="static")
+    assert "lookup drafts" not in capsys.readouterr().out and "kept_per_row_step" not in st["timing"]

@@ -18,7 +18,8 @@ until then (at most check_every - 1 wasted steps), and costs nothing in attentio
 stops growing).
 
 History reuse (`reuse_history`, multi-turn) and tail compaction: regen_slots.py. Prompt-lookup speculation
-(`lookup_draft` K > 0: K tokens drafted from each row's own history and verified in every step): regen_lookup.py.
+(`lookup_draft` K > 0: K tokens drafted from each row's own history and verified in every step; None = 2 for
+greedy answers on CUDA graphs): regen_lookup.py.
 
 Collecting early (``snapshot_lag`` K, 1 by default on CUDA): `collect` reads a copy of the per-row state taken K
 steps before the launch's end and refills the freed slots at once; the refill's prefills queue behind those last
@@ -52,7 +53,7 @@ from .regen_slots import continue_held, shrink
 from .regen_requests import Completion, Held, TurnRequest, auto_batch_size  # noqa: F401 - re-exported
 from .regen_sampling import Decoding, next_tokens
 from .regen_clock import LaunchClock
-from .regen_lookup import LookupDrafts, check_lookup
+from .regen_lookup import LookupDrafts, auto_lookup, check_lookup
 from .regen_staging import Snapshot, StagingArea
 
 log = logging.getLogger("dflash_pipe.eval")
@@ -68,7 +69,7 @@ class EngineBackend:
                  check_every: int = 8, prefill_tokens: int | None = None, use_graphs: str = "auto",
                  compact: bool | None = None, min_free: int | None = None, attention: str = "auto",
                  reuse_history: bool = False, overlap: bool = False, staging_rows: int | None = None,
-                 snapshot_lag: int | None = None, prefill_layout: str = "auto", lookup_draft: int = 0):
+                 snapshot_lag: int | None = None, prefill_layout: str = "auto", lookup_draft: int | None = 0):
         cuda = next(model.parameters()).device.type == "cuda"     # padding rows to 8 saves graphs, not CPU time
         self.engine = StaticKVEngine(model, batch, max_len, use_graphs=use_graphs, bucketed_prefill=True,
                                      prefill_min_rows=8 if cuda else 1, attention=attention,
@@ -85,8 +86,9 @@ class EngineBackend:
         if reuse_history and compact:
             raise UsageError("history reuse keeps finished rows in place; tail compaction moves rows")
         self.reuse_history = reuse_history
-        # prompt-lookup speculation (regen_lookup.py): K drafts a row verified in each step
-        if check_lookup(lookup_draft) and (overlap or compact):
+        # prompt-lookup speculation (regen_lookup.py): K drafts a row verified in each step (None: auto_lookup)
+        lookup_draft = auto_lookup(check_lookup(lookup_draft), self.engine.use_graphs, dec, overlap, compact)
+        if lookup_draft and (overlap or compact):
             raise UsageError(f"--lookup-draft {lookup_draft} keeps each row's token history in its slot: not with "
                              f"{'--overlap-prefill' if overlap else '--compact-tail'}", "drop one of them")
         self.lookup = LookupDrafts(batch, max_len, lookup_draft, self.engine.device) if lookup_draft else None

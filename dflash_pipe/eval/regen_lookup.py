@@ -34,13 +34,25 @@ from ..target.static_forward import GROUPED_QUERY_MAX_T
 from .regen_sampling import Decoding, next_tokens
 
 NGRAMS = (3, 2, 1)          # the history's last n tokens looked up, longest first
+AUTO_K = 2                  # the default where it pays (auto_lookup); BENCHMARKS.md, session 33
 
 
-def check_lookup(k: int) -> int:
-    if not 0 <= k < GROUPED_QUERY_MAX_T:
+def check_lookup(k: int | None) -> int | None:
+    """None (auto) or K in 0..15."""
+    if k is not None and not 0 <= k < GROUPED_QUERY_MAX_T:
         raise UsageError(f"--lookup-draft must be from 0 (off) to {GROUPED_QUERY_MAX_T - 1}, got {k}",
                          "2 or 3 suit a small target that repeats itself (eval/regen_lookup.py)")
     return k
+
+
+def auto_lookup(k: int | None, graphs: bool, dec: Decoding, overlap: bool, compact: bool) -> int:
+    """K for --lookup-draft auto (None): AUTO_K on CUDA graphs for greedy answers without --overlap-prefill /
+    --compact-tail, else 0. Measured on the H100 (SmolLM2-135M, greedy, batch 1,024): K = 2 1.196x (graphed step) and
+    1.058x (eager), K = 3 1.124x; on the CPU a step is compute-bound, so K + 1 tokens cost K + 1 times as much;
+    sampled steps would sort K + 1 times the logits (not measured)."""
+    if k is not None:
+        return k
+    return AUTO_K if graphs and dec.greedy and not (overlap or compact) else 0
 
 
 def draft_reference(history: Sequence[int], k: int, ngrams: Sequence[int] = NGRAMS) -> list[int]:

@@ -100,7 +100,7 @@ def _queue(ready: list[TurnRequest], req: TurnRequest | None) -> None:
 def make_backend(bundle, eos: list[int], pad: int, batch: int, max_len: int, max_new: int, dec: Decoding,
                  engine: str, attention: str = "auto", reuse_history: bool = False, overlap: bool = False,
                  compact: bool = False, prefill_layout: str = "auto", collect_early: int | None = None,
-                 steps_per_launch: int = 8, lookup_draft: int = 0):
+                 steps_per_launch: int = 8, lookup_draft: int | None = None):
     """The engine backend where the target allows it (halving `batch` on OOM), else HF generate."""
     check_lookup(lookup_draft)
     if steps_per_launch < 1:
@@ -127,7 +127,7 @@ def make_backend(bundle, eos: list[int], pad: int, batch: int, max_len: int, max
                                            (("--overlap-prefill", overlap), ("--compact-tail", compact),
                                             ("--collect-early", collect_early is not None),
                                             ("--steps-per-launch", steps_per_launch != 8),
-                                            ("--lookup-draft", lookup_draft > 0)) if on))
+                                            ("--lookup-draft", bool(lookup_draft))) if on))
     batch = batch or auto_batch_size(bundle.model, max_len)
     while True:
         try:
@@ -189,7 +189,7 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
                    attention: str = "auto", greedy_after: int = 0, reuse_history: bool = False, overlap: bool = False,
                    compact: bool = False, max_seconds: float = 0.0, first_sample: int = 0,
                    prefetch_prompts: bool = True, prefill_layout: str = "auto", collect_early: int | None = None,
-                   steps_per_launch: int = 8, lookup_draft: int = 0) -> dict:
+                   steps_per_launch: int = 8, lookup_draft: int | None = None) -> dict:
     """Regenerate cfg.data's conversations into `output` (JSONL); returns the final sidecar dict.
 
     batch_size 0 = auto (16 on the CPU, up to 1024 on CUDA as memory allows).
@@ -215,8 +215,8 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
     steps_per_launch: the copy as the launch starts, the host a whole launch ahead). The same output; an answer
     that ends in those last steps waits one launch more.
     lookup_draft: K > 0 drafts K tokens a row from its own prompt and answer so far and verifies them in each
-    decode step (engine backend, eval/regen_lookup.py; not with overlap or compact). The same output up to the
-    rounding of a (K + 1)-token forward.
+    decode step (engine backend, eval/regen_lookup.py; not with overlap or compact); 0 = off; None = auto (2 for
+    greedy answers on CUDA graphs, else off). The same output up to the rounding of a (K + 1)-token forward.
     """
     started = _now() if max_seconds else 0.0
     entered = time.perf_counter()            # the set-up before the loop (target load, engine) is timed too
