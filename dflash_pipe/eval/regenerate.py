@@ -61,7 +61,6 @@ the output is a prefix of the input with nothing generated in vain; the sidecar 
 from __future__ import annotations
 
 import bisect
-import gc
 import hashlib
 import json
 import logging
@@ -76,19 +75,16 @@ from ..errors import RuntimeFailure, UsageError
 from ..io_utils import atomic_write_json
 from ..progress import progress_bar
 from ..target import load_target
-from ..target.static_forward import PREFILL_LAYOUTS, engine_support
-from .regen_backends import Completion, EngineBackend, TurnRequest, auto_batch_size
-from .regen_hf import HFBackend
+from .regen_backend_choice import ENGINE_ATTENTION, ENGINES, halve_batch, make_backend  # noqa: F401 - re-exported
+from .regen_backends import Completion, TurnRequest
 from .regen_lookup import check_lookup
 from .regen_output import JsonlAppender, load_sidecar, scan_output, settings_of, sidecar_path  # noqa: F401
-from .regen_sampling import Decoding, answer_key
+from .regen_sampling import Decoding
 from .regen_turns import COUNTERS, ConvState, PromptReadAhead, Regenerator
 from .runner import resolve_device
 from .specdecode import eos_token_ids
 
 log = logging.getLogger("dflash_pipe.eval")
-ENGINES = ("auto", "static", "hf")
-ENGINE_ATTENTION = ("auto", "rows", "sdpa")
 FLUSH_SECONDS = 10.0
 IN_FLIGHT = 8                # conversations in flight per slot (module docstring)
 _now = time.monotonic        # the --max-seconds clock (a seam for tests)
@@ -97,66 +93,12 @@ def _queue(ready: list[TurnRequest], req: TurnRequest | None) -> None:
         bisect.insort(ready, req, key=lambda r: r.order)
 
 
-def make_backend(bundle, eos: list[int], pad: int, batch: int, max_len: int, max_new: int, dec: Decoding,
-                 engine: str, attention: str = "auto", reuse_history: bool = False, overlap: bool = False,
-                 compact: bool = False, prefill_layout: str = "auto", collect_early: int | None = None,
-                 steps_per_launch: int = 8, lookup_draft: int | None = None):
-    """The engine backend where the target allows it (halving `batch` on OOM), else HF generate."""
-    check_lookup(lookup_draft)
-    if steps_per_launch < 1:
-        raise UsageError(f"--steps-per-launch must be >= 1, got {steps_per_launch}")
-    if collect_early is not None and not 0 <= collect_early <= steps_per_launch:
-        raise UsageError(f"--collect-early must be from 0 to --steps-per-launch ({steps_per_launch}), "
-                         f"got {collect_early}")
-    if prefill_layout not in PREFILL_LAYOUTS:
-        raise UsageError(f"--prefill-layout must be one of {', '.join(PREFILL_LAYOUTS)}, got {prefill_layout!r}")
-    if engine not in ENGINES:
-        raise UsageError(f"--engine must be one of {', '.join(ENGINES)}, got {engine!r}")
-    if attention not in ENGINE_ATTENTION:
-        raise UsageError(f"--engine-attention must be one of {', '.join(ENGINE_ATTENTION)}, got {attention!r}")
-    why = engine_support(bundle.model) if engine != "hf" else "--engine hf"
-    if why is not None:
-        if engine == "static":
-            raise UsageError(f"--engine static: the static-KV engine cannot run this target ({why})",
-                             "use --engine auto (HF generate fallback)")
-        if not dec.greedy:
-            raise UsageError(f"--temperature {dec.temperature}: sampling needs the static-KV engine, which cannot "
-                             f"run this target ({why})", "regenerate greedily (--temperature 0)")
-        return HFBackend(bundle.model, eos, pad, batch or auto_batch_size(bundle.model, max_len, 256), max_new,
-                         why=why + "".join(f"; {flag} ignored: it needs the static-KV engine" for flag, on in
-                                           (("--overlap-prefill", overlap), ("--compact-tail", compact),
-                                            ("--collect-early", collect_early is not None),
-                                            ("--steps-per-launch", steps_per_launch != 8),
-                                            ("--lookup-draft", bool(lookup_draft))) if on))
-    batch = batch or auto_batch_size(bundle.model, max_len)
-    while True:
-        try:
-            return EngineBackend(bundle.model, eos, batch, max_len, max_new, dec, attention=attention,
-                                 reuse_history=reuse_history, overlap=overlap, compact=compact,
-                                 prefill_layout=prefill_layout, snapshot_lag=collect_early,
-                                 check_every=steps_per_launch, lookup_draft=lookup_draft)
-        except torch.OutOfMemoryError:
-            batch = _halve(batch)
-
-
 def _timing(split: dict, backend, wall: float) -> dict:
     """Where the run's wall time went: set-up before the loop (setup_s, not in wall_s), host phases of the driver
     loop, plus the backend's own counters."""
     out = {"wall_s": round(wall, 3), **{k: round(v, 3) for k, v in split.items()}}
     out.update(backend.stats() if hasattr(backend, "stats") else {"decode_steps": backend.decode_steps})
     return out
-
-
-def _halve(batch: int) -> int:
-    if batch == 1:
-        raise RuntimeFailure("out of GPU memory at --batch-size 1",
-                             "use a smaller [extract] max_length in the manifest, or a larger GPU")
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    log.warning("regenerate: out of GPU memory at batch %d; halving --batch-size to %d", batch, batch // 2)
-    print(f"regenerate: out of GPU memory at batch {batch}; continuing at --batch-size {batch // 2}", flush=True)
-    return batch // 2
 
 
 # --------------------------------------------------------------------------- command
@@ -223,6 +165,9 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
     output = Path(output)
     dec = Decoding(samples, temperature, top_p, seed, greedy_after, first_sample)
     _validate(cfg, max_new_tokens, batch_size, dec)
+    if check_lookup(lookup_draft) and (overlap or compact):       # before the sidecar is written
+        raise UsageError(f"--lookup-draft {lookup_draft} keeps each row's token history in its slot: not with "
+                         f"{'--overlap-prefill' if overlap else '--compact-tail'}", "drop one of them")
     if max_seconds < 0:
         raise UsageError(f"--max-seconds must be >= 0 (0 = no limit), got {max_seconds}")
     if max_turns < 0:
@@ -342,7 +287,7 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
                         _queue(ready, req)
                 smaller = backend.B
                 backend = None               # free its cache before allocating the smaller one
-                backend = make_backend(bundle, eos, pad, _halve(smaller), max_len, max_new_tokens, dec, engine,
+                backend = make_backend(bundle, eos, pad, halve_batch(smaller), max_len, max_new_tokens, dec, engine,
                                        attention, reuse_history, overlap, compact, prefill_layout, **tuning)
                 state["decode_path"] = backend.describe
             # host work while the device decodes: the last answers, the next turns, new prompts, the output
