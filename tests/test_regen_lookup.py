@@ -182,3 +182,13 @@ def test_auto_lookup_drafts_two_only_for_greedy_answers_on_cuda_graphs(cfg, llam
     assert auto_lookup(3, False, sampled, False, False) == 3 and auto_lookup(0, True, greedy, False, False) == 0
     st = _run(cfg, llama, tmp_path / "auto.jsonl", engine="static")
     assert "lookup drafts" not in capsys.readouterr().out and "kept_per_row_step" not in st["timing"]
+
+
+def test_the_simulation_bench_counts_kept_tokens_as_worked_out_by_hand():
+    """bench/lookup_sim.py on prompt [1, 2, 3], answer [1, 2, 3, 1, 2, 3, 9]: the answer's 1 comes from the prefill;
+    step 1 drafts [2, 3] after the earlier 1 (both kept + the 1 chosen after them), step 2 drafts [2, 3] after the
+    earlier (2, 3, 1) and keeps them with the 9: 6 tokens in 2 steps. Drafts that never match: 1 a step."""
+    from bench.lookup_sim import kept_per_step
+
+    assert kept_per_step([([1, 2, 3], [1, 2, 3, 1, 2, 3, 9])], 2, (3, 2, 1)) == 3.0
+    assert kept_per_step([([5], [6, 7, 8, 9])], 2, (3, 2, 1)) == 1.0
