@@ -18,7 +18,7 @@ from dflash_pipe.errors import UsageError
 from dflash_pipe.eval import regen_backends
 from dflash_pipe.eval.regen_lookup import LookupDrafts, draft_reference
 from dflash_pipe.eval.regen_sampling import Decoding
-from tests.eval_helpers import llama  # noqa: F401 - pytest fixture
+from tests.eval_helpers import drain_backend, llama  # noqa: F401 - pytest fixture
 from tests.test_eval_regenerate import _rows, cfg  # noqa: F401 - pytest fixture
 from tests.test_regen_decoding import _run
 
@@ -65,13 +65,8 @@ def _answers(llama, prompts, dec, lookup, max_new=23, batch=3, oracle=None, eos=
                 rows.append([(ans[i] + shift if i < len(ans) else 0) for i in range(n, n + lookup)])
             return torch.tensor(rows), torch.ones(w, dtype=torch.bool)
         be.lookup.draft = draft
-    ready = [regen_backends.TurnRequest(None, p, key=500 + i, order=i) for i, p in enumerate(prompts)]
-    got = {}
-    while ready or be.busy():
-        be.launch(ready)
-        for c in be.collect():
-            got[c.request.order] = c.tokens + [eos[0]] * c.ended
-    return [got[i] for i in range(len(prompts))], be.stats(), eos
+    got = drain_backend(be, prompts, key_offset=500)
+    return [got[i][0] + [eos[0]] * got[i][1] for i in range(len(prompts))], be.stats(), eos
 
 
 def _f64(bundle):

@@ -300,11 +300,10 @@ class EngineBackend:
         self.ended[rows] = hit
         self.active[rows] = ~hit & (self.max_new > 1)
 
-    def _advance(self, logits, w: int) -> None:
+    def _advance(self, logits, w: int, dec: Decoding) -> None:
         """Next token of every live row of the first `w`; finished rows write to the spare column and stay put."""
         keys, n_gen, active, cur = self.keys[:w], self.n_gen[:w], self.active[:w], self.cur[:w]
-        greedy_now = self.dec.greedy_after and self.decode_steps >= self.sample_until
-        tok = next_tokens(logits, keys, n_gen, GREEDY if greedy_now else self.dec)
+        tok = next_tokens(logits, keys, n_gen, dec)
         act = active.clone()
         col = torch.where(act, n_gen, self.max_new)
         self.out[:w].scatter_(1, col[:, None], tok[:, None])
@@ -339,12 +338,13 @@ class EngineBackend:
     @torch.inference_mode()
     def _decode(self) -> None:
         w = self.width
+        greedy_now = self.dec.greedy_after and self.decode_steps >= self.sample_until   # no row samples any more
+        dec = GREEDY if greedy_now else self.dec
         if self.lookup is not None:
-            greedy_now = self.dec.greedy_after and self.decode_steps >= self.sample_until
-            self.lookup.step(self, w, GREEDY if greedy_now else self.dec)
+            self.lookup.step(self, w, dec)
         else:
             out = self.engine.forward(self.cur[:w, None], self.active[:w].long())
-            self._advance(out.logits[:, 0], w)
+            self._advance(out.logits[:, 0], w, dec)
         self.decode_steps += 1
         self.width_row_steps += w
 

@@ -15,11 +15,11 @@ on the logits, the key and the token index), up to the rounding of a (K + 1)-tok
 ones. Everything stays on the device: drafting is a few element-wise ops over the `[rows, max_len]` history, so a
 step needs no host sync, like a plain one.
 
-Why: a target like SmolLM2-135M repeats itself and its prompts. On 46 of its greedy ShareGPT answers (CPU,
-256 new tokens) a row keeps 1.74 tokens a step at K = 2 and 1.90 at K = 3 (n-grams of 3, 2, 1; 3 alone: 1.58 /
-1.70). A step of K + 1 tokens costs more than a one-token step, less than K + 1 of them: at batch 1,024 the
-one-token step is bound by reading the K / V cache, which the per-row attention kernel reads once for all K + 1
-queries of a row.
+Why: a target like SmolLM2-135M repeats itself and its prompts. `bench/lookup_sim.py` (106 of its greedy ShareGPT
+answers, CPU) keeps 1.67 tokens a row-step at K = 2 and 1.80 at K = 3; on the H100 run's 13,829 answers K = 2 kept
+1.72. A step of K + 1 tokens costs more than a one-token step but less than K + 1 of them: at batch 1,024 the
+one-token step mostly reads the K / V cache, which the per-row attention kernel reads once for all K + 1 queries of
+a row (a K = 2 step cost 1.43x a plain one there: 1.14-1.20x regenerate; BENCHMARKS.md, session 33).
 """
 
 from __future__ import annotations
