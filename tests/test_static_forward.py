@@ -240,3 +240,27 @@ def test_fused_rms_norm_in_bf16_is_at_least_as_close_to_fp32_as_the_hf_module(mo
     assert fused_on and not hf_on and not auto_cpu
     e_fused, e_hf = float((fused - ref).abs().mean()), float((hf - ref).abs().mean())
     assert e_fused <= 1.1 * e_hf, (e_fused, e_hf)
+
+
+def test_capturable_forward_equals_forward_over_the_whole_cache_width(llama):
+    """The kernels regenerate's lookup step captures (`capturable_forward`: rows 0..B-1, attention over the cache's
+    whole width, no host bookkeeping) give `forward`'s logits and lengths on the same state; `widen_bounds` moves the
+    host bounds to max_len, so a later attended length covers whatever the captured steps appended."""
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 49152, (n,), generator=g) for n in (7, 3, 12)]
+
+    def engine():
+        eng = StaticKVEngine(llama, max_batch=3, max_len=40, kv_bucket=8)
+        for r, p in enumerate(prompts):
+            eng.forward(p[None], rows=[r])
+        return eng
+
+    ids = torch.randint(3, 49152, (3, 4), generator=g)
+    num = torch.tensor([4, 0, 4])
+    a, b = engine(), engine()
+    want = a.forward(ids, num).logits
+    got = b.capturable_forward(ids, num).logits
+    assert _rel(got, want) < 1e-5 and torch.equal(a.lengths, b.lengths)
+    assert b._bound[:3] == [7, 3, 12]
+    b.widen_bounds(2)
+    assert b._bound[:3] == [40, 40, 12] and b.attended_length([0], 1) == 41

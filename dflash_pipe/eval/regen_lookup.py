@@ -130,29 +130,28 @@ class LookupDrafts:
         the host's length bounds of the rows go to max_len (any row may have grown by T)."""
         eng = be.engine
         if not eng.use_graphs:
-            return self._step(be, w, dec, None)
-        eng._bound[:w] = [eng.max_len] * w
+            return self._step(be, w, dec, graphed=False)
+        eng.widen_bounds(w)
         key = (w, dec.greedy)
         graph = self._graphs.get(key)
         if graph is None:
             self._warm[key] = self._warm.get(key, 0) + 1
             if self._warm[key] <= 2:
-                return self._step(be, w, dec, eng.size)
-            if eng._pool is None:
-                eng._pool = torch.cuda.graph_pool_handle()
+                return self._step(be, w, dec, graphed=True)
             graph = self._graphs[key] = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=eng._pool):       # shared with the engine's graphs: never concurrent
-                self._step(be, w, dec, eng.size)
+            with torch.cuda.graph(graph, pool=eng.graph_pool):  # shared with the engine's graphs: never concurrent
+                self._step(be, w, dec, graphed=True)
         graph.replay()
 
-    def _step(self, be, w: int, dec: Decoding, kv_len: int | None) -> None:
+    def _step(self, be, w: int, dec: Decoding, graphed: bool) -> None:
         """The step itself (the plain one is `EngineBackend._decode` + `_advance`): feed, choose at every position,
-        keep the agreeing drafts, move the lengths back. kv_len None: through `forward` (eager, host bounds)."""
+        keep the agreeing drafts, move the lengths back. `graphed`: the forward as capturable kernels, else
+        `forward` (eager, host bounds)."""
         T, k, eng = self.T, self.k, be.engine
         drafts, found = self.draft(w)
         act = be.active[:w].clone()
         ids, num_new = torch.cat([be.cur[:w, None], drafts], dim=1), act.long() * T
-        out = eng.forward(ids, num_new) if kv_len is None else eng._compute(ids, num_new, None, kv_len, False)
+        out = eng.capturable_forward(ids, num_new) if graphed else eng.forward(ids, num_new)
         logits = out.logits                                      # [w, T, V]
         n_gen = be.n_gen[:w]
         steps = n_gen[:, None] + self.ar_T                       # each position's token index in its answer
@@ -167,7 +166,7 @@ class LookupDrafts:
         be.out[:w].scatter_(1, torch.where(keep, steps, be.max_new), tok)
         self.hist[:w].scatter_(1, torch.where(keep, self.hlen[:w, None] + self.ar_T, self.spare), tok)
         self.hlen[:w] += n
-        eng.lengths[:w] -= torch.where(act, T - n, 0)      # the rejected drafts' K / V are past the length
+        eng.lengths[:w] -= torch.where(act, T - n, 0)           # the rejected drafts' K / V are past the length
         last = tok.gather(1, (n - 1).clamp(min=0)[:, None])[:, 0]
         be.cur[:w].copy_(torch.where(act, last, be.cur[:w]))
         hit = act & (first_eos < n)

@@ -88,6 +88,11 @@ class KVRows:
         for a, b in zip(src, dst):
             self._bound[b] = other._bound[a]
 
+    def widen_bounds(self, n: int) -> None:
+        """Rows 0..n-1 may have grown by any amount (a step the caller captured in its own CUDA graph): their host
+        bounds go to max_len."""
+        self._bound[:n] = [self.max_len] * n
+
     def length(self, row: int) -> int:
         """The row's length (a host sync; for tests and debugging)."""
         return int(self.lengths[row])

@@ -200,6 +200,20 @@ class StaticKVEngine(KVRows):
         row_t = None if rows is None else to_device(host_rows, self.device)
         return self._compute(ids, nn_, row_t, kv_len, last_only)
 
+    @torch.inference_mode()
+    def capturable_forward(self, input_ids: torch.Tensor, num_new: torch.Tensor) -> EngineOutput:
+        """`forward` of rows 0..B-1 (device tensors) as kernels alone, for a caller to capture in its own CUDA graph
+        (regenerate's lookup step): no graph of its own, no host bookkeeping, attending over the whole cache width
+        (the host bounds cannot follow the rows: see `widen_bounds`). Graph it in `graph_pool`."""
+        return self._compute(input_ids, num_new, None, self.size, False)
+
+    @property
+    def graph_pool(self):
+        """The memory pool of this engine's CUDA graphs (graphs in it must never run concurrently)."""
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        return self._pool
+
     def prefill_shape(self, rows: int, longest: int) -> tuple[int, int]:
         """(rows, tokens) a prefill of `rows` prompts, the longest `longest` tokens, would be padded to now."""
         return self.prefill_shapes.choose(rows, longest)
@@ -391,8 +405,6 @@ class StaticKVEngine(KVRows):
                  start=None, head: bool = True):
         """A CUDA graph of one `_compute` with static copies of its inputs: (graph, ids, num_new, output, rows,
         start); a replay reads whatever the caller copied into those."""
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
         s_ids, s_num = ids.clone(), num_new.clone()
         s_rows = None if row_t is None else row_t.clone()
         s_start = None if start is None else start.clone()
@@ -405,7 +417,7 @@ class StaticKVEngine(KVRows):
                 self.lengths.copy_(saved)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with torch.cuda.graph(graph, pool=self.graph_pool):
             out = self._compute(s_ids, s_num, s_rows, kv_len, last_only, fresh, s_start, head)
         self.lengths.copy_(saved)                        # capture does not run kernels; belt and braces
         log.debug("captured a CUDA graph for (B, T, kv_len, last_only) = %s", (*ids.shape, kv_len, last_only))
