@@ -8,23 +8,22 @@ from __future__ import annotations
 
 import json
 
+from bench.regen_host_work import StandInBackend
 from dflash_pipe.config import RunConfig
 from dflash_pipe.eval import regenerate as regen_mod
 from dflash_pipe.eval.regen_requests import Completion
 from tests.eval_helpers import llama  # noqa: F401 - pytest fixture
 
 
-class SlowFirstBackend:
-    """batch 2: the very first request answers after 40 launches, the others after one."""
+class SlowFirstBackend(StandInBackend):
+    """batch 2: the very first request answers after 40 launches, the others after one (bench/regen_host_work.py's
+    stand-in otherwise)."""
 
-    name = "stand-in"
     describe = "stand-in (slow first answer)"
 
     def __init__(self, eos: int):
-        self.B, self.eos, self.slots, self.started, self.launches = 2, eos, [None, None], 0, 0
-
-    def busy(self) -> bool:
-        return any(s is not None for s in self.slots)
+        super().__init__(2, [], eos, 4)
+        self.started = self.launches = 0
 
     def launch(self, ready) -> None:
         self.launches += 1
@@ -40,12 +39,6 @@ class SlowFirstBackend:
                 out.append(Completion(s[0], [1000, 1001], True, self.eos))
                 self.slots[i] = None
         return out
-
-    def take_back(self):
-        return []
-
-    def close(self) -> None:
-        pass
 
     def stats(self) -> dict:
         return {"decode_steps": self.launches}
