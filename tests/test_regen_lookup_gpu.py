@@ -18,7 +18,8 @@ pytestmark = pytest.mark.gpu
 
 
 def _repeater(dtype):
-    return build_random_model("tiny-llama", seed=0, device=torch.device("cuda"), dtype=dtype).eval().requires_grad_(False)
+    model = build_random_model("tiny-llama", seed=0, device=torch.device("cuda"), dtype=dtype)
+    return model.eval().requires_grad_(False)
 
 
 @pytest.mark.parametrize("k", [2, 3])

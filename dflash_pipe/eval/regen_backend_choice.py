@@ -12,7 +12,6 @@ from ..errors import RuntimeFailure, UsageError
 from ..target.static_forward import PREFILL_LAYOUTS, engine_support
 from .regen_backends import EngineBackend, auto_batch_size
 from .regen_hf import HFBackend
-from .regen_lookup import check_lookup
 from .regen_sampling import Decoding
 
 log = logging.getLogger("dflash_pipe.eval")
@@ -25,7 +24,6 @@ def make_backend(bundle, eos: list[int], pad: int, batch: int, max_len: int, max
                  compact: bool = False, prefill_layout: str = "auto", collect_early: int | None = None,
                  steps_per_launch: int = 8, lookup_draft: int | None = None):
     """The engine backend where the target allows it (halving `batch` on OOM), else HF generate."""
-    check_lookup(lookup_draft)
     if steps_per_launch < 1:
         raise UsageError(f"--steps-per-launch must be >= 1, got {steps_per_launch}")
     if collect_early is not None and not 0 <= collect_early <= steps_per_launch:

@@ -87,10 +87,8 @@ class EngineBackend:
             raise UsageError("history reuse keeps finished rows in place; tail compaction moves rows")
         self.reuse_history = reuse_history
         # prompt-lookup speculation (regen_lookup.py): K drafts a row verified in each step (None: auto_lookup)
-        lookup_draft = auto_lookup(check_lookup(lookup_draft), self.engine.use_graphs, dec, overlap, compact)
-        if lookup_draft and (overlap or compact):
-            raise UsageError(f"--lookup-draft {lookup_draft} keeps each row's token history in its slot: not with "
-                             f"{'--overlap-prefill' if overlap else '--compact-tail'}", "drop one of them")
+        lookup_draft = auto_lookup(check_lookup(lookup_draft, overlap, compact), self.engine.use_graphs, dec,
+                                   overlap, compact)
         self.lookup = LookupDrafts(batch, max_len, lookup_draft, self.engine.device) if lookup_draft else None
         self.held: dict[int, Held] = {}
         self.reused_tokens = self.delta_prefills = 0
@@ -199,9 +197,9 @@ class EngineBackend:
         # overlap mode: straight into the slots only when nothing decodes (the first fill) or when at least
         # `min_free` slots would still idle (the staging area ran dry: a burst of ends, next turns just queued)
         if self.staging is None or not self._live() or len(free) >= self.policy.min_free:
-            self._refill(free, ready)
+            self._refill(free, ready)        # takes the slots it fills out of `free`
         if self._live():                     # slots this launch leaves empty (waiting for min_free, or no prompts)
-            self.idle_slot_launches += len(self._free_rows())
+            self.idle_slot_launches += len(free)
         self._decode_launch(m0, ready)
         if self.staging is not None:
             self.staging.top_up(ready)      # on the side stream, under the steps just queued

@@ -37,11 +37,14 @@ NGRAMS = (3, 2, 1)          # the history's last n tokens looked up, longest fir
 AUTO_K = 2                  # the default where it pays (auto_lookup); BENCHMARKS.md, session 33
 
 
-def check_lookup(k: int | None) -> int | None:
-    """None (auto) or K in 0..15."""
+def check_lookup(k: int | None, overlap: bool = False, compact: bool = False) -> int | None:
+    """None (auto) or K in 0..15; an explicit K > 0 refuses --overlap-prefill / --compact-tail."""
     if k is not None and not 0 <= k < GROUPED_QUERY_MAX_T:
         raise UsageError(f"--lookup-draft must be -1 (auto), 0 (off) or a draft count up to {GROUPED_QUERY_MAX_T - 1}, "
                          f"got {k}", "2 paid best on SmolLM2-135M (eval/regen_lookup.py)")
+    if k and (overlap or compact):
+        raise UsageError(f"--lookup-draft {k} keeps each row's token history in its slot: not with "
+                         f"{'--overlap-prefill' if overlap else '--compact-tail'}", "drop one of them")
     return k
 
 
@@ -117,7 +120,7 @@ class LookupDrafts:
         best = score.max(dim=1).values
         found = best >= 0
         start = best % L + 1
-        idx = (start[:, None] + torch.arange(self.k, device=h.device)).clamp(max=L - 1)
+        idx = (start[:, None] + self.ar_T[:self.k]).clamp(max=L - 1)
         drafts = torch.where(found[:, None], h.gather(1, idx), h.gather(1, last[:, None]))
         return drafts, found
 

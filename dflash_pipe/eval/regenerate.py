@@ -165,9 +165,7 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
     output = Path(output)
     dec = Decoding(samples, temperature, top_p, seed, greedy_after, first_sample)
     _validate(cfg, max_new_tokens, batch_size, dec)
-    if check_lookup(lookup_draft) and (overlap or compact):       # before the sidecar is written
-        raise UsageError(f"--lookup-draft {lookup_draft} keeps each row's token history in its slot: not with "
-                         f"{'--overlap-prefill' if overlap else '--compact-tail'}", "drop one of them")
+    check_lookup(lookup_draft, overlap, compact)                  # before the sidecar is written
     if max_seconds < 0:
         raise UsageError(f"--max-seconds must be >= 0 (0 = no limit), got {max_seconds}")
     if max_turns < 0:
