@@ -6,9 +6,11 @@ drafts up to the first that differs from the answer, plus one token. No model ru
 rebuilds the token sequences from a regenerated JSONL (first user turn + first answer):
 
     dflash-pipe regenerate -m manifests/default.toml -o /tmp/regen.jsonl --max-new-tokens 256 --max-turns 1
-    python bench/lookup_sim.py --rows /tmp/regen.jsonl --k 1,2,3,4 --ngrams "3,2,1;4,3,2,1;2,1"
+    python bench/lookup_sim.py --rows /tmp/regen.jsonl --k 1,2,3,4 --ngrams "3,2,1;4,3,2,1;2,1" --shared
 
-Prints one line per (K, n-gram rule): tokens kept a row-step (the speed-up if a step cost no more than a plain one).
+Prints one line per (K, n-gram rule): tokens kept a row-step (the speed-up if a step cost no more than a plain one);
+with --shared also with the n-gram table shared across rows (regen_ngram_table.py; the answers one after another,
+each step's kept tokens recorded at once, unhashed).
 Re-tokenising an answer's text may differ slightly from the tokens generated.
 """
 
@@ -22,19 +24,24 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash_pipe.eval.regen_lookup import draft_reference  # noqa: E402
+from dflash_pipe.eval.regen_ngram_table import SharedNgramsReference  # noqa: E402
 
 
-def kept_per_step(pairs: list[tuple[list[int], list[int]]], k: int, ngrams: tuple[int, ...]) -> float:
+def kept_per_step(pairs: list[tuple[list[int], list[int]]], k: int, ngrams: tuple[int, ...],
+                  shared: bool = False) -> float:
     """Tokens kept per row-step over (prompt, answer) pairs; the answer's first token comes from the prefill."""
     steps = tokens = 0
+    table = SharedNgramsReference(k) if shared else None
     for prompt, answer in pairs:
         i = 1
         while i < len(answer):
-            drafts = draft_reference(prompt + answer[:i], k, ngrams)
+            drafts = draft_reference(prompt + answer[:i], k, ngrams, shared=table)
             agree = 0
             while agree < k and i + agree < len(answer) and drafts[agree] == answer[i + agree]:
                 agree += 1
             n = min(agree + 1, len(answer) - i)
+            if table is not None:
+                table.record(prompt + answer[:i + n], len(prompt) + i)
             i, steps, tokens = i + n, steps + 1, tokens + n
     return tokens / max(1, steps)
 
@@ -58,6 +65,7 @@ def main() -> None:
     ap.add_argument("--model", default="embedded:smollm2-135m-instruct", help="whose tokenizer")
     ap.add_argument("--k", default="1,2,3,4", help="comma list of draft counts")
     ap.add_argument("--ngrams", default="3,2,1", help="';'-separated rules, each the n-gram lengths tried in order")
+    ap.add_argument("--shared", action="store_true", help="also with the n-gram table shared across rows")
     args = ap.parse_args()
     from dflash_pipe.target import load_target
 
@@ -66,7 +74,9 @@ def main() -> None:
     for k in (int(x) for x in args.k.split(",")):
         for rule in args.ngrams.split(";"):
             ngrams = tuple(int(x) for x in rule.split(","))
-            print(f"K {k} n-grams {rule}: {kept_per_step(pairs, k, ngrams):.3f} tokens kept a row-step", flush=True)
+            for shared in (False, True) if args.shared else (False,):
+                print(f"K {k} n-grams {rule}{' + shared table' if shared else ''}: "
+                      f"{kept_per_step(pairs, k, ngrams, shared):.3f} tokens kept a row-step", flush=True)
 
 
 if __name__ == "__main__":

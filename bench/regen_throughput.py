@@ -183,8 +183,8 @@ def _split_line(t: dict) -> str:
     """The regen run's time split as one line: host phases, device time, occupancy."""
     keys = ("setup_s", "wall_s", "launch_s", "collect_s", "tokenize_s", "detokenize_s", "write_s", "device_prefill_s",
             "device_decode_s", "device_between_launches_s", "decode_steps", "occupancy", "mean_live_rows",
-            "kept_per_row_step", "lookup_found_share", "idle_slot_launches", "in_flight_full_rounds",
-            "prefill_calls", "prefill_pad_share", "prefill_graphs", "decode_graphs", "staged_rows",
+            "kept_per_row_step", "lookup_found_share", "lookup_shared_share", "idle_slot_launches",
+            "in_flight_full_rounds", "prefill_calls", "prefill_pad_share", "prefill_graphs", "decode_graphs", "staged_rows",
             "staging_device_waits", "device_staged_prefill_s")
     return ", ".join(f"{k} {t[k]}" for k in keys if k in t)
 
@@ -200,7 +200,8 @@ def mode_flags(mode: str) -> dict:
     """run_regenerate's flags of an --overlap mode: off or on, with +compact (--compact-tail), +noprefetch
     (--no-prefetch-prompts: every prompt tokenized in the driver loop) and / or +padded (--prefill-layout padded:
     the padded prefill instead of the chunked one), +earlyK (--collect-early K) and / or +everyN
-    (--steps-per-launch N), +lookupK (--lookup-draft K) added (+switch and +torchops: one_batch)."""
+    (--steps-per-launch N), +lookupK (--lookup-draft K), +own (--no-lookup-shared) added (+switch and +torchops:
+    one_batch)."""
     base, *extra = mode.split("+")
     flags = {"overlap": base == "on", "compact": "compact" in extra, "prefetch_prompts": "noprefetch" not in extra,
              "prefill_layout": "padded" if "padded" in extra else "auto"}
@@ -211,6 +212,8 @@ def mode_flags(mode: str) -> dict:
             flags["steps_per_launch"] = int(e[5:])
         elif e.startswith("lookup"):
             flags["lookup_draft"] = int(e[6:])
+        elif e == "own":
+            flags["lookup_shared"] = False
     return flags
 
 

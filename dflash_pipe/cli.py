@@ -148,7 +148,11 @@ def regenerate_cmd(cfg: RunConfig, output: Path = typer.Option(..., "--output", 
                                                     "chosen (0 = off; -1 = auto: 2 for greedy answers on CUDA, "
                                                     "1.14-1.20x on the H100, else off; the same output up to rounding; "
                                                     "not with --overlap-prefill / --compact-tail; "
-                                                    "eval/regen_lookup.py).")):
+                                                    "eval/regen_lookup.py)."),
+                   lookup_shared: bool = typer.Option(True, help="With --lookup-draft: draft also from an n-gram "
+                                                      "table all rows share, where it holds a longer match than "
+                                                      "the row's own history (eval/regen_ngram_table.py); "
+                                                      "--no-lookup-shared: the row's own history only.")):
     """Regenerate the assistant turns with the target itself (drafters must learn the target's outputs)."""
     from .errors import UsageError
     from .eval.regenerate import run_regenerate
@@ -166,7 +170,7 @@ def regenerate_cmd(cfg: RunConfig, output: Path = typer.Option(..., "--output", 
                        max_seconds=max_seconds, first_sample=first_sample, prefetch_prompts=prefetch_prompts,
                        prefill_layout=prefill_layout, steps_per_launch=steps_per_launch,
                        collect_early=None if collect_early == -1 else collect_early,
-                       lookup_draft=None if lookup_draft == -1 else lookup_draft)
+                       lookup_draft=None if lookup_draft == -1 else lookup_draft, lookup_shared=lookup_shared)
 
 
 @app.command("export")

@@ -46,14 +46,15 @@ def test_device_drafts_equal_the_python_reference():
         assert 0 < int(found.sum()) <= 32
 
 
-def _answers(llama, prompts, dec, lookup, max_new=23, batch=3, oracle=None, eos=None):
+def _answers(llama, prompts, dec, lookup, max_new=23, batch=3, oracle=None, eos=None, shared=True):
     """Every prompt through an EngineBackend (its answers and its stats); with `oracle` (order -> answer, shift)
-    the drafts are the true next tokens of each row's answer (shift 1: each true token + 1, always wrong)."""
+    the drafts are the true next tokens of each row's answer (shift 1: each true token + 1, always wrong);
+    `shared`: the n-gram table shared across rows (regen_ngram_table.py)."""
     from dflash_pipe.eval import eos_token_ids
 
     eos = eos or eos_token_ids(llama.model, llama.tokenizer)
     be = regen_backends.EngineBackend(llama.model, eos, batch=batch, max_len=96, max_new_tokens=max_new, dec=dec,
-                                      check_every=4, lookup_draft=lookup)
+                                      check_every=4, lookup_draft=lookup, lookup_shared=shared)
     if oracle is not None:
         truth, shift = oracle
 
@@ -187,3 +188,7 @@ def test_the_simulation_bench_counts_kept_tokens_as_worked_out_by_hand():
 
     assert kept_per_step([([1, 2, 3], [1, 2, 3, 1, 2, 3, 9])], 2, (3, 2, 1)) == 3.0
     assert kept_per_step([([5], [6, 7, 8, 9])], 2, (3, 2, 1)) == 1.0
+    # --shared: the repeat of an answer drafts (5, 6) -> [7, 8] from the first (3 tokens), then nothing is
+    # recorded after 9 yet (its K = 2 followers never came): 4 + 2 steps for 8 tokens, not 8
+    twice = [([5], [6, 7, 8, 9, 10])] * 2
+    assert kept_per_step(twice, 2, (3, 2, 1)) == 1.0 and kept_per_step(twice, 2, (3, 2, 1), shared=True) == 8 / 6

@@ -55,3 +55,19 @@ def test_lookup_in_bf16_row_attention_keeps_the_answers_and_never_syncs_in_a_lau
     same = sum(runs[0][i] == plain[i] for i in range(40))
     assert same >= 36, same
     assert be.stats()["kept_per_row_step"] > 1.2
+
+
+def test_the_shared_table_in_graphs_keeps_the_answers_and_drafts_repeats():
+    """fp32, CUDA graphs, 24 prompts then the same 24 again through 8 slots: with the shared n-gram table (its
+    scatters captured in the step's graph) the answers are the plain ones and some drafts come from the table;
+    without it, the same answers."""
+    model = _repeater(torch.float32)
+    prompts = _prompts(24, seed=2)
+    prompts = prompts + prompts
+    kw = dict(batch=8, max_len=256, max_new_tokens=40, dec=Decoding(), check_every=4, lookup_draft=2)
+    plain = drain_backend(EngineBackend(model, [2], **{**kw, "lookup_draft": 0}), prompts)
+    be, own = EngineBackend(model, [2], **kw), EngineBackend(model, [2], lookup_shared=False, **kw)
+    assert drain_backend(be, prompts) == plain == drain_backend(own, prompts)
+    st, st_own = be.stats(), own.stats()
+    assert st["lookup_graphs"] >= 1 and st["lookup_shared_share"] > 0.02 and st_own["lookup_shared_share"] is None
+    assert st["decode_steps"] <= st_own["decode_steps"], (st, st_own)

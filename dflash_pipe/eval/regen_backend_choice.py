@@ -22,7 +22,7 @@ ENGINE_ATTENTION = ("auto", "rows", "sdpa")
 def make_backend(bundle, eos: list[int], pad: int, batch: int, max_len: int, max_new: int, dec: Decoding,
                  engine: str, attention: str = "auto", reuse_history: bool = False, overlap: bool = False,
                  compact: bool = False, prefill_layout: str = "auto", collect_early: int | None = None,
-                 steps_per_launch: int = 8, lookup_draft: int | None = None):
+                 steps_per_launch: int = 8, lookup_draft: int | None = None, lookup_shared: bool = True):
     """The engine backend where the target allows it (halving `batch` on OOM), else HF generate."""
     if steps_per_launch < 1:
         raise UsageError(f"--steps-per-launch must be >= 1, got {steps_per_launch}")
@@ -55,7 +55,8 @@ def make_backend(bundle, eos: list[int], pad: int, batch: int, max_len: int, max
             return EngineBackend(bundle.model, eos, batch, max_len, max_new, dec, attention=attention,
                                  reuse_history=reuse_history, overlap=overlap, compact=compact,
                                  prefill_layout=prefill_layout, snapshot_lag=collect_early,
-                                 check_every=steps_per_launch, lookup_draft=lookup_draft)
+                                 check_every=steps_per_launch, lookup_draft=lookup_draft,
+                                 lookup_shared=lookup_shared)
         except torch.OutOfMemoryError:
             batch = halve_batch(batch)
 

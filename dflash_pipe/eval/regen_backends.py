@@ -18,8 +18,8 @@ until then (at most check_every - 1 wasted steps), and costs nothing in attentio
 stops growing).
 
 History reuse (`reuse_history`, multi-turn) and tail compaction: regen_slots.py. Prompt-lookup speculation
-(`lookup_draft` K > 0: K tokens drafted from each row's own history and verified in every step; None = 2 for
-greedy answers on CUDA graphs): regen_lookup.py.
+(`lookup_draft` K > 0: K tokens drafted from each row's own history, or from the n-gram table all rows share
+(`lookup_shared`), and verified in every step; None = 2 for greedy answers on CUDA graphs): regen_lookup.py.
 
 Collecting early (``snapshot_lag`` K, 1 by default on CUDA): `collect` reads a copy of the per-row state taken K
 steps before the launch's end and refills the freed slots at once; the refill's prefills queue behind those last
@@ -69,7 +69,8 @@ class EngineBackend:
                  check_every: int = 8, prefill_tokens: int | None = None, use_graphs: str = "auto",
                  compact: bool | None = None, min_free: int | None = None, attention: str = "auto",
                  reuse_history: bool = False, overlap: bool = False, staging_rows: int | None = None,
-                 snapshot_lag: int | None = None, prefill_layout: str = "auto", lookup_draft: int | None = 0):
+                 snapshot_lag: int | None = None, prefill_layout: str = "auto", lookup_draft: int | None = 0,
+                 lookup_shared: bool = True):
         cuda = next(model.parameters()).device.type == "cuda"     # padding rows to 8 saves graphs, not CPU time
         self.engine = StaticKVEngine(model, batch, max_len, use_graphs=use_graphs, bucketed_prefill=True,
                                      prefill_min_rows=8 if cuda else 1, attention=attention,
@@ -89,7 +90,8 @@ class EngineBackend:
         # prompt-lookup speculation (regen_lookup.py): K drafts a row verified in each step (None: auto_lookup)
         lookup_draft = auto_lookup(check_lookup(lookup_draft, overlap, compact), self.engine.use_graphs, dec,
                                    overlap, compact)
-        self.lookup = LookupDrafts(batch, max_len, lookup_draft, self.engine.device) if lookup_draft else None
+        self.lookup = (LookupDrafts(batch, max_len, lookup_draft, self.engine.device, shared=lookup_shared)
+                       if lookup_draft else None)
         self.held: dict[int, Held] = {}
         self.reused_tokens = self.delta_prefills = 0
         # tail compaction: with nothing waiting, live rows move down and steps run on the first `width` rows.
@@ -144,7 +146,8 @@ class EngineBackend:
                          f"check every {self.check_every} steps, "
                          f"refill at {self.policy.min_free} free slots{', history reuse' if reuse_history else ''}"
                          f"{', tail compaction' if self.compact else ''}"
-                         f"{f', {lookup_draft} lookup drafts a step' if lookup_draft else ''}{over})")
+                         f"{f', {lookup_draft} lookup drafts a step' if lookup_draft else ''}"
+                         f"{' (shared n-gram table)' if lookup_draft and lookup_shared else ''}{over})")
 
     def busy(self) -> bool:
         return self._live() or bool(self.staging and len(self.staging))

@@ -3,7 +3,8 @@
 A plain decode step feeds every live row its last chosen token and chooses one more. With lookup speculation a
 step feeds the last chosen token plus K tokens drafted from the row's own history (its prompt and its answer so
 far): the tokens that followed the latest earlier occurrence of the history's last 3 tokens (else its last 2,
-else its last 1; no occurrence: the last token repeated). One forward of K + 1 tokens a row gives the logits at
+else its last 1; no occurrence: the last token repeated), or, where it holds a longer match, from the n-gram
+table all rows share (`shared`, on by default: regen_ngram_table.py). One forward of K + 1 tokens a row gives the logits at
 each of the K + 1 positions; the choice at each is made exactly as a plain step makes it
 (`regen_sampling.next_tokens` with the answer's key and that position's token index), and the row keeps the
 drafts up to the first one that differs from the choice at its position, plus the choice there: 1 to K + 1 tokens
@@ -31,6 +32,7 @@ import torch
 from ..errors import UsageError
 from ..target.runner_utils import to_device
 from ..target.static_forward import GROUPED_QUERY_MAX_T
+from .regen_ngram_table import SharedNgrams, SharedNgramsReference, table_size
 from .regen_sampling import Decoding, next_tokens
 
 NGRAMS = (3, 2, 1)          # the history's last n tokens looked up, longest first
@@ -58,27 +60,35 @@ def auto_lookup(k: int | None, graphs: bool, dec: Decoding, overlap: bool, compa
     return AUTO_K if graphs and dec.greedy and not (overlap or compact) else 0
 
 
-def draft_reference(history: Sequence[int], k: int, ngrams: Sequence[int] = NGRAMS) -> list[int]:
-    """The K drafts of one row in plain Python (tests): what followed the latest earlier occurrence of the last n
-    tokens, longest n first; the last token repeated when none occurs; positions past the history are padding."""
+def draft_reference(history: Sequence[int], k: int, ngrams: Sequence[int] = NGRAMS,
+                    shared: SharedNgramsReference | None = None) -> list[int]:
+    """The K drafts of one row in plain Python (tests, bench/lookup_sim.py): what followed the latest earlier
+    occurrence of the last n tokens, longest n first; with `shared`, the shared table's tokens where it holds a
+    longer n-gram than the history; the last token repeated when neither has one; positions past the history are
+    padding (None)."""
     h = list(history)
+    n_sh, got_sh = shared.lookup(h) if shared is not None else (0, None)
     for n in ngrams:
         if len(h) <= n:
             continue
         tail = h[-n:]
         for j in range(len(h) - n - 1, -1, -1):
             if h[j:j + n] == tail:
+                if n_sh > n:
+                    return list(got_sh)
                 got = h[j + n:j + n + k]
                 return got + [None] * (k - len(got))
-    return [h[-1]] * k
+    return list(got_sh) if n_sh else [h[-1]] * k
 
 
 class LookupDrafts:
     """Per-row token history on the device, the drafts drawn from it, and the speculative step (module
     docstring)."""
 
-    def __init__(self, batch: int, max_len: int, k: int, device: torch.device):
+    def __init__(self, batch: int, max_len: int, k: int, device: torch.device, shared: bool = True):
         self.k, self.T = k, k + 1
+        # the n-gram table all rows share (regen_ngram_table.py); None: each row's own history only
+        self.table = SharedNgrams(k, table_size(batch, max_len), device) if shared else None
         self.spare = max_len                        # a column past every real position: writes that don't count
         with torch.inference_mode():
             self.hist = torch.zeros((batch, max_len + 1), dtype=torch.long, device=device)
@@ -87,6 +97,8 @@ class LookupDrafts:
             self.ar_T = torch.arange(self.T, device=device)
             self.kept = torch.zeros((), dtype=torch.long, device=device)      # tokens kept, summed over steps
             self.drafted_rows = torch.zeros((), dtype=torch.long, device=device)   # live rows a lookup found
+            self.shared_rows = torch.zeros((), dtype=torch.long, device=device)    # ... in the shared table
+            self.ngram_of = torch.tensor(NGRAMS[::-1], device=device)   # a score's n-gram length, by score // L
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}     # CUDA: the whole step per (rows, greedy)
         self._warm: dict[tuple, int] = {}
 
@@ -102,8 +114,8 @@ class LookupDrafts:
         self.hlen[rows] = lens + 1
 
     def draft(self, w: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The K drafts of rows 0..w-1 ([w, K], long), `draft_reference` for every row at once, and whether a
-        lookup found them ([w], bool)."""
+        """The K drafts of rows 0..w-1 ([w, K], long), `draft_reference` for every row at once, and where they came
+        from ([w], long: 0 nowhere, 1 the row's own history, 2 the shared table)."""
         h, last = self.hist[:w], (self.hlen[:w] - 1).clamp(min=0)   # where the row's last token sits (0: empty row)
         cols = self.cols
         score = torch.full_like(h, -1)
@@ -122,7 +134,14 @@ class LookupDrafts:
         start = best % L + 1
         idx = (start[:, None] + self.ar_T[:self.k]).clamp(max=L - 1)
         drafts = torch.where(found[:, None], h.gather(1, idx), h.gather(1, last[:, None]))
-        return drafts, found
+        source = found.long()
+        if self.table is not None:                              # a longer n-gram in the shared table wins
+            n_own = torch.where(found, self.ngram_of[(best // L).clamp(min=0)], 0)
+            n_sh, shared = self.table.lookup(h, last)
+            use = n_sh > n_own
+            drafts = torch.where(use[:, None], shared, drafts)
+            source = torch.where(use, 2, source)
+        return drafts, source
 
     def step(self, be, w: int, dec: Decoding) -> None:
         """One speculative step of backend `be` on its first `w` rows. With CUDA graphs the whole step (drafts,
@@ -151,7 +170,7 @@ class LookupDrafts:
         keep the agreeing drafts, move the lengths back. `graphed`: the forward as capturable kernels, else
         `forward` (eager, host bounds)."""
         T, k, eng = self.T, self.k, be.engine
-        drafts, found = self.draft(w)
+        drafts, source = self.draft(w)
         act = be.active[:w].clone()
         ids, num_new = torch.cat([be.cur[:w, None], drafts], dim=1), act.long() * T
         out = eng.capturable_forward(ids, num_new) if graphed else eng.forward(ids, num_new)
@@ -168,6 +187,9 @@ class LookupDrafts:
         keep = self.ar_T[None] < n[:, None]                      # [w, T]: the positions this step keeps
         be.out[:w].scatter_(1, torch.where(keep, steps, be.max_new), tok)
         self.hist[:w].scatter_(1, torch.where(keep, self.hlen[:w, None] + self.ar_T, self.spare), tok)
+        if self.table is not None:
+            self.table.record(self.hist[:w], self.hlen[:w], n)
+            self.shared_rows += ((source == 2) & act).sum()
         self.hlen[:w] += n
         eng.lengths[:w] -= torch.where(act, T - n, 0)           # the rejected drafts' K / V are past the length
         last = tok.gather(1, (n - 1).clamp(min=0)[:, None])[:, 0]
@@ -178,7 +200,7 @@ class LookupDrafts:
         be.active[:w].copy_(act & ~hit & (n_gen < be.max_new))
         be.live_row_steps += act.sum()
         self.kept += n.sum()
-        self.drafted_rows += (found & act).sum()
+        self.drafted_rows += ((source > 0) & act).sum()
 
     def stats(self, live_row_steps: int) -> dict:
         """Tokens kept per live row and step (1.0 = no draft ever kept), and the share of live row-steps whose
@@ -186,4 +208,5 @@ class LookupDrafts:
         live = max(1, live_row_steps)
         return {"lookup_draft": self.k, "lookup_graphs": len(self._graphs),
                 "kept_per_row_step": round(int(self.kept) / live, 3),
-                "lookup_found_share": round(int(self.drafted_rows) / live, 3)}
+                "lookup_found_share": round(int(self.drafted_rows) / live, 3),
+                "lookup_shared_share": None if self.table is None else round(int(self.shared_rows) / live, 3)}

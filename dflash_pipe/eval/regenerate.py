@@ -131,7 +131,8 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
                    attention: str = "auto", greedy_after: int = 0, reuse_history: bool = False, overlap: bool = False,
                    compact: bool = False, max_seconds: float = 0.0, first_sample: int = 0,
                    prefetch_prompts: bool = True, prefill_layout: str = "auto", collect_early: int | None = None,
-                   steps_per_launch: int = 8, lookup_draft: int | None = None) -> dict:
+                   steps_per_launch: int = 8, lookup_draft: int | None = None,
+                   lookup_shared: bool = True) -> dict:
     """Regenerate cfg.data's conversations into `output` (JSONL); returns the final sidecar dict.
 
     batch_size 0 = auto (16 on the CPU, up to 1024 on CUDA as memory allows).
@@ -159,6 +160,8 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
     lookup_draft: K > 0 drafts K tokens a row from its own prompt and answer so far and verifies them in each
     decode step (engine backend, eval/regen_lookup.py; not with overlap or compact); 0 = off; None = auto (2 for
     greedy answers on CUDA graphs, else off). The same output up to the rounding of a (K + 1)-token forward.
+    lookup_shared: the drafts may also come from an n-gram table all rows share (eval/regen_ngram_table.py),
+    where it holds a longer match than the row's own history; False = the row's own history only.
     """
     started = _now() if max_seconds else 0.0
     entered = time.perf_counter()            # the set-up before the loop (target load, engine) is timed too
@@ -198,7 +201,8 @@ def run_regenerate(cfg: RunConfig, output: Path, max_new_tokens: int = 512, batc
     max_len, limit = length_limit(cfg.extract.max_length, bundle)
     regen = Regenerator(bundle.tokenizer, eos, max_new_tokens, max_len, max_turns, dec, limit)
     reuse_history = reuse_history and max_turns != 1
-    tuning = dict(collect_early=collect_early, steps_per_launch=steps_per_launch, lookup_draft=lookup_draft)
+    tuning = dict(collect_early=collect_early, steps_per_launch=steps_per_launch, lookup_draft=lookup_draft,
+                  lookup_shared=lookup_shared)
     backend = make_backend(bundle, eos, pad, batch_size, max_len, max_new_tokens, dec, engine,
                            attention, reuse_history, overlap, compact, prefill_layout, **tuning)
     print(f"regenerate: decode path: {backend.describe}", flush=True)
