@@ -189,19 +189,37 @@ def _split_line(t: dict) -> str:
     return ", ".join(f"{k} {t[k]}" for k in keys if k in t)
 
 
-def warm_then_time(args, bundle, out: Path, batch: int, attention: str, **kw) -> dict:
-    """An untimed warm-up regen on prompts past the timed ones (kernels, graphs), then the timed run into `out`."""
+def warm_then_time(args, bundle, out: Path, batch: int, attention: str, profile_to: Path | None = None,
+                   **kw) -> dict:
+    """An untimed warm-up regen on prompts past the timed ones (kernels, graphs), then the timed run into `out`;
+    with `profile_to`, the timed run under cProfile (the main thread: the host's critical path; it slows Python,
+    so its rate is not comparable), the functions by own time and the backend's launch by callee written there."""
     run_regen(args, bundle, out.with_name(f"warm-{out.name}"), min(args.prompts, max(8, batch // 4)),
               skip=args.prompts, batch_size=batch, attention=attention, **kw)
-    return run_regen(args, bundle, out, args.prompts, batch_size=batch, attention=attention, **kw)
+    if profile_to is None:
+        return run_regen(args, bundle, out, args.prompts, batch_size=batch, attention=attention, **kw)
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    got = prof.runcall(run_regen, args, bundle, out, args.prompts, batch_size=batch, attention=attention, **kw)
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text).sort_stats("tottime")
+    stats.print_stats(45)
+    stats.sort_stats("cumulative").print_callees(r"_launch|_refill|_collect|chunked_prefill|_prefill\b")
+    profile_to.parent.mkdir(parents=True, exist_ok=True)
+    profile_to.write_text(text.getvalue())
+    print(f"cProfile of the timed run: {profile_to}", flush=True)
+    return got
 
 
 def mode_flags(mode: str) -> dict:
     """run_regenerate's flags of an --overlap mode: off or on, with +compact (--compact-tail), +noprefetch
     (--no-prefetch-prompts: every prompt tokenized in the driver loop) and / or +padded (--prefill-layout padded:
     the padded prefill instead of the chunked one), +earlyK (--collect-early K) and / or +everyN
-    (--steps-per-launch N), +lookupK (--lookup-draft K), +own (--no-lookup-shared) added (+switch and +torchops:
-    one_batch)."""
+    (--steps-per-launch N), +lookupK (--lookup-draft K), +own (--no-lookup-shared) added (+switch, +torchops and
+    +profile, the timed run under cProfile: one_batch)."""
     base, *extra = mode.split("+")
     flags = {"overlap": base == "on", "compact": "compact" in extra, "prefetch_prompts": "noprefetch" not in extra,
              "prefill_layout": "padded" if "padded" in extra else "auto"}
@@ -269,8 +287,10 @@ def one_batch(args, bundle, tmp: Path, batch_arg: int, attention: str) -> dict:
     for mode in modes:
         fused_elementwise.ENABLED = "torchops" not in mode.split("+")    # +torchops: PyTorch's RoPE / SwiGLU ops
         sys.setswitchinterval(2e-4 if "switch" in mode.split("+") else switch)  # +switch: the GIL handed over sooner
+        prof = ((args.json or Path("regen_throughput.json")).with_name(f"cprofile-{mode.replace('+', '-')}.txt")
+                if "profile" in mode.split("+") else None)
         res["regen_by_overlap"][mode] = warm_then_time(args, bundle, regen_file(tmp, batch, attention, mode), batch,
-                                                       attention, **mode_flags(mode))
+                                                       attention, profile_to=prof, **mode_flags(mode))
         print(f"regen (overlap {mode})", res["regen_by_overlap"][mode], flush=True)
     fused_elementwise.ENABLED = True
     sys.setswitchinterval(switch)

@@ -63,6 +63,7 @@ class SharedNgrams:
             self.mult = torch.tensor(multipliers(self.P), device=device)      # slot = sum of token_i * a_i mod P
             self.region = self.ar_n * self.P
             self.ar_k = torch.arange(k, device=device)
+            self.ar_T = torch.arange(k + 1, device=device)                    # the positions a step may keep
 
     def _slots(self, tails: torch.Tensor, ok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and slots of the n-grams whose tokens, last first, are `tails` [..., MAX_N]: entry n - 1 is the
@@ -83,8 +84,7 @@ class SharedNgrams:
     def record(self, hist: torch.Tensor, old_len: torch.Tensor, kept: torch.Tensor) -> None:
         """Rows whose history `hist` [w, L] grew from `old_len` by `kept` tokens ([w], 0..T with T = K + 1): the
         n-grams ending at old_len - K .. old_len - K + kept - 1 now have their K followers; record them."""
-        T = self.k + 1
-        j = torch.arange(T, device=hist.device)
+        j, T = self.ar_T, self.k + 1
         end = old_len[:, None] - self.k + j                                   # [w, T]: the n-gram's last token
         back = end[..., None] - self.ar_n                                     # [w, T, MAX_N]
         w = hist.shape[0]
