@@ -184,8 +184,8 @@ def _split_line(t: dict) -> str:
     keys = ("setup_s", "wall_s", "launch_s", "collect_s", "tokenize_s", "detokenize_s", "write_s", "device_prefill_s",
             "device_decode_s", "device_between_launches_s", "decode_steps", "occupancy", "mean_live_rows",
             "kept_per_row_step", "lookup_found_share", "lookup_shared_share", "idle_slot_launches",
-            "in_flight_full_rounds", "prefill_calls", "prefill_pad_share", "prefill_graphs", "decode_graphs", "staged_rows",
-            "staging_device_waits", "device_staged_prefill_s")
+            "in_flight_full_rounds", "prefill_calls", "prefill_pad_share", "prefill_graphs", "decode_graphs",
+            "staged_rows", "staging_device_waits", "device_staged_prefill_s")
     return ", ".join(f"{k} {t[k]}" for k in keys if k in t)
 
 

@@ -4,8 +4,8 @@ A plain decode step feeds every live row its last chosen token and chooses one m
 step feeds the last chosen token plus K tokens drafted from the row's own history (its prompt and its answer so
 far): the tokens that followed the latest earlier occurrence of the history's last 3 tokens (else its last 2,
 else its last 1; no occurrence: the last token repeated), or, where it holds a longer match, from the n-gram
-table all rows share (`shared`, on by default: regen_ngram_table.py). One forward of K + 1 tokens a row gives the logits at
-each of the K + 1 positions; the choice at each is made exactly as a plain step makes it
+table all rows share (`shared`, on by default: regen_ngram_table.py). One forward of K + 1 tokens a row gives
+the logits at each of the K + 1 positions; the choice at each is made exactly as a plain step makes it
 (`regen_sampling.next_tokens` with the answer's key and that position's token index), and the row keeps the
 drafts up to the first one that differs from the choice at its position, plus the choice there: 1 to K + 1 tokens
 a step, cut at EOS and at max_new_tokens. The K / V of the rejected drafts stay in the cache past the row's length
