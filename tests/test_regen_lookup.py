@@ -192,3 +192,32 @@ def test_the_simulation_bench_counts_kept_tokens_as_worked_out_by_hand():
     # recorded after 9 yet (its K = 2 followers never came): 4 + 2 steps for 8 tokens, not 8
     twice = [([5], [6, 7, 8, 9, 10])] * 2
     assert kept_per_step(twice, 2, (3, 2, 1)) == 1.0 and kept_per_step(twice, 2, (3, 2, 1), shared=True) == 8 / 6
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("layout", ["chunks", "padded"])
+def test_histories_filled_from_the_prefills_upload_equal_the_prompts(llama, layout):
+    """LookupDrafts.fill from the prefill's own upload (engine.last_uploaded: 16-token chunks, or padded prompts
+    with padding rows in the scratch row) writes each row's history and length exactly as the host copy of the
+    prompts does; rows outside the call keep theirs."""
+    from dflash_pipe.target.static_forward import StaticKVEngine
+
+    eng = StaticKVEngine(llama.model, max_batch=6, max_len=80, kv_bucket=8, bucketed_prefill=True,
+                         prefill_layout=layout)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (5, 33, 16, 17, 1)]
+    rows = [4, 0, 2, 5, 1]
+    eng.prefill(prompts, rows)
+    width = eng.last_uploaded.ids.shape[1]          # a chunk, or the padded length bucket
+    assert width == 16 if layout == "chunks" else width >= 33
+    first, rows_t = torch.tensor([7, 8, 9, 10, 11]), torch.tensor(rows)
+    a, b = (LookupDrafts(batch=6, max_len=80, k=2, device=torch.device("cpu")) for _ in range(2))
+    for d in (a, b):
+        d.hist[3, :4] = torch.tensor([1, 2, 3, 4])
+        d.hlen[3] = 4
+    a.fill(rows_t, prompts, first, eng.last_uploaded)
+    b.fill(rows_t, prompts, first)
+    assert a.hlen.tolist() == b.hlen.tolist() == [34, 2, 17, 4, 6, 18]
+    for r in range(6):
+        n = int(a.hlen[r])
+        assert a.hist[r, :n].tolist() == b.hist[r, :n].tolist(), r

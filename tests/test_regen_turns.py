@@ -78,8 +78,8 @@ def test_first_prompt_is_the_states_first_prompt():
 def test_answers_are_detokenized_in_one_batch_exactly_as_one_by_one(llama):
     """Regenerator.decode_texts: with the fast tokenizer, one Rust batch call gives what `decode(ids,
     skip_special_tokens=True)` gives each answer (special tokens, an empty answer, a one-token one), and the batch
-    path is taken; a tokenizer whose batch decode disagrees on the first batch, or one without a Rust backend, is
-    decoded one by one for the whole run."""
+    path is taken, with the clean-up pass where decode runs it; a tokenizer whose batch decode disagrees on the first
+    batch, or one without a Rust backend, is decoded one by one for the whole run."""
     import torch
 
     from dflash_pipe.eval.regen_sampling import Decoding
@@ -91,8 +91,23 @@ def test_answers_are_detokenized_in_one_batch_exactly_as_one_by_one(llama):
     seqs[0][3] = seqs[3][0] = int(tok.eos_token_id)                    # special tokens are skipped
     want = [tok.decode(s, skip_special_tokens=True) for s in seqs]
     reg = Regenerator(tok, [int(tok.eos_token_id)], 8, 512, 1, Decoding())
-    assert reg.decode_texts(seqs) == want and reg._batch_decode is True
+    assert reg.decode_texts(seqs) == want and callable(reg._batch_decode)
     assert reg.decode_texts(seqs[::-1]) == want[::-1]
+
+    # a decode that runs the clean-up pass (as transformers 5.17 did for SmolLM2's BPE tokenizer on the H100): the
+    # batch path cleans up too; one that says it cleans up but does not (5.25 skips it for BPE): the raw batch path
+    clean = tok.clean_up_tokenization
+    seqs2 = [tok.encode(t, add_special_tokens=False) for t in ("Yes , it 's done . Is n't it ?", "plain")] + seqs
+    for cleans in (True, False):
+        def decode(q, skip_special_tokens, cleans=cleans):
+            text = tok.decode(q, skip_special_tokens=skip_special_tokens)
+            return clean(text) if cleans else text
+        stand_in = SimpleNamespace(backend_tokenizer=tok.backend_tokenizer, encode=tok.encode, decode=decode,
+                                   clean_up_tokenization=clean, clean_up_tokenization_spaces=True)
+        reg = Regenerator(stand_in, [0], 8, 512, 1, Decoding())
+        got = reg.decode_texts(seqs2)
+        assert callable(reg._batch_decode) and got == [decode(q, True) for q in seqs2]
+        assert (got[0] == "Yes, it's done. Isn't it?") is cleans
 
     batches = []
     wrong = SimpleNamespace(decode_batch=lambda s, skip_special_tokens: batches.append(len(s)) or ["?"] * len(s))

@@ -327,7 +327,7 @@ class EngineBackend:
         first, rows_t = next_tokens(logits, keys, torch.zeros_like(keys), self.dec), to_device(rows, dev)
         self._start(first, rows_t, keys)
         if self.lookup is not None:
-            self.lookup.fill(rows_t, [r.prompt for r in reqs], first)
+            self.lookup.fill(rows_t, [r.prompt for r in reqs], first, None if deltas else self.engine.last_uploaded)
         self.sample_until = max(self.sample_until, self.decode_steps + self.dec.greedy_after - 1)
         lens = [len(t) for t in tokens]
         self.prefill_rows += len(reqs)

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 import torch
 
 from ..errors import UsageError
+from ..target.chunked_prefill import UploadedPrompts
 from ..target.runner_utils import to_device
 from ..target.static_forward import GROUPED_QUERY_MAX_T
 from .regen_ngram_table import SharedNgrams, SharedNgramsReference, table_size
@@ -102,9 +103,20 @@ class LookupDrafts:
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}     # CUDA: the whole step per (rows, greedy)
         self._warm: dict[tuple, int] = {}
 
-    def fill(self, rows: torch.Tensor, prompts: Sequence[Sequence[int]], first: torch.Tensor) -> None:
-        """Rows freshly prefilled with `prompts`, their first tokens `first`: the history starts as prompt + first
-        (one host-to-device copy)."""
+    def fill(self, rows: torch.Tensor, prompts: Sequence[Sequence[int]], first: torch.Tensor,
+             uploaded: UploadedPrompts | None = None) -> None:
+        """Rows freshly prefilled with `prompts`, their first tokens `first`: the history starts as prompt + first.
+        From the prefill's own upload where given (one scatter on the device; the host builds nothing: this runs
+        between a launch's end and the next launch), else one host-to-device copy of the prompts."""
+        if uploaded is not None:
+            up = uploaded
+            at = torch.arange(up.ids.shape[1], device=up.ids.device)[None]
+            col = torch.where(at < up.counts[:, None], up.starts[:, None] + at, self.spare)
+            row = up.rows.clamp(max=self.hist.shape[0] - 1)[:, None].expand_as(col)   # padding: the spare column
+            self.hist.index_put_((row, col), up.ids)
+            self.hist[up.prompt_rows, up.prompt_lens] = first
+            self.hlen[up.prompt_rows] = up.prompt_lens + 1
+            return
         P = max(len(p) for p in prompts)
         flat = [t for p in prompts for t in (*p, *([0] * (P - len(p))))] + [len(p) for p in prompts]
         packed = to_device(flat, self.hist.device)                      # pinned, async: no host sync

@@ -34,6 +34,8 @@ from .regen_requests import Completion, TurnRequest
 from .regen_sampling import Decoding, answer_key
 from .runner import encode_prompts
 
+# a text the tokenizers' clean-up pass changes (spaces before punctuation and contractions): decode_texts' probe
+CLEANUP_PROBE = "Yes , it 's done . Is n't it ? I 'm sure ! We 've seen , you 're right ; do n't"
 COUNTERS = ("generated_tokens", "truncated_responses", "prompts_too_long", "empty_answers", "template_errors")
 
 
@@ -80,7 +82,7 @@ class Regenerator:
         self.tokenizer, self.eos, self.dec = tokenizer, eos, dec
         self.max_new_tokens, self.max_length, self.max_turns = max_new_tokens, max_length, max_turns
         self.limit = limit or f"max_length {max_length}"    # what max_length is, for the skip reasons
-        self._batch_decode: bool | None = None             # decode_texts: whether the Rust batch decode agrees
+        self._batch_decode = None          # decode_texts: the batch decode that agrees, False if none (None: unprobed)
 
     def next_request(self, st: ConvState) -> TurnRequest | None:
         """The conversation's next turn to generate, or None (it is finished)."""
@@ -128,20 +130,38 @@ class Regenerator:
 
     def decode_texts(self, seqs: list[list[int]]) -> list[str]:
         """The answers' texts as `tokenizer.decode(ids, skip_special_tokens=True)` gives them. A fast tokenizer
-        without the clean-up pass decodes a batch in Rust: in parallel, without the GIL, ~2x faster per answer
-        even on 2 cores. The first batch is checked against the one-by-one decode (up to 8 answers); any
-        difference (another transformers version, another tokenizer) keeps the one-by-one decode for the run."""
+        decodes a batch in Rust: in parallel, without the GIL, and without transformers' per-token type check
+        (`to_py_obj`: 1.9 s of a 13,829-answer H100 run's host time under cProfile, BENCHMARKS.md session 34).
+        Whether that path gives the same texts is checked once, on the first answers (`_probe_batch_decode`); if
+        not, the answers are decoded one by one for the whole run."""
+        if self._batch_decode is None and seqs:
+            self._batch_decode = self._probe_batch_decode(seqs[:8]) or False
+        if self._batch_decode and len(seqs) > 1:
+            return self._batch_decode(seqs)
+        return [self.tokenizer.decode(q, skip_special_tokens=True) for q in seqs]
+
+    def _probe_batch_decode(self, probe: list[list[int]]):
+        """The Rust batch decode, as it is or followed by the tokenizer's clean-up pass, whichever gives what the
+        one-by-one decode gives on `probe` plus a text the clean-up would change (" , it 's ..."): transformers
+        versions differ on whether `decode` cleans up after a BPE tokenizer. None when neither agrees, or when
+        there is no Rust backend, or when the tokenizer cannot encode the test text and says it cleans up."""
         tok = self.tokenizer
         backend = getattr(tok, "backend_tokenizer", None)
-        if self._batch_decode is None and seqs:
-            self._batch_decode = False
-            if backend is not None and not getattr(tok, "clean_up_tokenization_spaces", True):
-                probe = seqs[:8]
-                self._batch_decode = (backend.decode_batch(probe, skip_special_tokens=True)
-                                      == [tok.decode(q, skip_special_tokens=True) for q in probe])
-        if self._batch_decode and len(seqs) > 1:
-            return backend.decode_batch(seqs, skip_special_tokens=True)
-        return [tok.decode(q, skip_special_tokens=True) for q in seqs]
+        if backend is None:
+            return None
+        probe = list(probe)
+        if callable(getattr(tok, "encode", None)):
+            probe.append(list(tok.encode(CLEANUP_PROBE, add_special_tokens=False)))
+        elif getattr(tok, "clean_up_tokenization_spaces", True):
+            return None
+        want = [tok.decode(q, skip_special_tokens=True) for q in probe]
+        raw = backend.decode_batch(probe, skip_special_tokens=True)
+        if raw == want:
+            return lambda seqs: backend.decode_batch(seqs, skip_special_tokens=True)
+        clean = getattr(tok, "clean_up_tokenization", None)
+        if clean is not None and [clean(t) for t in raw] == want:
+            return lambda seqs: [clean(t) for t in backend.decode_batch(seqs, skip_special_tokens=True)]
+        return None
 
     def record(self, c: Completion, text: str | None = None) -> ConvState | None:
         """Record an answer (`text`: its decoded tokens, if decoded already); its conversation if it may continue

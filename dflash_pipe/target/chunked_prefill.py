@@ -23,6 +23,7 @@ anyway; the masked SDPA of fp32 reads the row), so a chunk bucket is one graph.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -31,6 +32,19 @@ from .runner_utils import to_device
 
 CHUNK = 16                         # tokens per chunk: the engine's largest verify shape (GROUPED_QUERY_MAX_T)
 BUCKETS_PER_OCTAVE = 4             # chunk counts are padded to p/2 + k p/8 (p the next power of two)
+
+
+class UploadedPrompts(NamedTuple):
+    """A fresh prefill's prompt tokens as they went to the device (`StaticKVEngine.last_uploaded`), for callers
+    that keep a copy of each row's tokens (regenerate's lookup drafts) without a second upload: piece i holds the
+    counts[i] tokens ids[i, :counts[i]] of the prompt in cache row rows[i] from position starts[i] (a chunk, or a
+    whole padded prompt; padding pieces count 0); prompt j is in row prompt_rows[j], prompt_lens[j] tokens long."""
+    ids: torch.Tensor            # [pieces, width]
+    rows: torch.Tensor           # [pieces] (padding pieces: the engine's scratch row)
+    starts: torch.Tensor         # [pieces]
+    counts: torch.Tensor         # [pieces]
+    prompt_rows: torch.Tensor    # [prompts]
+    prompt_lens: torch.Tensor    # [prompts]
 
 
 def chunk_count(n_tokens: int) -> int:
@@ -93,6 +107,7 @@ def chunked_prefill(engine, prompts: Sequence[Sequence[int]], rows: Sequence[int
         kv_len = min(engine.size, -(-(chunk_count(max(lens)) * CHUNK) // engine.kv_bucket) * engine.kv_bucket)
     uses = engine.prefill_shapes.use((Cb, CHUNK))
     engine.last_prefill_shape = (Cb, CHUNK)
+    engine.last_uploaded = UploadedPrompts(ids_t, rows_t, starts_t, counts_t, prompt_rows, prompt_lens)
     out = engine.prefill_call(("chunks", Cb, kv_len), uses, True, ids_t, counts_t, rows_t, kv_len, start=starts_t,
                               head=False)
     features = out.last_hidden[last_t]                                         # [R, H], a copy

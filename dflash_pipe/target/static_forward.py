@@ -67,7 +67,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import UsageError
-from .chunked_prefill import chunked_prefill
+from .chunked_prefill import UploadedPrompts, chunked_prefill
 from .decode_attention import row_attention as row_length_attention
 from .decode_attention import supported as row_kernel_supported
 from .fused_elementwise import rope_into_cache, rope_tokens
@@ -233,6 +233,7 @@ class StaticKVEngine(KVRows):
         if min(lens) < 1:
             raise UsageError(f"prefill: prompt {lens.index(0)} is empty")
         fresh = all(self._bound[r] == 0 for r in host_rows)     # empty rows: the prompts attend only to themselves
+        self.last_uploaded = None                    # set by a fresh prefill: its prompt tokens on the device
         if fresh and self.prefill_layout == "chunks":
             return chunked_prefill(self, prompts, host_rows)
         Rb, Tb = self.prefill_shape(R, max(lens))
@@ -240,6 +241,8 @@ class StaticKVEngine(KVRows):
         flat += [0] * ((Rb - R) * Tb) + lens + [0] * (Rb - R) + host_rows + [self.scratch_row] * (Rb - R)
         packed = to_device(torch.tensor(flat, dtype=torch.long), self.device)     # one host-to-device copy
         ids, num, row_t = packed[:Rb * Tb].view(Rb, Tb), packed[Rb * Tb:Rb * Tb + Rb], packed[Rb * Tb + Rb:]
+        if fresh:
+            self.last_uploaded = UploadedPrompts(ids, row_t, torch.zeros_like(num), num, row_t[:R], num[:R])
         kv_len = self.attended_length(host_rows, Tb)
         if not fresh:   # appending (regenerate's history reuse): few attended lengths, so few graphs
             kv_len = min(self.size, self.kv_bucket * next_pow2(-(-kv_len // self.kv_bucket)))
