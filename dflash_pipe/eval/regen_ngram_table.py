@@ -76,7 +76,7 @@ class SharedNgrams:
         n-gram ending there that the table holds ([w], 0 = none) and its K tokens ([w, K])."""
         back = last[:, None] - self.ar_n                                      # [w, MAX_N]
         keys, slot = self._slots(hist.gather(1, back.clamp(min=0)), back >= 0)
-        hit = self.keys[slot] == keys
+        hit = (self.keys[slot] == keys) & (back >= 0)           # the spare slot holds the writes that don't count
         n = torch.where(hit, self.ar_n + 1, 0).max(dim=1).values
         best = slot.gather(1, (n - 1).clamp(min=0)[:, None])[:, 0]
         return n, self.vals[best]
