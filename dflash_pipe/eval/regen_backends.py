@@ -324,10 +324,12 @@ class EngineBackend:
         tokens = deltas if deltas is not None else [r.prompt for r in reqs]
         logits = self.engine.prefill(tokens, rows)
         keys = to_device([r.key for r in reqs], dev)                                    # no host sync
-        first, rows_t = next_tokens(logits, keys, torch.zeros_like(keys), self.dec), to_device(rows, dev)
+        up = None if deltas is not None else self.engine.last_uploaded   # a fresh prefill's tokens, on the device
+        rows_t = up.prompt_rows if up is not None else to_device(rows, dev)
+        first = next_tokens(logits, keys, torch.zeros_like(keys), self.dec)
         self._start(first, rows_t, keys)
         if self.lookup is not None:
-            self.lookup.fill(rows_t, [r.prompt for r in reqs], first, None if deltas else self.engine.last_uploaded)
+            self.lookup.fill(rows_t, [r.prompt for r in reqs], first, up)
         self.sample_until = max(self.sample_until, self.decode_steps + self.dec.greedy_after - 1)
         lens = [len(t) for t in tokens]
         self.prefill_rows += len(reqs)
