@@ -60,11 +60,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dflash_pipe.config import RunConfig  # noqa: E402
 from dflash_pipe.data import load_conversations  # noqa: E402
-from dflash_pipe.eval.regen_backends import auto_batch_size  # noqa: E402
+from dflash_pipe.eval.regen_backends import EngineBackend, auto_batch_size  # noqa: E402
 from dflash_pipe.eval.regenerate import run_regenerate  # noqa: E402
 from dflash_pipe.eval.runner import encode_prompt  # noqa: E402
 from dflash_pipe.target import load_target  # noqa: E402
-from dflash_pipe.target import fused_elementwise  # noqa: E402
+from dflash_pipe.target import fused_elementwise, host_upload  # noqa: E402
 from dflash_pipe.target.static_forward import StaticKVEngine  # noqa: E402
 
 
@@ -181,7 +181,7 @@ def verify_step_ms(eng, batch: int, T: int, cuda: bool, steps: int = 32) -> floa
 
 def _split_line(t: dict) -> str:
     """The regen run's time split as one line: host phases, device time, occupancy."""
-    keys = ("setup_s", "wall_s", "launch_s", "collect_s", "tokenize_s", "detokenize_s", "write_s", "device_prefill_s",
+    keys = ("setup_s", "wall_s", "launch_s", "host_refill_s", "collect_s", "tokenize_s", "detokenize_s", "write_s", "device_prefill_s",
             "device_decode_s", "device_between_launches_s", "decode_steps", "occupancy", "mean_live_rows",
             "kept_per_row_step", "lookup_found_share", "lookup_shared_share", "idle_slot_launches",
             "in_flight_full_rounds", "prefill_calls", "prefill_pad_share", "prefill_graphs", "decode_graphs",
@@ -207,6 +207,7 @@ def warm_then_time(args, bundle, out: Path, batch: int, attention: str, profile_
     text = io.StringIO()
     stats = pstats.Stats(prof, stream=text).sort_stats("tottime")
     stats.print_stats(45)
+    stats.sort_stats("cumulative").print_stats(r"dflash_pipe", 45)    # the launch path's parts, with their callees
     stats.sort_stats("cumulative").print_callees(r"_launch|_refill|_collect|chunked_prefill|_prefill\b")
     profile_to.parent.mkdir(parents=True, exist_ok=True)
     profile_to.write_text(text.getvalue())
@@ -218,8 +219,9 @@ def mode_flags(mode: str) -> dict:
     """run_regenerate's flags of an --overlap mode: off or on, with +compact (--compact-tail), +noprefetch
     (--no-prefetch-prompts: every prompt tokenized in the driver loop) and / or +padded (--prefill-layout padded:
     the padded prefill instead of the chunked one), +earlyK (--collect-early K) and / or +everyN
-    (--steps-per-launch N), +lookupK (--lookup-draft K), +own (--no-lookup-shared) added (+switch, +torchops and
-    +profile, the timed run under cProfile: one_batch)."""
+    (--steps-per-launch N), +lookupK (--lookup-draft K), +own (--no-lookup-shared) added (+switch, +torchops,
+    +pinonce (each upload pinned on its own, as before session 35), +hostfill (the lookup history built from the
+    prompt lists, as before session 35) and +profile, the timed run under cProfile: one_batch)."""
     base, *extra = mode.split("+")
     flags = {"overlap": base == "on", "compact": "compact" in extra, "prefetch_prompts": "noprefetch" not in extra,
              "prefill_layout": "padded" if "padded" in extra else "auto"}
@@ -286,6 +288,8 @@ def one_batch(args, bundle, tmp: Path, batch_arg: int, attention: str) -> dict:
     switch = sys.getswitchinterval()
     for mode in modes:
         fused_elementwise.ENABLED = "torchops" not in mode.split("+")    # +torchops: PyTorch's RoPE / SwiGLU ops
+        host_upload.USE_RING = "pinonce" not in mode.split("+")          # +pinonce: each upload pinned on its own
+        EngineBackend.FILL_FROM_UPLOAD = "hostfill" not in mode.split("+")   # +hostfill: lookup history from lists
         sys.setswitchinterval(2e-4 if "switch" in mode.split("+") else switch)  # +switch: the GIL handed over sooner
         prof = ((args.json or Path("regen_throughput.json")).with_name(f"cprofile-{mode.replace('+', '-')}.txt")
                 if "profile" in mode.split("+") else None)
@@ -293,6 +297,7 @@ def one_batch(args, bundle, tmp: Path, batch_arg: int, attention: str) -> dict:
                                                        attention, profile_to=prof, **mode_flags(mode))
         print(f"regen (overlap {mode})", res["regen_by_overlap"][mode], flush=True)
     fused_elementwise.ENABLED = True
+    host_upload.USE_RING = EngineBackend.FILL_FROM_UPLOAD = True
     sys.setswitchinterval(switch)
     res["regen"] = res["regen_by_overlap"][modes[0]]
     res["bare"] = bare_loop(args, bundle, batch, attention)

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 
 import torch
 
@@ -64,6 +65,8 @@ class EngineBackend:
     """Continuous batching over a StaticKVEngine (module docstring)."""
 
     name = "static-KV engine"
+    FILL_FROM_UPLOAD = True    # the lookup history from the prefill's own upload (False: from the prompt lists;
+                               # bench/regen_throughput.py's +hostfill A/B)
 
     def __init__(self, model, eos: list[int], batch: int, max_len: int, max_new_tokens: int, dec: Decoding,
                  check_every: int = 8, prefill_tokens: int | None = None, use_graphs: str = "auto",
@@ -111,6 +114,7 @@ class EngineBackend:
             self.live_row_steps = torch.zeros((), dtype=torch.long, device=dev)   # occupancy, summed per step
         self.decode_steps = 0
         self.idle_slot_launches = 0          # empty slots summed over launches (each idles check_every steps)
+        self.host_refill_s = 0.0             # the host's time queuing the refills' prefills (launch_s's first part)
         # --greedy-after K: a row refilled before decode step s0 samples while its token index is < K, i.e. at
         # steps < s0 + K - 1; past the last such step no row samples and the step takes the argmax alone
         # (skipping softmax + the full-vocabulary sort of top-p). The host knows this without a sync.
@@ -200,7 +204,9 @@ class EngineBackend:
         # overlap mode: straight into the slots only when nothing decodes (the first fill) or when at least
         # `min_free` slots would still idle (the staging area ran dry: a burst of ends, next turns just queued)
         if self.staging is None or not self._live() or len(free) >= self.policy.min_free:
+            t = time.perf_counter()
             self._refill(free, ready)        # takes the slots it fills out of `free`
+            self.host_refill_s += time.perf_counter() - t
         if self._live():                     # slots this launch leaves empty (waiting for min_free, or no prompts)
             self.idle_slot_launches += len(free)
         self._decode_launch(m0, ready)
@@ -280,7 +286,7 @@ class EngineBackend:
         return {"decode_steps": self.decode_steps, "mean_live_rows": round(live / steps, 1), **spec,
                 "occupancy": round(live / (steps * self.B), 3),
                 "mean_decode_width": round(self.width_row_steps / steps, 1),
-                "idle_slot_launches": self.idle_slot_launches,
+                "idle_slot_launches": self.idle_slot_launches, "host_refill_s": round(self.host_refill_s, 3),
                 "prefill_calls": self.prefill_calls, "prefill_rows": self.prefill_rows,
                 "prefill_tokens": self.prefill_real,
                 "prefill_pad_share": round(1 - self.prefill_real / max(1, self.prefill_padded), 3),
@@ -324,7 +330,7 @@ class EngineBackend:
         tokens = deltas if deltas is not None else [r.prompt for r in reqs]
         logits = self.engine.prefill(tokens, rows)
         keys = to_device([r.key for r in reqs], dev)                                    # no host sync
-        up = None if deltas is not None else self.engine.last_uploaded   # a fresh prefill's tokens, on the device
+        up = None if deltas is not None or not self.FILL_FROM_UPLOAD else self.engine.last_uploaded   # on the device
         rows_t = up.prompt_rows if up is not None else to_device(rows, dev)
         first = next_tokens(logits, keys, torch.zeros_like(keys), self.dec)
         self._start(first, rows_t, keys)

@@ -94,8 +94,8 @@ def chunked_prefill(engine, prompts: Sequence[Sequence[int]], rows: Sequence[int
     C = sum(chunk_count(n) for n in lens)
     Cb = chunk_bucket(C, engine.prefill_min_rows) if engine.use_graphs else C
     ids, chunk_rows, starts, counts, last = chunk_layout(prompts, rows, Cb, engine.scratch_row)
-    packed = to_device(torch.tensor(ids + chunk_rows + starts + counts + last + list(rows) + lens,
-                                    dtype=torch.long), engine.device)          # one host-to-device copy
+    packed = to_device(ids + chunk_rows + starts + counts + last + list(rows) + lens,
+                       engine.device)                                          # one host-to-device copy
     n = Cb * CHUNK
     ids_t = packed[:n].view(Cb, CHUNK)
     rows_t, starts_t, counts_t = packed[n:n + Cb], packed[n + Cb:n + 2 * Cb], packed[n + 2 * Cb:n + 3 * Cb]

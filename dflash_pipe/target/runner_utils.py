@@ -7,6 +7,7 @@ import inspect
 import torch
 
 from ..errors import RuntimeFailure
+from .host_upload import upload
 from .topk import chunked_topk_logprobs  # noqa: F401  (re-exported: the runner's and the tests' import path)
 
 
@@ -57,10 +58,6 @@ def accepts_mask_mapping(backbone: torch.nn.Module) -> bool:
 
 
 def to_device(x, device: torch.device) -> torch.Tensor:
-    """A host list / tensor on `device` without a host sync: on CUDA through pinned memory and an async copy
-    (the caching host allocator keeps the pinned block until the copy is done); a copy from pageable memory
-    may wait for the device."""
-    t = x if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=torch.long)
-    if device.type != "cuda" or t.device.type == "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+    """A host list / tensor on `device` without a host sync: on CUDA through a reused pinned block and an async
+    copy (host_upload.py); lists become int64 tensors."""
+    return upload(x, device)

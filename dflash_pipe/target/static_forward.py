@@ -239,7 +239,7 @@ class StaticKVEngine(KVRows):
         Rb, Tb = self.prefill_shape(R, max(lens))
         flat = [t for p in prompts for t in (*p, *([0] * (Tb - len(p))))]
         flat += [0] * ((Rb - R) * Tb) + lens + [0] * (Rb - R) + host_rows + [self.scratch_row] * (Rb - R)
-        packed = to_device(torch.tensor(flat, dtype=torch.long), self.device)     # one host-to-device copy
+        packed = to_device(flat, self.device)                                    # one host-to-device copy
         ids, num, row_t = packed[:Rb * Tb].view(Rb, Tb), packed[Rb * Tb:Rb * Tb + Rb], packed[Rb * Tb + Rb:]
         if fresh:
             self.last_uploaded = UploadedPrompts(ids, row_t, torch.zeros_like(num), num, row_t[:R], num[:R])
