@@ -84,7 +84,7 @@
 # cache-val), QUALITY_REGEN_SEED (bench/data/...), QUALITY_REGEN_SOURCE (first_turns; all_turns = every user turn),
 # QUALITY_REGEN_MORE_SEED (empty; regen-more's kept file, resumed like QUALITY_REGEN_SEED), QUALITY_EXTRA_DATA
 # (empty; more regenerated files for extraction after both regen files, e.g. a carried data bundle's: link_data),
-# QUALITY_DATA_ONLY (empty; 1 = a data session: only the regen jobs run, their rows go home; bench/quality19k.env),
+# QUALITY_DATA_ONLY (empty; 1 = a data session: only the regen jobs run, their rows go home; bench/runs/quality19k.env),
 # QUALITY_SHARE_FROM (empty; an earlier run's QUALITY_DIR on this warm machine: its carry, GGUF and models are reused),
 # QUALITY_CODECS ("lossless fp8"), QUALITY_WINDOW_GIB (empty = whole caches; B = stream each cache through a
 # B GiB window: extract-<codec> and train-<codec> run at once, the trainer reading every shard QUALITY_PASSES
@@ -96,8 +96,8 @@
 # call's regen, it stops admitting QUALITY_REGEN_DRAIN_S (45) s before it and finishes the conversations in flight).
 #
 # Issue 19 (every ShareGPT turn x 4 sampled answers, conversations up to 1,280 tokens, streamed through a
-# disk window): bench/quality19.env holds session 13's settings, bench/quality19b.env the next run's. Calls A, T,
-# then B, C, ... as above with the command `source bench/quality19b.env && bash bench/quality_gpu.sh run`.
+# disk window): bench/runs/quality19.env holds session 13's settings, bench/runs/quality19b.env the next run's. Calls A, T,
+# then B, C, ... as above with the command `source bench/runs/quality19b.env && bash bench/quality_gpu.sh run`.
 #
 # CPU smoke test at toy size (run before each GPU use; session 5: ~15 min on 2 cores, exits 75, 75, then 0;
 # session 6, with QUALITY_VARIANTS="kd5=--kd-weight 0.5;l2=--drafter-num-layers 2" and one long deadline: 665 s, 0):

@@ -205,8 +205,8 @@ stash() {
 # A regenerated file kept from an earlier run (bench/data/, with its progress sidecar) seeds regen: the regen
 # job then only answers the prompts beyond it (a larger QUALITY_N_PROMPTS extends it, `dflash-pipe regenerate`
 # resumes by id). Used only if it was made from this same source path; QUALITY_REGEN_SEED="" disables it.
-# bench/data/smollm2_all_turns_greedy4.jsonl.xz is the every-turn data of sessions 14-17 (bench/quality19c.env's
-# regen settings; 65,520 rows, 38.3 M generated tokens after session 17); bench/quality19i.env continues from it.
+# bench/data/smollm2_all_turns_greedy4.jsonl.xz is the every-turn data of sessions 14-17 (bench/runs/quality19c.env's
+# regen settings; 65,520 rows, 38.3 M generated tokens after session 17); bench/runs/quality19i.env continues from it.
 seed_regenerated() {
     local seed=${QUALITY_REGEN_SEED-$REPO/bench/data/smollm2_regenerated_sharegpt.jsonl.gz} rows
     # a regen file seeded under another env (e.g. a tool that ran setup without this run's QUALITY_ENV) would be
@@ -250,7 +250,7 @@ with (lzma.open if sys.argv[1].endswith(".xz") else gzip.open)(sys.argv[1]) as f
 }
 
 # QUALITY_SHARE_FROM=<an earlier run's QUALITY_DIR on this machine>: a second run in its own QUALITY_DIR (e.g. a data
-# session after a training run, bench/quality19k.env) starts from what the first one stashed and built, without
+# session after a training run, bench/runs/quality19k.env) starts from what the first one stashed and built, without
 # the stash calls again: reads that run's carry, links its GGUF and model cache (done/, logs and data stay apart)
 share_from_earlier_run() {
     local from=${QUALITY_SHARE_FROM:-} p

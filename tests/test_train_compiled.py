@@ -1,6 +1,6 @@
 """The trainer with compiled draft layers (`--compile on`) on the CPU: the recompile lock engages after the first
 step, validation (another grad mode) still runs under it, checkpoints are written, and the run follows the eager
-run's losses. The GPU runs this flow with flex attention (session 17's window; bench/quality19m.env)."""
+run's losses. The GPU runs this flow with flex attention (session 17's window; bench/runs/quality19m.env)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The compiled trainer on the GPU (`--compile on --drafter-attention flex`), the path of bench/quality19o.env:
+"""The compiled trainer on the GPU (`--compile on --drafter-attention flex`), the path of bench/runs/quality19o.env:
 it trains and validates several times under the recompile lock, writes checkpoints and its export, and follows
 the eager dense-mask SDPA run (bf16 on both sides) step for step. tests/test_train_compiled.py covers the same flow
 on the CPU with compiled SDPA layers; flex_attention has no CPU backward, so this is the only place it runs."""

@@ -6,7 +6,7 @@ shows the pipeline working end to end on real weights and prompts. It does not s
 trained drafter accepts. So the report says how big the run was (drafter layers, training steps,
 device), whether the outputs stayed lossless, and, for the SmolLM2 target, what the GPU recipe
 reaches and how to run it. The recipe numbers are quoted from BENCHMARKS.md (session 28, H100,
-2026-12-05: `bench/quality_gpu.sh` with `bench/quality19q.env`, then `quality19s.env`, `quality19t.env`,
+2026-12-05: `bench/quality_gpu.sh` with `bench/runs/quality19q.env`, then `quality19s.env`, `quality19t.env`,
 `quality19v.env` and `quality19w.env`), which holds the full table and its provenance.
 """
 
@@ -26,10 +26,10 @@ GPU_RECIPE = {
             "to every ShareGPT turn (in five runs, each from the last one's weights), evaluated on every prompt",
     "dflash_tau": {"MT-Bench": 3.41, "HumanEval": 3.16, "held-out ShareGPT": 3.40},
     "lookup_tau": {"MT-Bench": 2.62, "HumanEval": 2.32, "held-out ShareGPT": 2.23},
-    "command": "scripts/prepare_gpu_carry.sh, then on the GPU the calls in bench/quality19q.env's header "
-               "(`QUALITY_ENV=bench/quality19q.env bash bench/quality_gpu.sh bg`, then `watch`), then from its drafter "
-               "bench/quality19s.env (pass 2), bench/quality19t.env (passes 3-4) and bench/quality19v.env with "
-               "QUALITY_PASSES=1 (pass 5) and bench/quality19w.env (pass 6) (BENCHMARKS.md, \"Session 28\")",
+    "command": "scripts/prepare_gpu_carry.sh, then on the GPU the calls in bench/runs/quality19q.env's header "
+               "(`QUALITY_ENV=bench/runs/quality19q.env bash bench/quality_gpu.sh bg`, then `watch`), then from its drafter "
+               "bench/runs/quality19s.env (pass 2), bench/runs/quality19t.env (passes 3-4) and bench/runs/quality19v.env with "
+               "QUALITY_PASSES=1 (pass 5) and bench/runs/quality19w.env (pass 6) (BENCHMARKS.md, \"Session 28\")",
     "source": "BENCHMARKS.md, session 28, H100, 2026-12-05",
 }
 
