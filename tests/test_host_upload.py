@@ -40,3 +40,12 @@ def test_upload_on_the_cpu_keeps_a_tensor_and_converts_a_list():
     assert upload(t, torch.device("cpu")) is t or torch.equal(upload(t, torch.device("cpu")), t)
     got = upload([4, 5, 6], torch.device("cpu"))
     assert got.dtype == torch.long and got.tolist() == [4, 5, 6]
+
+
+def test_an_upload_during_graph_capture_is_refused(monkeypatch):
+    """A captured copy would read the pinned block at every replay, after later uploads rewrote it."""
+    from dflash_pipe.target.host_upload import PinnedRing
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="capture"):
+        PinnedRing(slots=2).upload(torch.arange(4), torch.device("cuda"))

@@ -35,3 +35,4 @@ def test_ring_keeps_dtype_and_shape_and_grows_its_blocks():
         out = ring.upload(t, dev)
         assert out.dtype == t.dtype and out.shape == t.shape and out.device.type == "cuda"
         assert torch.equal(out.cpu(), t)
+

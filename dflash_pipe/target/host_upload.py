@@ -53,6 +53,9 @@ class PinnedRing:
 
     def upload(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
         """`t` (a host tensor) on the CUDA `device`, copied asynchronously on the current stream."""
+        if torch.cuda.is_current_stream_capturing():
+            # a captured copy would read the block at every replay, long after later uploads rewrote it
+            raise RuntimeError("host-to-device upload during CUDA graph capture: copy into a static input instead")
         src = t.contiguous().reshape(-1)
         nbytes = src.numel() * src.element_size()
         out = torch.empty(t.shape, dtype=t.dtype, device=device)
