@@ -64,7 +64,7 @@ from dflash_pipe.eval.regen_backends import EngineBackend, auto_batch_size  # no
 from dflash_pipe.eval.regenerate import run_regenerate  # noqa: E402
 from dflash_pipe.eval.runner import encode_prompt  # noqa: E402
 from dflash_pipe.target import load_target  # noqa: E402
-from dflash_pipe.target import fused_elementwise, host_upload  # noqa: E402
+from dflash_pipe.target import fused_elementwise  # noqa: E402
 from dflash_pipe.target.static_forward import StaticKVEngine  # noqa: E402
 
 
@@ -220,8 +220,8 @@ def mode_flags(mode: str) -> dict:
     (--no-prefetch-prompts: every prompt tokenized in the driver loop) and / or +padded (--prefill-layout padded:
     the padded prefill instead of the chunked one), +earlyK (--collect-early K) and / or +everyN
     (--steps-per-launch N), +lookupK (--lookup-draft K), +own (--no-lookup-shared) added (+switch, +torchops,
-    +pinonce (each upload pinned on its own, as before session 35), +hostfill (the lookup history built from the
-    prompt lists, as before session 35) and +profile, the timed run under cProfile: one_batch)."""
+    +hostfill (the lookup history built from the prompt lists, as before session 34's last commits) and +profile,
+    the timed run under cProfile: one_batch)."""
     base, *extra = mode.split("+")
     flags = {"overlap": base == "on", "compact": "compact" in extra, "prefetch_prompts": "noprefetch" not in extra,
              "prefill_layout": "padded" if "padded" in extra else "auto"}
@@ -288,7 +288,6 @@ def one_batch(args, bundle, tmp: Path, batch_arg: int, attention: str) -> dict:
     switch = sys.getswitchinterval()
     for mode in modes:
         fused_elementwise.ENABLED = "torchops" not in mode.split("+")    # +torchops: PyTorch's RoPE / SwiGLU ops
-        host_upload.USE_RING = "pinonce" not in mode.split("+")          # +pinonce: each upload pinned on its own
         EngineBackend.FILL_FROM_UPLOAD = "hostfill" not in mode.split("+")   # +hostfill: lookup history from lists
         sys.setswitchinterval(2e-4 if "switch" in mode.split("+") else switch)  # +switch: the GIL handed over sooner
         prof = ((args.json or Path("regen_throughput.json")).with_name(f"cprofile-{mode.replace('+', '-')}.txt")
@@ -297,7 +296,7 @@ def one_batch(args, bundle, tmp: Path, batch_arg: int, attention: str) -> dict:
                                                        attention, profile_to=prof, **mode_flags(mode))
         print(f"regen (overlap {mode})", res["regen_by_overlap"][mode], flush=True)
     fused_elementwise.ENABLED = True
-    host_upload.USE_RING = EngineBackend.FILL_FROM_UPLOAD = True
+    EngineBackend.FILL_FROM_UPLOAD = True
     sys.setswitchinterval(switch)
     res["regen"] = res["regen_by_overlap"][modes[0]]
     res["bare"] = bare_loop(args, bundle, batch, attention)

@@ -1,4 +1,5 @@
-"""host_upload.host_long (CPU) against torch.tensor: the same values, dtype and errors."""
+"""host_upload (CPU): host_long against torch.tensor (the same values, dtype and errors); upload's refusal during
+CUDA graph capture."""
 
 from __future__ import annotations
 
@@ -43,9 +44,7 @@ def test_upload_on_the_cpu_keeps_a_tensor_and_converts_a_list():
 
 
 def test_an_upload_during_graph_capture_is_refused(monkeypatch):
-    """A captured copy would read the pinned block at every replay, after later uploads rewrote it."""
-    from dflash_pipe.target.host_upload import PinnedRing
-
+    """A captured copy would read the pinned block at every replay, after the allocator handed it out again."""
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     with pytest.raises(RuntimeError, match="capture"):
-        PinnedRing(slots=2).upload(torch.arange(4), torch.device("cuda"))
+        upload(torch.arange(4), torch.device("cuda"))

@@ -58,6 +58,6 @@ def accepts_mask_mapping(backbone: torch.nn.Module) -> bool:
 
 
 def to_device(x, device: torch.device) -> torch.Tensor:
-    """A host list / tensor on `device` without a host sync: on CUDA through a reused pinned block and an async
-    copy (host_upload.py); lists become int64 tensors."""
+    """A host list / tensor on `device` without a host sync: on CUDA through pinned memory and an async copy
+    (host_upload.py); lists become int64 tensors."""
     return upload(x, device)
