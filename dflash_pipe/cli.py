@@ -146,7 +146,8 @@ def regenerate_cmd(cfg: RunConfig, output: Path = typer.Option(..., "--output", 
                                                     "prompt and answer so far (prompt lookup) and verify them in "
                                                     "every decode step, keeping those the target would have "
                                                     "chosen (0 = off; -1 = auto: 2 for greedy answers on CUDA, "
-                                                    "1.23x on the H100, else off; the same output up to rounding; "
+                                                    "1.23x on the H100, else off: sampled answers 0.86x; "
+                                                    "the same output up to rounding; "
                                                     "not with --overlap-prefill / --compact-tail; "
                                                     "eval/regen_lookup.py)."),
                    lookup_shared: bool = typer.Option(True, help="With --lookup-draft: draft also from an n-gram "
