@@ -181,7 +181,8 @@ def verify_step_ms(eng, batch: int, T: int, cuda: bool, steps: int = 32) -> floa
 
 def _split_line(t: dict) -> str:
     """The regen run's time split as one line: host phases, device time, occupancy."""
-    keys = ("setup_s", "wall_s", "launch_s", "host_refill_s", "collect_s", "tokenize_s", "detokenize_s", "write_s", "device_prefill_s",
+    keys = ("setup_s", "wall_s", "launch_s", "host_refill_s", "collect_s", "tokenize_s", "detokenize_s", "write_s",
+            "device_prefill_s",
             "device_decode_s", "device_between_launches_s", "decode_steps", "occupancy", "mean_live_rows",
             "kept_per_row_step", "lookup_found_share", "lookup_shared_share", "idle_slot_launches",
             "in_flight_full_rounds", "prefill_calls", "prefill_pad_share", "prefill_graphs", "decode_graphs",

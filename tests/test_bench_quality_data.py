@@ -69,7 +69,8 @@ def test_a_held_out_conversation_or_a_missing_file_is_refused(tmp_path):
 
 
 def test_a_data_session_needs_only_the_regen_jobs(tmp_path):
-    """QUALITY_DATA_ONLY=1 (bench/runs/quality19k.env): every job after regen is not needed, so the run ends at regen."""
+    """QUALITY_DATA_ONLY=1 (bench/runs/quality19k.env): every job after regen is not needed, so the run ends at
+    regen."""
     script = f"""
         Q={tmp_path}; CODECS=(lossless); REGEN_MORE_FLAGS=(--samples 4 --first-sample 5); PY={sys.executable}
         is_done() {{ [ -f "$Q/done/$1" ]; }}

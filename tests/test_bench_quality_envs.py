@@ -70,7 +70,8 @@ def test_a_training_only_run_has_no_eval_jobs(tmp_path):
 def test_quality19v_runs_two_passes_unless_the_caller_asks_for_one():
     """Its fallback is `QUALITY_PASSES=1` in front of the B command; the env it sources sets 1 itself."""
     def passes(extra: str) -> str:
-        return subprocess.run(["bash", "-c", f'{extra} source bench/runs/quality19v.env >/dev/null; printf %s "$QUALITY_PASSES"'],
+        cmd = f'{extra} source bench/runs/quality19v.env >/dev/null; printf %s "$QUALITY_PASSES"'
+        return subprocess.run(["bash", "-c", cmd],
                               capture_output=True, text=True, check=True, cwd=ROOT).stdout
     assert (passes(""), passes("export QUALITY_PASSES=1;")) == ("2", "1")
 

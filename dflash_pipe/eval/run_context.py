@@ -27,9 +27,10 @@ GPU_RECIPE = {
     "dflash_tau": {"MT-Bench": 3.41, "HumanEval": 3.16, "held-out ShareGPT": 3.40},
     "lookup_tau": {"MT-Bench": 2.62, "HumanEval": 2.32, "held-out ShareGPT": 2.23},
     "command": "scripts/prepare_gpu_carry.sh, then on the GPU the calls in bench/runs/quality19q.env's header "
-               "(`QUALITY_ENV=bench/runs/quality19q.env bash bench/quality_gpu.sh bg`, then `watch`), then from its drafter "
-               "bench/runs/quality19s.env (pass 2), bench/runs/quality19t.env (passes 3-4) and bench/runs/quality19v.env with "
-               "QUALITY_PASSES=1 (pass 5) and bench/runs/quality19w.env (pass 6) (BENCHMARKS.md, \"Session 28\")",
+               "(`QUALITY_ENV=bench/runs/quality19q.env bash bench/quality_gpu.sh bg`, then `watch`), then from its "
+               "drafter bench/runs/quality19s.env (pass 2), bench/runs/quality19t.env (passes 3-4) and "
+               "bench/runs/quality19v.env with QUALITY_PASSES=1 (pass 5) and bench/runs/quality19w.env (pass 6) "
+               "(BENCHMARKS.md, \"Session 28\")",
     "source": "BENCHMARKS.md, session 28, H100, 2026-12-05",
 }
 

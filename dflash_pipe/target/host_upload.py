@@ -2,7 +2,7 @@
 
 Between two launches regenerate uploads a few small int64 tensors per prefill call (the prompts' tokens in
 chunks, their rows, their sampling keys, the rows to reset). `host_long` builds such a tensor from an
-`array('q')` buffer, 3-4x faster than `torch.tensor(list)` for 1-8 k ints (CPU box and H100 host, session 35);
+`array('q')` buffer, 3-4x faster than `torch.tensor(list)` for 1-8 k ints (CPU box, session 35);
 `upload` pins it and copies it asynchronously.
 
 Measured and not kept (session 35, H100, SmolLM2 regenerate at batch 1,024): a ring of reused pinned blocks with an
