@@ -7,7 +7,7 @@ import inspect
 import torch
 
 from ..errors import RuntimeFailure
-from .host_upload import upload
+from .host_upload import upload as to_device  # noqa: F401  (the engine's and regenerate's import path)
 from .topk import chunked_topk_logprobs  # noqa: F401  (re-exported: the runner's and the tests' import path)
 
 
@@ -55,9 +55,3 @@ def accepts_mask_mapping(backbone: torch.nn.Module) -> bool:
     except (OSError, TypeError):
         return False
     return "attention_mask, dict)" in src
-
-
-def to_device(x, device: torch.device) -> torch.Tensor:
-    """A host list / tensor on `device` without a host sync: on CUDA through pinned memory and an async copy
-    (host_upload.py); lists become int64 tensors."""
-    return upload(x, device)
